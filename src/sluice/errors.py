@@ -1,0 +1,25 @@
+"""Exceptions sluice raises. Every message names the offending thing (a file, a key, a value)."""
+
+
+class SluiceError(Exception):
+    """Base class: catch this to handle any sluice error."""
+
+
+class ConfigError(SluiceError):
+    """config.json describes an architecture or feature sluice does not implement, or is malformed."""
+
+
+class CheckpointError(SluiceError):
+    """Weight files are missing, malformed, unsafe, or disagree with the config."""
+
+
+class ModelNotFoundError(SluiceError):
+    """A path or repo id could not be resolved to a local model directory."""
+
+
+class TemplateError(SluiceError):
+    """A chat template failed to render or tried to leave the sandbox."""
+
+
+class RequestError(SluiceError, ValueError):
+    """A bad request: invalid sampling value, prompt too long for the context, and so on."""
