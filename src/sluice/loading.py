@@ -1,0 +1,40 @@
+"""sluice.load(): path or repo id -> a ready model in eval mode, built on meta, filled from mmap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import ConfigError
+from .hub import resolve_model_dir
+from .model import Transformer
+from .weights import load_weights
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def load(path_or_repo_id: str | Path, dtype: str | torch.dtype = "float32") -> Transformer:
+    """Load a Hugging Face checkpoint (local directory or cached repo id) as a sluice model.
+
+    `model(input_ids)` with a LongTensor (B, T) returns fp32 logits (B, T, vocab)."""
+    torch_dtype = parse_dtype(dtype)
+    model_dir = resolve_model_dir(path_or_repo_id)
+    cfg = ModelConfig.from_hf(model_dir)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    load_weights(model, model_dir, torch_dtype)
+    model.tie_weights()
+    model.reset_rope(torch.device("cpu"))
+    model.model_dir = model_dir
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,44 @@
+"""Tiny random Hugging Face checkpoints, built with transformers itself (the reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers as T
+
+_SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+
+ARCHS = {
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, {"sliding_window": 4096}),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 24}),
+}
+
+
+def build(out: Path, arch: str = "qwen3", *, seed: int = 0, save_dtype=torch.float32,
+          max_shard_size=None, **overrides):
+    """Save a random `arch` checkpoint to `out`; return the transformers model (fp32, eval)."""
+    cfg_cls, model_cls, extra = ARCHS[arch]
+    kwargs = {**_SMALL, **extra, **overrides}
+    cfg = cfg_cls(**kwargs)
+    cfg.architectures = [model_cls.__name__]
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    if "rms_norm_eps" not in overrides:
+        # Random norm weights instead of ones, so a norm applied wrongly shows up in the logits.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1 + 0.3 * torch.randn_like(p))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    saved = model.to(save_dtype)
+    if max_shard_size is not None:
+        saved.save_pretrained(out, max_shard_size=max_shard_size)
+    else:
+        saved.save_pretrained(out)
+    return model.float()
