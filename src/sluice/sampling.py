@@ -1,0 +1,326 @@
+"""Sampling parameters (validated) and a batched sampler with no host syncs.
+
+Logits are processed in fp32 in the order HF's generate and vLLM use:
+
+    repetition penalty -> temperature -> top_k -> top_p -> min_p -> sample
+
+Each filter sees the distribution the previous one left (top_p renormalises over the top_k
+survivors). The top-1 token always survives, so no filter can leave a row empty.
+Conventions where the reference libraries differ or are vague:
+
+- top_k: 0 and -1 both mean off. Tokens tied with the k-th largest logit are all kept (HF's rule),
+  so a row may keep more than k tokens.
+- top_p: keep the smallest prefix of the tokens sorted by probability whose mass reaches top_p.
+  Equal probabilities are ordered by token id (stable sort), which decides ties at the cut.
+- min_p: keep tokens with p >= min_p * p_max. The ratio does not change under renormalisation,
+  so it does not matter whether min_p sees probabilities before or after top_p renormalised them.
+- temperature 0 is greedy: argmax of the penalised logits, no filters, no randomness.
+
+Sampling is the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability
+p_i, with no cumulative sums, no torch.multinomial and nothing read back to the host. It is done
+in log space, argmax(logit_i - log E_i), so tiny probabilities do not underflow.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from .errors import RequestError
+
+DEFAULT_MAX_TOKENS = 256
+
+# Our field name -> key in HF's generation_config.json.
+_HF_KEYS = {
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+# Used when neither the request nor generation_config sets a field; each one means "off".
+_LIBRARY_DEFAULTS = {
+    "max_tokens": DEFAULT_MAX_TOKENS,
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def _is_int(v) -> bool:
+    # bool is an int subclass; True as max_tokens is a bug in the caller, not a 1. The exact-type
+    # test first skips the slow ABC check in the common case; numbers.* admits numpy scalars.
+    return type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
+
+
+def _is_real(v) -> bool:
+    return type(v) in (float, int) or (isinstance(v, numbers.Real) and not isinstance(v, bool))
+
+
+# name -> (what the value must be, check). NaN fails every comparison, inf fails the upper bounds.
+_RULES = {
+    "max_tokens": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
+    "temperature": ("a finite number in [0, 2]", lambda v: _is_real(v) and 0 <= v <= 2),
+    "top_k": ("an integer >= -1 (0 or -1 turns it off)", lambda v: _is_int(v) and v >= -1),
+    "top_p": ("a number in (0, 1]", lambda v: _is_real(v) and 0 < v <= 1),
+    "min_p": ("a number in [0, 1]", lambda v: _is_real(v) and 0 <= v <= 1),
+    "repetition_penalty": ("a finite number > 0", lambda v: _is_real(v) and 0 < v < math.inf),
+    "seed": ("an integer", _is_int),
+}
+
+
+def _fail(name: str, rule: str, value) -> None:
+    raise RequestError(f"{name} must be {rule}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """What a request asks of the sampler. None means "not given": with_defaults fills it."""
+
+    max_tokens: int | None = None  # None -> generation_config max_new_tokens, else 256
+    temperature: float | None = None  # 0 = greedy; None -> generation_config, else 1.0
+    top_k: int | None = None  # 0 or -1 = off
+    top_p: float | None = None  # (0, 1]; 1 = off
+    min_p: float | None = None  # [0, 1]; 0 = off
+    repetition_penalty: float | None = None  # > 0; 1 = off; over prompt + generated tokens
+    seed: int | None = None  # None -> nondeterministic; any int (taken mod 2**64)
+    stop: str | list[str] | None = None  # stop strings, excluded from the output
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise RequestError naming the first bad field and its value. None fields pass."""
+        for name, (rule, ok) in _RULES.items():
+            value = getattr(self, name)
+            if value is not None and not ok(value):
+                _fail(name, rule, value)
+        if self.stop is not None:
+            rule = "a non-empty string or a list of non-empty strings"
+            if not isinstance(self.stop, list):
+                _fail("stop", rule, self.stop)
+            for s in self.stop:
+                if not isinstance(s, str) or not s:
+                    _fail("stop", rule, s)
+        if self.stop_token_ids is not None:
+            upper = "" if vocab_size is None else f" < vocab size {vocab_size}"
+            rule = f"a list of integers >= 0{upper}"
+            if not isinstance(self.stop_token_ids, list):
+                _fail("stop_token_ids", rule, self.stop_token_ids)
+            for t in self.stop_token_ids:
+                if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                    _fail("stop_token_ids", rule, t)
+        if not isinstance(self.ignore_eos, bool):
+            _fail("ignore_eos", "a bool", self.ignore_eos)
+
+    def with_defaults(self, generation_config: dict | None = None) -> SamplingParams:
+        """A new, validated copy with every field but seed filled.
+
+        Precedence: the request, then the model's generation_config.json, then the library
+        defaults. As in HF, do_sample false in the config means greedy (temperature 0) unless
+        the request sets a temperature itself. eos ids are the engine's business, not ours.
+        """
+        cfg = generation_config or {}
+        from_cfg = {ours: cfg[hf] for ours, hf in _HF_KEYS.items() if cfg.get(hf) is not None}
+        if cfg.get("do_sample") is False:
+            from_cfg["temperature"] = 0.0
+        try:  # a bad value in the model's config should not read as a bad request field
+            SamplingParams(**from_cfg)
+        except RequestError as e:
+            raise RequestError(f"generation_config: {e}") from None
+        filled = {
+            name: getattr(self, name) if getattr(self, name) is not None else from_cfg.get(name, default)
+            for name, default in _LIBRARY_DEFAULTS.items()
+        }
+        out = replace(self, **filled, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []))
+        # Normalise numpy scalars and ints-for-floats only after replace() has validated them.
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            setattr(out, name, float(getattr(out, name)))
+        for name in ("max_tokens", "top_k"):
+            setattr(out, name, int(getattr(out, name)))
+        if out.seed is not None:
+            out.seed = int(out.seed)
+        return out
+
+
+# ---------------------------------------------------------------- tensor math, shared by both users
+
+
+def _row_values(p: SamplingParams, vocab_size: int) -> tuple:
+    """One row's params as plain numbers, in the order of _COLUMNS."""
+    greedy = p.temperature == 0
+    top_k = vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size)
+    # Greedy rows never use the filtered logits; temperature 1 just keeps the division finite.
+    return (1.0 if greedy else p.temperature, greedy, top_k, p.top_p, p.min_p, p.repetition_penalty)
+
+
+_COLUMNS = (
+    ("temperature", torch.float32),
+    ("greedy", torch.bool),
+    ("top_k", torch.int64),
+    ("top_p", torch.float32),
+    ("min_p", torch.float32),
+    ("penalty", torch.float32),
+)
+
+
+def _row_tensors(params: list[SamplingParams], vocab_size: int, device) -> dict[str, torch.Tensor]:
+    columns = list(zip(*(_row_values(p, vocab_size) for p in params))) or [()] * len(_COLUMNS)
+    return {name: torch.tensor(col, dtype=dt, device=device) for (name, dt), col in zip(_COLUMNS, columns)}
+
+
+def _penalize(x: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    # CTRL / HF rule: divide positive logits and multiply negative ones, so a penalty > 1 always
+    # makes a seen token less likely whatever the sign of its logit.
+    p = penalty[:, None]
+    return torch.where(seen, torch.where(x < 0, x * p, x / p), x)
+
+
+def _filter(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool, use_min_p: bool) -> torch.Tensor:
+    """(B, V) fp32 penalised logits -> temperature-scaled logits with filtered tokens at -inf."""
+    # Subtracting the max first keeps tiny temperatures from overflowing to +inf (and NaN).
+    x = (x - x.amax(-1, keepdim=True)) / rows["temperature"][:, None]
+    if not (use_top_k or use_top_p or use_min_p):
+        return x
+    # One sort serves all three filters: each keeps a prefix of the descending order.
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # (B, V)
+    keep = torch.ones_like(sorted_x, dtype=torch.bool)
+    if use_top_k:
+        kth = sorted_x.gather(1, rows["top_k"][:, None] - 1)  # (B, 1); off rows have k = V
+        keep &= sorted_x >= kth
+    if use_top_p or use_min_p:
+        probs = sorted_x.masked_fill(~keep, -math.inf).softmax(-1)
+        if use_top_p:
+            top_p = rows["top_p"][:, None]
+            mass_before = F.pad(probs.cumsum(-1)[:, :-1], (1, 0))  # mass of the higher-ranked tokens
+            # top_p == 1 is "off" explicitly: rounding could otherwise drop a far-tail token.
+            keep &= (mass_before < top_p) | (top_p >= 1)
+        if use_min_p:
+            keep &= probs >= rows["min_p"][:, None] * probs[:, :1]
+    keep[:, 0] = True
+    mask = torch.empty_like(keep).scatter_(1, order, keep)  # back to vocabulary order
+    return x.masked_fill(~mask, -math.inf)
+
+
+def _flags(params: list[SamplingParams]) -> tuple[bool, bool, bool]:
+    # Branching on the static params list (not on tensor values) skips the sort when unused.
+    sampled = [p for p in params if p.temperature > 0]
+    return (
+        any(p.top_k > 0 for p in sampled),
+        any(p.top_p < 1 for p in sampled),
+        any(p.min_p > 0 for p in sampled),
+    )
+
+
+def filtered_probs(
+    logits: torch.Tensor, params: SamplingParams | list[SamplingParams], seen: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The exact distribution the sampler draws from: (V,) or (B, V) logits -> fp32 probs.
+
+    params is one SamplingParams for every row or a list with one per row. seen is an optional
+    bool mask of the same shape (tokens the repetition penalty applies to). Greedy rows get a
+    one-hot on the argmax.
+    """
+    single = logits.dim() == 1
+    x = logits.float().reshape(-1, logits.shape[-1])
+    B, V = x.shape
+    plist = [params] * B if isinstance(params, SamplingParams) else list(params)
+    plist = [p.with_defaults(None) for p in plist]
+    rows = _row_tensors(plist, V, x.device)
+    if seen is not None:
+        x = _penalize(x, seen.reshape(B, V), rows["penalty"])
+    probs = _filter(x, rows, *_flags(plist)).softmax(-1)
+    one_hot = F.one_hot(x.argmax(-1), V).to(probs.dtype)
+    probs = torch.where(rows["greedy"][:, None], one_hot, probs)
+    return probs[0] if single else probs
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed % 2**64)
+    return g
+
+
+class Sampler:
+    """Samples one token per batch row per call, with per-row params and per-row RNG.
+
+    Each row owns a torch.Generator seeded from its params.seed, so a row's tokens depend only on
+    its own seed and logits, not on which other rows share the batch. __call__ launches device work
+    only: no .item(), no host syncs, fixed shapes.
+    """
+
+    def __init__(self, params: list[SamplingParams], vocab_size: int, device="cpu"):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.params = [p.with_defaults(None) for p in params]
+        for p in self.params:
+            p.validate(vocab_size)
+        B = len(self.params)
+        self.rows = _row_tensors(self.params, vocab_size, self.device)
+        self.seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=self.device)  # (B, V)
+        self._noise = torch.ones(B, vocab_size, dtype=torch.float32, device=self.device)  # (B, V)
+        self._generators = [_generator(p.seed, self.device) for p in self.params]
+        self._refresh_flags()
+
+    def _refresh_flags(self) -> None:
+        self._sampled_rows = [i for i, p in enumerate(self.params) if p.temperature > 0]
+        self._any_greedy = len(self._sampled_rows) < len(self.params)
+        self._use_penalty = any(p.repetition_penalty != 1 for p in self.params)
+        self._filters = _flags(self.params)
+
+    def set_row(self, row: int, params: SamplingParams, context=()) -> None:
+        """Give a batch slot to a new request: new params, fresh generator, fresh penalty mask.
+
+        The other rows keep their generators, so their streams are unaffected (continuous batching).
+        """
+        p = params.with_defaults(None)
+        p.validate(self.vocab_size)
+        self.params[row] = p
+        for (name, _), value in zip(_COLUMNS, _row_values(p, self.vocab_size)):
+            self.rows[name][row] = value
+        self._generators[row] = _generator(p.seed, self.device)
+        self.seen[row] = False
+        self.add_context(row, context)
+        self._refresh_flags()
+
+    def add_context(self, row: int, token_ids) -> None:
+        """Mark prompt tokens as seen, for the repetition penalty. Call before decoding."""
+        ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device).reshape(-1)
+        self.seen[row, ids] = True
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits of any float dtype -> (B,) int64 next tokens."""
+        assert logits.shape == self.seen.shape, f"logits {tuple(logits.shape)} != {tuple(self.seen.shape)}"
+        x = logits.float()
+        if self._use_penalty:
+            x = _penalize(x, self.seen, self.rows["penalty"])
+        tokens = None
+        if self._sampled_rows:
+            filtered = _filter(x, self.rows, *self._filters)
+            for i in self._sampled_rows:
+                self._noise[i].exponential_(generator=self._generators[i])
+            # An Exp(1) draw of exactly 0 would give log 0 = -inf and make -inf - (-inf) = NaN.
+            self._noise.clamp_min_(torch.finfo(torch.float32).tiny)
+            tokens = (filtered - self._noise.log()).argmax(-1)
+        if self._any_greedy:
+            greedy = x.argmax(-1)
+            tokens = greedy if tokens is None else torch.where(self.rows["greedy"], greedy, tokens)
+        if self._use_penalty:
+            self.seen.scatter_(1, tokens[:, None], True)
+        return tokens

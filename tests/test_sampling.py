@@ -1,0 +1,295 @@
+"""SamplingParams validation/defaults and the batched sampler's distribution and determinism."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from sluice.errors import RequestError
+from sluice.sampling import Sampler, SamplingParams, filtered_probs
+
+# No ties, and no filter threshold lands near a cut (checked in expected_probs), so rounding
+# cannot move a token across a boundary.
+LOGITS = np.array([2.0, 1.6, 1.3, 1.1, 0.9, 0.5, 0.2, 0.0, -0.3, -0.8, -1.5, -2.5])
+N_DRAWS = 20_000
+
+
+def expected_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seen=(), penalty=1.0):
+    """The filtered distribution, written out step by step in float64 (independent of sluice)."""
+    x = np.array(logits, dtype=np.float64)
+    for t in set(seen):
+        x[t] = x[t] * penalty if x[t] < 0 else x[t] / penalty
+    p = np.exp(x / temperature - (x / temperature).max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    if top_k > 0:
+        p[order[top_k:]] = 0.0
+        p /= p.sum()
+    if top_p < 1.0:
+        cum, kept = 0.0, []
+        for t in order:
+            kept.append(t)
+            cum += p[t]
+            if cum >= top_p:
+                break
+        assert abs(cum - top_p) > 1e-3 and abs(cum - p[t] - top_p) > 1e-3, "top_p cut too close to call"
+        mask = np.zeros_like(p, dtype=bool)
+        mask[kept] = True
+        p[~mask] = 0.0
+        p /= p.sum()
+    if min_p > 0.0:
+        ratio = p / p.max()
+        assert np.all(np.abs(ratio - min_p) > 1e-3), "min_p cut too close to call"
+        p[ratio < min_p] = 0.0
+        p /= p.sum()
+    return p
+
+
+def draw_counts(params_kwargs, context=(), base_seed=1000):
+    """N_DRAWS single draws: one row per draw, each row with its own seed, in one call."""
+    params = [SamplingParams(seed=base_seed + i, **params_kwargs) for i in range(N_DRAWS)]
+    sampler = Sampler(params, vocab_size=len(LOGITS))
+    for row in range(N_DRAWS) if context else ():
+        sampler.add_context(row, list(context))
+    logits = torch.tensor(LOGITS, dtype=torch.float32).expand(N_DRAWS, -1).contiguous()
+    tokens = sampler(logits)
+    assert tokens.dtype == torch.int64 and tokens.shape == (N_DRAWS,)
+    return np.bincount(tokens.numpy(), minlength=len(LOGITS))
+
+
+CASES = {
+    "temperature": dict(temperature=0.7),
+    "top_k": dict(top_k=5),
+    "top_p": dict(top_p=0.75),
+    "min_p": dict(min_p=0.12),
+    "combined": dict(temperature=1.3, top_k=9, top_p=0.85, min_p=0.12),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_draws_follow_the_filtered_distribution(name):
+    kwargs = CASES[name]
+    expected = expected_probs(LOGITS, **kwargs)
+    if name != "temperature":
+        assert (expected == 0).any(), "the filter should remove something, or the test proves little"
+    counts = draw_counts(kwargs)
+    assert counts[expected == 0].sum() == 0
+    nz = expected > 0
+    assert chisquare(counts[nz], expected[nz] * N_DRAWS).pvalue > 1e-3
+    # filtered_probs (what the sampler uses) agrees with the hand computation too.
+    ours = filtered_probs(torch.tensor(LOGITS, dtype=torch.float32), SamplingParams(**kwargs))
+    np.testing.assert_allclose(ours.numpy(), expected, atol=1e-6)
+
+
+def test_draws_with_repetition_penalty_and_filters():
+    seen = [0, 2, 9]  # positive and negative logits
+    kwargs = dict(temperature=0.9, top_k=8, top_p=0.9, repetition_penalty=1.8)
+    expected = expected_probs(LOGITS, seen=seen, penalty=1.8, **{k: v for k, v in kwargs.items() if k != "repetition_penalty"})
+    counts = draw_counts(kwargs, context=seen)
+    assert counts[expected == 0].sum() == 0
+    nz = expected > 0
+    assert chisquare(counts[nz], expected[nz] * N_DRAWS).pvalue > 1e-3
+
+
+def test_greedy_is_argmax_for_any_float_dtype():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = logits.to(dtype)
+        sampler = Sampler([SamplingParams(temperature=0, seed=i) for i in range(6)], vocab_size=50)
+        assert torch.equal(sampler(x), x.float().argmax(-1))
+
+
+def test_top_k_keeps_ties_and_top_p_breaks_ties_by_token_id():
+    p = filtered_probs(torch.tensor([1.0, 1.0, 1.0, 0.0]), SamplingParams(top_k=2))
+    assert (p[:3] > 0).all() and p[3] == 0
+    p = filtered_probs(torch.zeros(4), SamplingParams(top_p=0.5))
+    assert p.tolist() == [0.5, 0.5, 0.0, 0.0]
+
+
+def test_filtered_probs_greedy_is_one_hot_and_batches():
+    x = torch.tensor([[0.1, 3.0, 2.0], [5.0, 0.0, 1.0]])
+    p = filtered_probs(x, [SamplingParams(temperature=0), SamplingParams(temperature=1)])
+    assert p[0].tolist() == [0.0, 1.0, 0.0]
+    torch.testing.assert_close(p[1], x[1].softmax(-1))
+
+
+def run(sampler, steps, V, seed=0, rows=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([sampler(torch.randn(rows, V, generator=g)) for _ in range(steps)], 1)
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens():
+    V = 1000
+    make = lambda seed: Sampler([SamplingParams(temperature=1.0, seed=seed)], V)  # noqa: E731
+    a, b, c = run(make(123), 30, V), run(make(123), 30, V), run(make(124), 30, V)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    # seed None draws fresh entropy each time
+    assert not torch.equal(run(make(None), 30, V), run(make(None), 30, V))
+
+
+MIXED = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.8, top_k=10, seed=1),
+    SamplingParams(top_p=0.9, repetition_penalty=1.2, seed=2),
+    SamplingParams(min_p=0.1, temperature=1.5, seed=3),
+    SamplingParams(temperature=0, repetition_penalty=1.5),
+]
+
+
+def test_batched_rows_match_one_by_one():
+    V, steps = 64, 12
+    prompts = [[1, 2], [], [5, 6, 7], [8], [0, 3, 3]]
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(steps, len(MIXED), V, generator=g) * 3
+    batched = Sampler(MIXED, V)
+    singles = [Sampler([p], V) for p in MIXED]
+    for row, prompt in enumerate(prompts):
+        batched.add_context(row, prompt)
+        singles[row].add_context(0, prompt)
+    for step in range(steps):
+        together = batched(logits[step])
+        alone = torch.cat([s(logits[step, row : row + 1]) for row, s in enumerate(singles)])
+        assert torch.equal(together, alone)
+
+
+def test_set_row_resets_only_that_row():
+    V = 100
+    base = [SamplingParams(seed=10), SamplingParams(seed=20)]
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(10, 2, V, generator=g)
+    s = Sampler(base, V)
+    first = [s(logits[i]) for i in range(5)]
+    s.set_row(1, SamplingParams(seed=99, repetition_penalty=1.3), context=[4, 5])
+    second = [s(logits[i]) for i in range(5, 10)]
+    row0_alone, row1_alone = Sampler([base[0]], V), Sampler([SamplingParams(seed=99, repetition_penalty=1.3)], V)
+    row1_alone.add_context(0, [4, 5])
+    assert [t[0].item() for t in first + second] == [row0_alone(logits[i, :1]).item() for i in range(10)]
+    assert [t[1].item() for t in second] == [row1_alone(logits[i, 1:]).item() for i in range(5, 10)]
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    V, penalty = 40, 1.7
+    g = torch.Generator().manual_seed(11)
+    prompt = [3, 7, 7, 12, 30]
+    hf = RepetitionPenaltyLogitsProcessor(penalty=penalty)
+    sampler = Sampler([SamplingParams(temperature=0, repetition_penalty=penalty)], V)
+    sampler.add_context(0, prompt)
+    ids, flipped = list(prompt), 0
+    for _ in range(8):
+        logits = torch.randn(1, V, generator=g)
+        logits[0, ids[-1]] = 2.5  # a strong repeat that the penalty should usually overturn
+        want = hf(torch.tensor([ids]), logits.clone())
+        seen = torch.zeros(1, V, dtype=torch.bool)
+        seen[0, ids] = True
+        got = filtered_probs(logits, SamplingParams(temperature=1, repetition_penalty=penalty), seen=seen)
+        torch.testing.assert_close(got, want.softmax(-1))
+        token = sampler(logits)
+        assert token.item() == want.argmax(-1).item()
+        flipped += token.item() != logits.argmax(-1).item()
+        ids.append(token.item())
+    assert flipped > 0
+
+
+# ------------------------------------------------------------------------------------ validation
+
+BAD = [
+    ("temperature", float("nan"), "nan"),
+    ("temperature", -0.1, "-0.1"),
+    ("temperature", 2.5, "2.5"),
+    ("temperature", math.inf, "inf"),
+    ("temperature", "0.5", "'0.5'"),
+    ("temperature", True, "True"),
+    ("top_p", 0.0, "0.0"),
+    ("top_p", 1.5, "1.5"),
+    ("top_p", float("nan"), "nan"),
+    ("min_p", -0.1, "-0.1"),
+    ("min_p", 1.01, "1.01"),
+    ("top_k", -2, "-2"),
+    ("top_k", 2.5, "2.5"),
+    ("top_k", True, "True"),
+    ("max_tokens", 0, "0"),
+    ("max_tokens", True, "True"),
+    ("max_tokens", 10.0, "10.0"),
+    ("repetition_penalty", 0.0, "0.0"),
+    ("repetition_penalty", -1.0, "-1.0"),
+    ("repetition_penalty", math.inf, "inf"),
+    ("repetition_penalty", float("nan"), "nan"),
+    ("seed", 1.5, "1.5"),
+    ("seed", "42", "'42'"),
+    ("seed", False, "False"),
+    ("stop", "", "''"),
+    ("stop", ["ok", ""], "''"),
+    ("stop", ["ok", 3], "3"),
+    ("stop", 5, "5"),
+    ("stop_token_ids", [1, -1], "-1"),
+    ("stop_token_ids", [True], "True"),
+    ("stop_token_ids", 7, "7"),
+    ("ignore_eos", 1, "1"),
+    ("ignore_eos", "yes", "'yes'"),
+]
+
+
+@pytest.mark.parametrize("name,value,shown", BAD, ids=[f"{n}={v!r}" for n, v, _ in BAD])
+def test_bad_values_name_parameter_and_value(name, value, shown):
+    with pytest.raises(RequestError) as info:
+        SamplingParams(**{name: value})
+    message = str(info.value)
+    assert message.startswith(f"{name} must be ") and message.endswith(f"got {shown}"), message
+    assert isinstance(info.value, ValueError)
+
+
+def test_stop_token_ids_checked_against_vocab():
+    p = SamplingParams(stop_token_ids=[2, 10])
+    p.validate()
+    with pytest.raises(RequestError, match=r"stop_token_ids must be .*< vocab size 10, got 10$"):
+        p.validate(vocab_size=10)
+    with pytest.raises(RequestError, match="stop_token_ids"):
+        Sampler([p], vocab_size=10)
+
+
+def test_good_edge_values_pass():
+    SamplingParams(temperature=0, top_p=1, min_p=0, top_k=-1, max_tokens=1, repetition_penalty=1e-3, seed=-5)
+    SamplingParams(temperature=2, top_p=1e-9, min_p=1, top_k=0, seed=2**80, stop=("a", "b"), ignore_eos=True)
+    SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3))
+
+
+# ---------------------------------------------------------------------------------- with_defaults
+
+
+def test_library_defaults():
+    p = SamplingParams().with_defaults(None)
+    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) == (256, 1.0, 0, 1.0, 0.0, 1.0)
+    assert p.seed is None and p.stop == [] and p.stop_token_ids == [] and p.ignore_eos is False
+
+
+def test_generation_config_fills_unset_fields_and_do_sample_false_means_greedy():
+    cfg = {"do_sample": False, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 100, "eos_token_id": 2}
+    p = SamplingParams().with_defaults(cfg)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.0, 0.9, 20, 100)
+    q = SamplingParams(temperature=0.5, max_tokens=7, stop="\n").with_defaults(cfg)
+    assert (q.temperature, q.max_tokens, q.top_p, q.stop) == (0.5, 7, 0.9, ["\n"])
+    assert q.with_defaults({"temperature": 1.9, "top_p": 0.1}) == q  # resolved is a fixed point
+
+
+def test_generation_config_sampling_values():
+    cfg = {"do_sample": True, "temperature": 0.7, "min_p": 0.05, "repetition_penalty": 1.1, "top_k": None}
+    p = SamplingParams(top_p=0.95).with_defaults(cfg)
+    assert (p.temperature, p.min_p, p.repetition_penalty, p.top_p, p.top_k) == (0.7, 0.05, 1.1, 0.95, 0)
+    assert isinstance(SamplingParams(temperature=1).with_defaults({}).temperature, float)
+
+
+def test_bad_generation_config_value_is_reported_as_such():
+    with pytest.raises(RequestError, match=r"^generation_config: temperature must be .*got 5.0$"):
+        SamplingParams().with_defaults({"temperature": 5.0})
+
+
+def test_with_defaults_revalidates_mutated_fields():
+    p = SamplingParams(temperature=1.0)
+    p.temperature = 3.0
+    with pytest.raises(RequestError, match="temperature must be .*got 3.0"):
+        p.with_defaults({})
