@@ -1,0 +1,57 @@
+"""Turn a local path or a Hugging Face repo id into a local model directory, never touching the network."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sluice.errors import ModelNotFoundError
+
+
+def hf_cache_dir() -> Path:
+    """The hub cache huggingface_hub would use, computed from the environment *now*.
+
+    huggingface_hub.constants freezes these at import time, which would ignore a later HF_HOME change
+    (tests, notebooks, a CLI flag that sets the variable), so we repeat its precedence rules here.
+    """
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if not cache:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+        home = os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface")
+        cache = os.path.join(home, "hub")
+    return Path(os.path.expandvars(cache)).expanduser()
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.startswith((".", "/", "~", "\\")) or os.path.isabs(text)
+
+
+def resolve_model_dir(path_or_repo_id: str | os.PathLike) -> Path:
+    """Return the directory holding config.json, tokenizer.json, weights for `path_or_repo_id`.
+
+    A local directory wins; anything else is a repo id looked up in the local HF cache (offline).
+    """
+    text = os.fspath(path_or_repo_id)
+    local = Path(text).expanduser()
+    if local.is_dir():
+        return local.resolve()
+    if _looks_like_path(text) or local.exists():
+        what = "is a file, not a directory" if local.exists() else "does not exist"
+        raise ModelNotFoundError(f"model path {text!r} {what}; pass a directory holding config.json")
+
+    # Imported here so that loading a local directory never pays for importing huggingface_hub.
+    from huggingface_hub import snapshot_download
+
+    cache = hf_cache_dir()
+    try:
+        # local_files_only makes huggingface_hub read refs/ and snapshots/ only, with no HTTP at all.
+        snapshot = snapshot_download(text, cache_dir=str(cache), local_files_only=True)
+    except (OSError, ValueError) as err:  # LocalEntryNotFoundError is an OSError, HFValidationError a ValueError
+        invalid = f" It is not a valid repo id either: {err}" if isinstance(err, ValueError) else ""
+        raise ModelNotFoundError(
+            f"{text!r} is not a local directory, and the repo id {text!r} is not in the Hugging Face cache "
+            f"at {cache} (set by HF_HUB_CACHE, else HF_HOME/hub).{invalid} sluice never downloads: run "
+            f"`huggingface-cli download {text}` (or `hf download {text}`) on a machine with network access "
+            f"and copy the cache over, or pass the path of a local model directory."
+        ) from err
+    return Path(snapshot).resolve()
