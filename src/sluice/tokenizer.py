@@ -1,0 +1,308 @@
+"""Text <-> token ids with a checkpoint's tokenizer.json, and chat prompts with its sandboxed jinja2 template.
+
+Behaviour follows transformers' fast tokenizers (the reference the checkpoints were saved with), without
+importing transformers: the tokenizer.json post-processor alone decides which special tokens `encode` adds,
+and chat templates run in jinja2's immutable sandbox with the same globals and filters transformers offers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as _Backend
+
+from sluice.errors import CheckpointError, RequestError, TemplateError
+from sluice.hub import resolve_model_dir
+
+# The named special tokens transformers passes to every chat template (when set).
+_NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# A message's reasoning arrives under any of these names; templates read the first (Qwen3, DeepSeek) or "thinking".
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: `encode`/`decode` plus `apply_chat_template`."""
+
+    def __init__(self, backend: _Backend, config: Mapping | None = None,
+                 generation_config: Mapping | None = None, chat_templates: str | Mapping | None = None):
+        config = dict(config or {})
+        self._backend = backend
+        names = {name: _token_content(config.get(name)) for name in _NAMED_SPECIALS}
+        self.bos_token, self.eos_token, self.pad_token = names["bos_token"], names["eos_token"], names["pad_token"]
+        self._template_specials = {name: value for name, value in names.items() if value is not None}
+
+        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+        extra = [_token_content(t) for t in (extra.values() if isinstance(extra, Mapping) else extra)]
+        # transformers registers every named special token with the backend, so a token that is only in the
+        # base vocabulary (or nowhere) still encodes atomically and is skipped on decode; do the same.
+        already_added = {t.content for t in backend.get_added_tokens_decoder().values()}
+        missing = [t for t in dict.fromkeys([*names.values(), *extra]) if t is not None and t not in already_added]
+        if missing:
+            backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+
+        self.bos_token_id = self._id_or_none(self.bos_token)
+        self.pad_token_id = self._id_or_none(self.pad_token)
+        self.eos_token_ids = _eos_ids((generation_config or {}).get("eos_token_id"), self._id_or_none(self.eos_token))
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.all_special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self.all_special_ids |= {i for i in map(self._id_or_none, [*names.values(), *extra]) if i is not None}
+        # transformers ignores clean_up_tokenization_spaces for BPE models (it would delete real spaces before
+        # punctuation), yet Llama 3 ships it set to true; apply it only where transformers does.
+        self._clean_up = bool(config.get("clean_up_tokenization_spaces")) and type(backend.model).__name__ != "BPE"
+
+        if isinstance(chat_templates, str):
+            chat_templates = {"default": chat_templates}
+        self._templates: dict[str, str] = dict(chat_templates or {})
+        self.chat_template: str | None = self._templates.get("default")
+        self._compiled: dict[str, jinja2.Template] = {}
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike) -> Tokenizer:
+        """Load tokenizer.json (+ tokenizer_config.json, generation_config.json, chat template) from a model dir."""
+        model_dir = resolve_model_dir(path_or_repo_id)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise CheckpointError(
+                f"{tokenizer_file} not found: sluice needs the fast-tokenizer file tokenizer.json. For a checkpoint "
+                "that only has a slow tokenizer, run transformers' AutoTokenizer.from_pretrained(dir)"
+                ".save_pretrained(dir) once to write it.")
+        try:
+            backend = _Backend.from_file(str(tokenizer_file))
+        except Exception as err:  # the Rust side raises a bare Exception for any parse failure
+            raise CheckpointError(f"{tokenizer_file} could not be loaded by the tokenizers library: {err}") from err
+        config = _read_json(model_dir / "tokenizer_config.json")
+        # Old checkpoints keep their special tokens only in special_tokens_map.json.
+        for key, value in _read_json(model_dir / "special_tokens_map.json").items():
+            config.setdefault(key, value)
+        return cls(backend, config, _read_json(model_dir / "generation_config.json"),
+                   _chat_templates(model_dir, config))
+
+    # -- text <-> ids ---------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise RequestError(f"encode expects a str, got {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        if hasattr(ids, "tolist"):  # torch tensors and numpy arrays
+            ids = ids.tolist()
+        ids = [ids] if isinstance(ids, int) else [int(i) for i in ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.all_special_ids]
+        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _clean_up_spaces(text) if self._clean_up else text
+
+    def token_to_id(self, tok: str) -> int | None:
+        return self._backend.token_to_id(tok)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def _id_or_none(self, tok: str | None) -> int | None:
+        return None if tok is None else self._backend.token_to_id(tok)
+
+    # -- chat -----------------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = False, tools=None, **kwargs) -> str | list[int]:
+        """Render `messages` with the model's chat template, as transformers' apply_chat_template does.
+
+        Extra kwargs (enable_thinking=False, date_string=..., documents=...) become template variables.
+        With tokenize=True the rendered text is encoded without adding special tokens, because templates
+        write their own (a Llama 3 template starts with bos_token; adding it again would double it).
+        """
+        name = "tool_use" if tools is not None and "tool_use" in self._templates else "default"
+        template = self._compile(name)
+        if not messages:
+            raise RequestError("apply_chat_template needs at least one message")
+        if tools is not None and not all(isinstance(t, Mapping) for t in tools):
+            raise RequestError("tools must be a list of JSON-schema dicts")
+        variables = _plain({"documents": None, **self._template_specials, **kwargs,
+                            "messages": _prepare_messages(messages), "tools": tools,
+                            "add_generation_prompt": add_generation_prompt})
+        try:
+            rendered = template.render(**variables)
+        except _TemplateRaised as err:
+            raise TemplateError(f"the chat template refused this conversation: {err}") from None
+        except jinja2.exceptions.SecurityError as err:
+            raise TemplateError(
+                f"the chat template tried to access an unsafe attribute and the sandbox refused it: {err}") from err
+        except Exception as err:  # a template is untrusted code: any failure inside it is the template's failure
+            raise TemplateError(f"the chat template failed to render: {type(err).__name__}: {err}") from err
+        return self.encode(rendered, add_special_tokens=False) if tokenize else rendered
+
+    def _compile(self, name: str) -> jinja2.Template:
+        if name not in self._compiled:
+            source = self._templates.get(name)
+            if source is None:
+                known = f" (only ones named {sorted(self._templates)})" if self._templates else ""
+                raise TemplateError(f"this model has no chat template{known}: pass a model with a chat_template "
+                                    "in tokenizer_config.json or a chat_template.jinja file, or use plain prompts")
+            try:
+                self._compiled[name] = _environment().from_string(source)
+            except jinja2.TemplateSyntaxError as err:
+                raise TemplateError(f"the chat template has a syntax error at line {err.lineno}: {err}") from err
+        return self._compiled[name]
+
+
+# -- loading helpers ------------------------------------------------------------------------------------------
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} should hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """Special tokens are saved as plain strings or as AddedToken dicts ({"content": ..., "lstrip": ...})."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _eos_ids(from_generation_config: Any, from_tokenizer: int | None) -> list[int]:
+    # generation_config.json is what transformers' generate() stops on, and instruct models list several ids
+    # there (Llama 3: <|end_of_text|>, <|eom_id|>, <|eot_id|>), so it wins over the tokenizer's single eos_token.
+    if isinstance(from_generation_config, int):
+        return [from_generation_config]
+    if isinstance(from_generation_config, list) and from_generation_config:
+        return list(dict.fromkeys(int(i) for i in from_generation_config))
+    return [] if from_tokenizer is None else [from_tokenizer]
+
+
+def _chat_templates(model_dir: Path, config: Mapping) -> dict[str, str]:
+    # Same precedence as transformers: template files (newer layout) override the tokenizer_config entry.
+    files = {"default": model_dir / "chat_template.jinja"}
+    files.update({p.stem: p for p in sorted((model_dir / "chat_templates").glob("*.jinja"))})
+    from_files = {name: p.read_text(encoding="utf-8") for name, p in files.items() if p.is_file()}
+    if from_files:
+        return from_files
+    entry = config.get("chat_template")
+    if isinstance(entry, str):
+        return {"default": entry}
+    if isinstance(entry, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        return {t["name"]: t["template"] for t in entry if isinstance(t, Mapping) and "name" in t and "template" in t}
+    return {}
+
+
+def _clean_up_spaces(text: str) -> str:
+    # transformers' clean_up_tokenization, for the WordPiece-style models that still ask for it.
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
+# -- template rendering ---------------------------------------------------------------------------------------
+
+def _prepare_messages(messages: list) -> list[dict]:
+    prepared = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise RequestError(f"chat messages must be dicts with 'role' and 'content', got {message!r}")
+        # OpenAI clients send content=None next to tool_calls; templates handle a missing key but render
+        # None as the text "None", so drop None values as transformers does.
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        prepared.append(message)
+    return prepared
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild template inputs from plain JSON types: arbitrary objects would hand the template their methods."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base in (bool, int, float, str):  # enums and numpy scalars become their base type
+        if isinstance(value, base):
+            return base(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value] if isinstance(value, list) else tuple(_plain(v) for v in value)
+    if callable(getattr(value, "model_dump", None)):  # pydantic models (OpenAI SDK messages)
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+class _TemplateRaised(Exception):
+    """Raised by a template's own raise_exception(), to tell it apart from a template that is broken."""
+
+
+def _raise_exception(message: str):
+    raise _TemplateRaised(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson HTML-escapes (<, >, &, ') and takes no separators; templates expect json.dumps.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """namespace() that refuses "_"-prefixed names, so `{% set ns.__x = ... %}` can't plant dunders."""
+
+    def __init__(*args, **kwargs):  # jinja's own signature trick, so namespace(self=...) keeps working
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"templates may not set underscore-prefixed attribute {name!r}")
+
+
+class _Dict:
+    """Stands in for the `dict` global: templates can build dicts, but get no handle on the dict type itself."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """Accept transformers' {% generation %}...{% endgeneration %} (marks assistant text for training masks)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    # Chat templates come from the hub, i.e. untrusted code: the immutable sandbox blocks dunder access and
+    # mutation of the caller's messages. trim/lstrip_blocks are the whitespace rules templates are written for.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, namespace=_Namespace, dict=_Dict(),
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env
