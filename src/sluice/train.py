@@ -1,0 +1,261 @@
+"""`sluice train`: pretrain a Qwen3-architecture model on sluice's own model code.
+
+Run directory layout:
+  data/      tokenizer.json, train.npy, heldout.npy, data.json   (made once, reused on --resume)
+  state/     resume.safetensors (weights + AdamW moments), resume.json (step, history)
+  model/     the exported Hugging Face checkpoint (sluice and transformers both load it)
+  log.jsonl  one line per logged step / evaluation
+
+Batches are a pure function of (seed, step), and the optimizer state is saved exactly, so a run
+resumed from a checkpoint follows the same loss curve as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .corpus import (Corpus, compression_baselines, encode_files, load_corpus, token_byte_lengths,
+                     train_tokenizer)
+from .errors import SluiceError
+from .export import export_hf
+from .model import Transformer
+from .recipe import Recipe
+
+
+def prepare_data(recipe: Recipe, data_dir: Path, log) -> dict:
+    """Tokenizer + token streams, built once per run directory."""
+    meta_path = data_dir / "data.json"
+    if meta_path.is_file():
+        return json.loads(meta_path.read_text())
+    data_dir.mkdir(parents=True, exist_ok=True)
+    corpus = load_corpus(recipe.corpus)
+    log(f"corpus {corpus.root}: {len(corpus.train)} train files, {len(corpus.heldout)} held-out files")
+    t0 = time.perf_counter()
+    tok = train_tokenizer(corpus, recipe.tokenizer)
+    tok.save(str(data_dir / "tokenizer.json"))
+    sep = tok.token_to_id(recipe.tokenizer.special_tokens[0])
+    train_texts, held_texts = corpus.texts("train"), corpus.texts("heldout")
+    train_ids = encode_files(tok, train_texts, sep)
+    held_ids = encode_files(tok, held_texts, sep)
+    np.save(data_dir / "train.npy", train_ids)
+    np.save(data_dir / "heldout.npy", held_ids)
+    meta = {"root": str(corpus.root), "train_files": len(corpus.train),
+            "heldout_files": len(corpus.heldout),
+            "train_bytes": sum(len(t.encode()) for t in train_texts),
+            "heldout_bytes": sum(len(t.encode()) for t in held_texts),
+            "train_tokens": int(train_ids.size), "heldout_tokens": int(held_ids.size),
+            "vocab_size": tok.get_vocab_size(), "sep_id": sep,
+            "baselines": compression_baselines(held_texts) if held_texts else {},
+            "tokenizer_seconds": round(time.perf_counter() - t0, 1)}
+    meta_path.write_text(json.dumps(meta, indent=1))
+    log(f"tokenizer + encoding: {meta['train_tokens']:,} train tokens "
+        f"({meta['train_bytes'] / max(meta['train_tokens'], 1):.2f} bytes/token), "
+        f"{meta['heldout_tokens']:,} held-out tokens")
+    return meta
+
+
+def model_config(recipe: Recipe, vocab_size: int, sep_id: int) -> ModelConfig:
+    m = recipe.model
+    return ModelConfig(vocab_size=vocab_size, hidden_size=m.hidden_size,
+                       intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                       max_position_embeddings=m.max_position_embeddings, norm_eps=m.norm_eps,
+                       qk_norm="head", tie_word_embeddings=m.tie_word_embeddings,
+                       rope_theta=m.rope_theta, architecture="Qwen3ForCausalLM",
+                       torch_dtype="bfloat16", bos_token_id=None, eos_token_id=sep_id)
+
+
+def lr_at(step: int, t) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch(tokens: np.ndarray, t, step: int, micro: int):
+    rng = np.random.default_rng([t.seed, step, micro])
+    starts = rng.integers(0, tokens.size - t.seq_len - 1, size=t.micro_batch)
+    window = torch.from_numpy(np.stack([tokens[s:s + t.seq_len + 1] for s in starts]).astype(np.int64))
+    return window[:, :-1], window[:, 1:]
+
+
+@torch.no_grad()
+def evaluate(model, tokens: np.ndarray, byte_len: np.ndarray, seq_len: int, max_tokens: int,
+             autocast: bool, batch_size: int = 8) -> dict:
+    """Mean loss and bits per byte on non-overlapping windows of the held-out stream."""
+    n = min(tokens.size - 1, max_tokens) // seq_len
+    nats, nbytes, count = 0.0, 0, 0
+    was_training = model.training
+    model.eval()
+    for i in range(0, n, batch_size):
+        idx = np.arange(i, min(i + batch_size, n))[:, None] * seq_len + np.arange(seq_len + 1)
+        window = torch.from_numpy(tokens[idx].astype(np.int64))
+        x, y = window[:, :-1], window[:, 1:]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+        nats += loss.item()
+        nbytes += int(byte_len[y.numpy()].sum())
+        count += y.numel()
+    model.train(was_training)
+    return {"loss": nats / max(count, 1), "bpb": nats / math.log(2) / max(nbytes, 1),
+            "tokens": count, "bytes": nbytes}
+
+
+def save_state(state_dir: Path, model, opt, step: int, history: list) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()
+               if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for k, v in opt.state.get(p, {}).items():
+                if k != "step":
+                    tensors[f"opt.{names[id(p)]}.{k}"] = v.contiguous()
+    adam_step = next((float(s["step"]) for s in opt.state.values()), 0.0)
+    tmp = state_dir / "resume.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(state_dir / "resume.safetensors")  # atomic: an interrupted save keeps the old one
+    (state_dir / "resume.json").write_text(json.dumps({"step": step, "adam_step": adam_step,
+                                                       "history": history}))
+
+
+def load_state(state_dir: Path, model, opt) -> tuple[int, list]:
+    meta = json.loads((state_dir / "resume.json").read_text())
+    tensors = load_file(str(state_dir / "resume.safetensors"))
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
+    model.tie_weights()
+    for name, p in model.named_parameters():
+        if f"opt.{name}.exp_avg" in tensors:
+            opt.state[p] = {"step": torch.tensor(meta["adam_step"]),
+                            "exp_avg": tensors[f"opt.{name}.exp_avg"],
+                            "exp_avg_sq": tensors[f"opt.{name}.exp_avg_sq"]}
+    return meta["step"], meta["history"]
+
+
+def run(recipe: Recipe, out_dir: str | Path, resume: bool = False, stop_at: int | None = None,
+        log=None, progress: bool | None = None) -> dict:
+    """Train per `recipe` into `out_dir`; returns the summary also written to summary.json."""
+    out = Path(out_dir)
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    state_dir = out / "state"
+    if resume and not (state_dir / "resume.json").is_file():
+        raise SluiceError(f"--resume: no checkpoint in {state_dir} to resume from")
+    if not resume and state_dir.exists():
+        raise SluiceError(f"{out} already holds a run; pass --resume to continue it or pick a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = prepare_data(recipe, out / "data", log)
+    t = recipe.train
+    train_ids = np.load(out / "data" / "train.npy")
+    held_ids = np.load(out / "data" / "heldout.npy")
+    if train_ids.size <= t.seq_len + 1:
+        raise SluiceError(f"corpus too small: {train_ids.size} training tokens for seq_len {t.seq_len}")
+    from tokenizers import Tokenizer as HFTokenizer
+    tok = HFTokenizer.from_file(str(out / "data" / "tokenizer.json"))
+    byte_len = token_byte_lengths(tok)
+
+    cfg = model_config(recipe, meta["vocab_size"], meta["sep_id"])
+    torch.manual_seed(t.seed)
+    model = Transformer(cfg)
+    model.init_weights(t.init_std, torch.Generator().manual_seed(t.seed))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=t.lr, betas=tuple(t.betas), fused=True)
+    start, history = (load_state(state_dir, model, opt) if resume else (0, []))
+    if resume:
+        log(f"resumed at step {start} from {state_dir}")
+    step_fn = torch.compile(model) if t.compile else model
+    model.train()
+    log_file = (out / "log.jsonl").open("a")
+    tokens_per_step = t.seq_len * t.micro_batch * t.grad_accum
+    last = stop_at if stop_at is not None else t.steps
+    deadline = time.time() + 60 * t.max_minutes if t.max_minutes else math.inf
+    bar = _Progress(last - start, enabled=sys.stderr.isatty() if progress is None else progress)
+    t_run = time.perf_counter()
+    step = start
+    while step < min(last, t.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, t)
+        total = 0.0
+        for micro in range(t.grad_accum):
+            x, y = batch(train_ids, t, step, micro)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
+                logits = step_fn(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / t.grad_accum
+            loss.backward()
+            total += loss.item()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip).item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        elapsed = time.perf_counter() - t_run
+        rate = (step - start) * tokens_per_step / elapsed
+        history.append(round(total, 6))
+        rec = {"step": step, "loss": total, "lr": lr_at(step - 1, t), "grad_norm": gnorm,
+               "tok_s": rate, "elapsed": elapsed}
+        bar.update(step, total, rate, (min(last, t.steps) - step) * tokens_per_step / max(rate, 1e-9))
+        if step % t.eval_every == 0 or step == t.steps:
+            ev = evaluate(model, held_ids, byte_len, t.seq_len, t.eval_tokens, t.autocast_bf16)
+            rec.update(heldout_loss=ev["loss"], heldout_bpb=ev["bpb"])
+            bar.note(f"step {step}: train loss {total:.3f}, held-out loss {ev['loss']:.3f}, "
+                     f"{ev['bpb']:.3f} bits/byte", log)
+        log_file.write(json.dumps(rec) + "\n")
+        log_file.flush()
+        if not bar.enabled and step % 10 == 0:
+            log(f"step {step}/{t.steps} loss {total:.4f} {rate:,.0f} tok/s")
+        if step % t.checkpoint_every == 0:
+            save_state(state_dir, model, opt, step, history)
+        if time.time() > deadline:
+            log(f"max_minutes={t.max_minutes} reached at step {step}: stopping and exporting")
+            break
+    bar.close()
+    save_state(state_dir, model, opt, step, history)
+    summary = {"step": step, "steps_planned": t.steps, "tokens_seen": step * tokens_per_step,
+               "train_seconds_this_session": round(time.perf_counter() - t_run, 1),
+               "tokens_per_second": round((step - start) * tokens_per_step
+                                          / max(time.perf_counter() - t_run, 1e-9), 1),
+               "final_train_loss": history[-1] if history else None,
+               "params": cfg.num_params, "data": meta}
+    if step >= t.steps or stop_at is None:
+        export_hf(model, cfg, out / "model", out / "data" / "tokenizer.json", recipe)
+        summary["export"] = str(out / "model")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+class _Progress:
+    """rich progress bar on a terminal; nothing (plain log lines instead) in a pipe or file."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.enabled = enabled
+        if enabled:
+            from rich.progress import BarColumn, Progress, TextColumn
+            self.p = Progress(TextColumn("train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                              TextColumn("{task.fields[info]}"))
+            self.task = self.p.add_task("train", total=total, info="")
+            self.p.start()
+
+    def update(self, step, loss, rate, eta_s):
+        if self.enabled:
+            self.p.update(self.task, advance=1,
+                          info=f"loss {loss:.3f} | {rate:,.0f} tok/s | ETA {eta_s / 60:.1f} min")
+
+    def note(self, msg, log):
+        (self.p.console.print if self.enabled else log)(msg)
+
+    def close(self):
+        if self.enabled:
+            self.p.stop()
