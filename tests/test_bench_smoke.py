@@ -1,0 +1,50 @@
+"""The benchmark scripts run end to end (--quick) and write the JSON the docs describe.
+
+No timing asserts (speed is recorded in docs/benchmarks.md, never tested). The torch.compile rows
+are skipped here: compiling costs tens of seconds on a small CPU, longer than everything else.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _run(script: str, *args: str) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "| engine |" in proc.stdout or "| config |" in proc.stdout  # the markdown table
+
+
+def test_decode_speed_quick(tmp_path):
+    out = tmp_path / "decode.json"
+    _run("decode_speed.py", "--no-compile", "--workdir", str(tmp_path / "work"), "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["errors"] == {}
+    assert r["memcpy_GB_s"] > 0
+    for dtype in ("float32", "bfloat16"):
+        assert r["weight_bytes_per_token"][dtype] > 0 and r["decode_bound_tok_s"][dtype] > 0
+    rows = {(row["engine"], row["dtype"]): row for row in r["rows"]}
+    assert set(rows) == {(e, d) for e in ("sluice", "transformers") for d in ("float32", "bfloat16")}
+    for row in rows.values():
+        assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+        assert row["prefill_vs_transformers"] > 0 and row["decode_vs_transformers"] > 0
+    # fp32 weights are twice the bytes of bf16 ones.
+    assert r["weight_bytes_per_token"]["float32"] == 2 * r["weight_bytes_per_token"]["bfloat16"]
+
+
+def test_train_speed_quick(tmp_path):
+    out = tmp_path / "train.json"
+    configs = "transformers fp32,transformers bf16-autocast,sluice fp32,sluice bf16-autocast"
+    _run("train_speed.py", "--configs", configs, "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["errors"] == {}
+    assert r["tokens_per_step"] == r["micro_batch"] * r["seq_len"] > 0
+    rows = {row["config"]: row for row in r["rows"]}
+    assert set(rows) == set(configs.split(","))
+    for row in rows.values():
+        assert row["tok_s"] > 0 and row["step_seconds"] > 0 and row["vs_transformers_fp32"] > 0
+        assert row["params"] > 0 and row["first_loss"] > 0
