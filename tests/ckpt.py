@@ -42,3 +42,19 @@ def build(out: Path, arch: str = "qwen3", *, seed: int = 0, save_dtype=torch.flo
     else:
         saved.save_pretrained(out)
     return model.float()
+
+
+def build_with_tokenizer(out: Path, arch: str = "qwen3", generation_config: dict | None = None,
+                         kind: str = "qwen", **overrides):
+    """A tiny random checkpoint plus a real (tiny) tokenizer and generation_config: what the engine
+    and the CLI need. Returns the transformers model."""
+    import json
+
+    from tok_fixtures import VOCAB_SIZE, build_tokenizer
+
+    model = build(out, arch, vocab_size=VOCAB_SIZE, **overrides)
+    build_tokenizer(out, kind)
+    gen = {"eos_token_id": 2, "do_sample": False, "max_new_tokens": 16}
+    gen.update(generation_config or {})
+    (Path(out) / "generation_config.json").write_text(json.dumps(gen))
+    return model

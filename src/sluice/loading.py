@@ -16,6 +16,18 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16}
 
 
+BUNDLED_MODEL = "sluice-stdlib"
+
+
+def bundled_model_dir() -> Path:
+    """The model sluice trained itself (recipes/stdlib.toml), shipped inside the package."""
+    path = Path(__file__).parent / "assets" / BUNDLED_MODEL
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"the bundled model is missing from {path}; reinstall sluice-llm or pass "
+                          "--model with a local checkpoint directory")
+    return path
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
@@ -24,12 +36,12 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
 
-def load(path_or_repo_id: str | Path, dtype: str | torch.dtype = "float32") -> Transformer:
-    """Load a Hugging Face checkpoint (local directory or cached repo id) as a sluice model.
+def load(path_or_repo_id: str | Path | None = None, dtype: str | torch.dtype = "float32") -> Transformer:
+    """Load a Hugging Face checkpoint (local directory or cached repo id; None = the bundled model).
 
     `model(input_ids)` with a LongTensor (B, T) returns fp32 logits (B, T, vocab)."""
     torch_dtype = parse_dtype(dtype)
-    model_dir = resolve_model_dir(path_or_repo_id)
+    model_dir = bundled_model_dir() if path_or_repo_id is None else resolve_model_dir(path_or_repo_id)
     cfg = ModelConfig.from_hf(model_dir)
     with torch.device("meta"):
         model = Transformer(cfg)

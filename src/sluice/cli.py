@@ -1,0 +1,190 @@
+"""The `sluice` command line: demo, generate, chat, train."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+from .errors import SluiceError
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="local checkpoint directory or cached Hugging Face repo id "
+                        "(default: the bundled model sluice trained itself)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="refuse requests longer than this many tokens (default: the model's context)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (unset values come from the model's generation_config.json)")
+    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--temperature", type=float, help="0 = greedy")
+    g.add_argument("--top-k", type=int, help="0 or -1 = off")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable), excluded from the output")
+    g.add_argument("--stop-token-id", action="append", type=int, dest="stop_token_ids")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _params(args):
+    from .sampling import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                          stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+
+
+def _load_llm(args):
+    """Load with a spinner on stderr, so a slow load never looks like a hang."""
+    from rich.console import Console
+
+    from .engine import LLM
+    console = Console(stderr=True)
+    with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype})..."):
+        return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile)
+
+
+def cmd_generate(args) -> int:
+    params = _params(args)  # validate before the (slow) load
+    llm = _load_llm(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}])
+    if args.json:
+        out = llm.generate([prompt], params)[0]
+        print(json.dumps({"prompt": args.prompt, "text": out.text, "token_ids": out.token_ids,
+                          "finish_reason": out.finish_reason, "stats": llm.last_stats.as_dict()},
+                         ensure_ascii=False))
+        return 0
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    s = llm.last_stats
+    print(f"[{s.prompt_tokens} prompt tokens, {s.generated_tokens} generated "
+          f"({llm.last_output.finish_reason}); prefill {s.prefill_tok_s:.1f} tok/s, "
+          f"decode {s.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = _params(args)
+    llm = _load_llm(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(system)
+    print("sluice chat: /reset clears the conversation, /exit or Ctrl-D quits, "
+          "Ctrl-C stops a reply.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            history = list(system)
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            prompt = llm.chat_prompt(history)
+        except SluiceError as e:
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        reply = []
+        try:
+            for delta in llm.stream(prompt, params):
+                reply.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            sys.stdout.write(" [stopped]")
+        except SluiceError as e:  # e.g. the conversation outgrew the context: say so, keep going
+            history.pop()
+            print(f"\nerror: {e}", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_train(args) -> int:
+    from .recipe import Recipe
+    from .train import run
+    recipe = Recipe.load(args.recipe or Path(__file__).parent / "recipes" / "stdlib.toml")
+    summary = run(recipe, args.out, resume=args.resume, stop_at=args.stop_at)
+    print(json.dumps({k: v for k, v in summary.items() if k != "data"}, indent=1))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="stream a few completions from the bundled model and show its "
+                                    "four numerical valves")
+    _model_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="continue a prompt, streaming to the terminal")
+    _model_args(p)
+    _sampling_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("prompt")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    _model_args(p)
+    _sampling_args(p)
+    p.add_argument("--system", default=None, help="system message")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("train", help="pretrain a model from a TOML recipe")
+    p.add_argument("--recipe", default=None, help="recipe file (default: the bundled model's recipe)")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="checkpoint and exit after this step (resume later with --resume)")
+    p.set_defaults(func=cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SluiceError as e:
+        print(f"sluice {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        with contextlib.suppress(Exception):
+            print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""`sluice.LLM`: the Python API (vLLM-shaped). Loads model + tokenizer, runs batched generation."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from ..errors import ConfigError, RequestError
+from ..hub import resolve_model_dir
+from ..loading import bundled_model_dir, load
+from ..sampling import Sampler, SamplingParams
+from ..streaming import TextStream
+from ..tokenizer import Tokenizer
+from .runner import Runner
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # includes a final eos / stop token
+    finish_reason: str | None = None  # "stop" (eos, stop token or stop string) or "length"
+    prompt: str | None = None
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first generated token comes out of prefill; the rest are decode steps.
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                "prefill_seconds": round(self.prefill_seconds, 4),
+                "decode_seconds": round(self.decode_seconds, 4),
+                "prefill_tok_s": round(self.prefill_tok_s, 2), "decode_tok_s": round(self.decode_tok_s, 2)}
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, dtype: str = "float32",
+                 max_model_len: int | None = None, compile: bool = False):
+        self.model_dir = resolve_model_dir(model) if model is not None else bundled_model_dir()
+        self.model = load(self.model_dir, dtype)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        cfg = self.model.config
+        path = self.model_dir / "generation_config.json"
+        self.generation_config = json.loads(path.read_text()) if path.is_file() else {}
+        limit = cfg.max_position_embeddings
+        if max_model_len is not None and not (isinstance(max_model_len, int) and 0 < max_model_len <= limit):
+            raise ConfigError(f"max_model_len must be an integer in [1, {limit}] (the model's "
+                              f"max_position_embeddings), got {max_model_len!r}")
+        self.max_model_len = max_model_len or limit
+        eos = self.generation_config.get("eos_token_id", cfg.eos_token_id)
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_token_ids = set(eos) | set(self.tokenizer.eos_token_ids)
+        self.runner = Runner(self.model, compile=compile)
+        self.last_stats = Stats()
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists), decoding them as one batch."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        outputs = self._start(list(prompts), params)
+        for _ in self._run(outputs):
+            pass
+        return outputs
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one completion; concatenated they equal the final text."""
+        outputs = self._start([prompt], params)
+        for _, delta in self._run(outputs):
+            yield delta
+        self.last_output = outputs[0]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None,
+             **template_kwargs) -> RequestOutput:
+        return self.generate([self.chat_prompt(messages, **template_kwargs)], params)[0]
+
+    def chat_prompt(self, messages: list[dict], **template_kwargs) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  **template_kwargs)
+
+    # ------------------------------------------------------------------ the loop
+    def _start(self, prompts: list, params) -> list[RequestOutput]:
+        if not prompts:
+            raise RequestError("no prompts given")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        vocab = self.model.config.vocab_size
+        self._params = [p.with_defaults(self.generation_config) for p in params]
+        outputs = []
+        for i, (prompt, p) in enumerate(zip(prompts, self._params)):
+            p.validate(vocab)
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
+            if not ids:
+                raise RequestError(f"prompt {i} is empty: at least one token is needed to condition on")
+            if any(t < 0 or t >= vocab for t in ids):
+                raise RequestError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+            if len(ids) + p.max_tokens > self.max_model_len:
+                raise RequestError(
+                    f"prompt {i} has {len(ids)} tokens and asks for max_tokens={p.max_tokens}: "
+                    f"{len(ids) + p.max_tokens} tokens do not fit the context of {self.max_model_len} "
+                    f"tokens (shorten the prompt or lower max_tokens)")
+            outputs.append(RequestOutput(prompt_token_ids=ids, prompt=text))
+        return outputs
+
+    def _run(self, outputs: list[RequestOutput]) -> Iterator[tuple[int, str]]:
+        """Prefill all rows together, then decode until every row has finished.
+
+        Yields (row, text delta) as text becomes final. One host sync per step (the sampled ids,
+        needed to detokenize and check stops); the model step and the sampler have none."""
+        params, B = self._params, len(outputs)
+        sampler = Sampler(params, self.model.config.vocab_size)
+        for b, out in enumerate(outputs):
+            sampler.add_context(b, out.prompt_token_ids)
+        streams = [TextStream(self.tokenizer.decode, p.stop) for p in params]
+        stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) for p in params]
+        stats = self.last_stats = Stats(prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs))
+        needed = max(len(o.prompt_token_ids) + p.max_tokens for o, p in zip(outputs, params))
+        t0 = time.perf_counter()
+        logits = self.runner.prefill([o.prompt_token_ids for o in outputs], Runner.slots_for(needed))
+        active = list(range(B))
+        try:
+            while True:
+                tokens = sampler(logits)  # (B,)
+                if stats.prefill_seconds == 0.0:
+                    stats.prefill_seconds = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                ids = tokens.tolist()
+                for b in list(active):
+                    out, tok = outputs[b], ids[b]
+                    out.token_ids.append(tok)
+                    stats.generated_tokens += 1
+                    if tok in stop_ids[b]:
+                        out.finish_reason = "stop"
+                        delta = streams[b].finish()
+                    else:
+                        delta = streams[b].push(tok)
+                        if streams[b].stopped:
+                            out.finish_reason = "stop"
+                        elif len(out.token_ids) >= params[b].max_tokens:
+                            out.finish_reason = "length"
+                            delta += streams[b].finish()
+                    out.text += delta
+                    if out.finish_reason:
+                        active.remove(b)
+                    if delta:
+                        yield b, delta
+                if not active:
+                    break
+                logits = self.runner.step(tokens)
+        finally:
+            stats.decode_seconds = time.perf_counter() - t0
+            self.runner.release()
+

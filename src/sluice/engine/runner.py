@@ -1,0 +1,59 @@
+"""The only code that runs the model during generation: one batched prefill, then decode steps.
+
+The decode step has fixed shapes for a given batch: tokens (B, 1), positions (B, 1), a cache of
+(B, S) slots. Rows that have finished keep stepping (their output is ignored) so shapes never
+change mid-batch; with compile=True the step is traced once per (B, S) by torch.compile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv_cache import KVCache
+from ..model import Transformer
+
+SLOT_BUCKET = 64  # cache sizes are rounded up to this, so nearby request sizes share a compiled step
+
+
+class Runner:
+    def __init__(self, model: Transformer, compile: bool = False):
+        self.model = model
+        self.cache: KVCache | None = None
+        self.pos: torch.Tensor | None = None  # (B,) next position to write, per row
+        self._step = torch.compile(self._decode, dynamic=False, fullgraph=True) if compile else self._decode
+
+    @staticmethod
+    def slots_for(needed: int) -> int:
+        return -(-needed // SLOT_BUCKET) * SLOT_BUCKET
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], num_slots: int) -> torch.Tensor:
+        """Run all prompts in one forward (right-padded); return each row's last logits (B, V)."""
+        cfg = self.model.config
+        dtype = self.model.embed.weight.dtype
+        B, T = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        lengths = torch.tensor([len(p) for p in prompts])
+        positions = torch.arange(T).expand(B, T)  # padding sits at positions no real token sees
+        self.cache = KVCache(cfg, B, num_slots, dtype)
+        logits = self.model(ids, positions, self.cache, logits_at=lengths - 1)  # (B, 1, V)
+        self.pos = lengths.clone()
+        return logits[:, 0]
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B,) just sampled -> logits (B, V) for the next ones."""
+        pos = self.pos.clamp(max=self.cache.num_slots - 1)  # finished rows idle at the last slot
+        logits = self._step(tokens[:, None], pos[:, None], self.cache.k, self.cache.v)
+        self.pos += 1
+        return logits
+
+    def _decode(self, tokens, positions, k, v) -> torch.Tensor:
+        # The cache comes in as arguments, not via self, so a compiled step is reused across batches.
+        return self.model(tokens, positions, KVCache.wrap(k, v))[:, 0]  # (B, V)
+
+    def release(self) -> None:
+        self.cache = None
+        self.pos = None

@@ -1,0 +1,60 @@
+"""The command line, run as a user would: a subprocess with arguments and stdin."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def sluice(*args, stdin=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "sluice", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_generate_json(tiny_dir):
+    r = sluice("generate", "--model", str(tiny_dir), "--max-tokens", "6", "--temperature", "0",
+               "--ignore-eos", "--json", "Hello world")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["token_ids"]) == 6 and out["finish_reason"] == "length"
+    assert out["stats"]["prompt_tokens"] > 0 and out["stats"]["generated_tokens"] == 6
+
+
+def test_generate_streams_text_and_stats(tiny_dir, tiny_llm):
+    import sluice as api
+    expected = tiny_llm.generate("Hello world", api.SamplingParams(max_tokens=6, temperature=0,
+                                                                    ignore_eos=True))[0].text
+    r = sluice("generate", "--model", str(tiny_dir), "--max-tokens", "6", "--temperature", "0",
+               "--ignore-eos", "Hello world")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "Hello world" + expected + "\n"
+    assert "prompt tokens" in r.stderr and "decode" in r.stderr and "tok/s" in r.stderr
+
+
+@pytest.mark.parametrize("flag,value,name", [("--temperature", "3", "temperature"),
+                                             ("--top-p", "0", "top_p"),
+                                             ("--max-tokens", "0", "max_tokens")])
+def test_generate_bad_sampling_value(tiny_dir, flag, value, name):
+    r = sluice("generate", "--model", str(tiny_dir), flag, value, "hi")
+    assert r.returncode == 2
+    assert name in r.stderr and value in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generate_missing_model(tmp_path):
+    r = sluice("generate", "--model", str(tmp_path / "nope"), "hi")
+    assert r.returncode == 2 and "nope" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_chat_two_turns_over_stdin(tiny_dir):
+    r = sluice("chat", "--model", str(tiny_dir), "--max-tokens", "4", "--temperature", "0",
+               "--ignore-eos", stdin="Hello there\n/reset\nWhat is 2+2?\n")
+    assert r.returncode == 0, r.stderr
+    replies = [line for line in r.stdout.split("> ") if line.strip()]
+    assert len(replies) == 2  # one reply per user turn; /reset prints to stderr only
+    assert "conversation cleared" in r.stderr
+
+
+def test_chat_exit_command(tiny_dir):
+    r = sluice("chat", "--model", str(tiny_dir), "--max-tokens", "2", stdin="/exit\nnever read\n")
+    assert r.returncode == 0 and r.stdout.count("> ") == 1
