@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -44,6 +45,6 @@ def export_hf(model, cfg: ModelConfig, out_dir: Path, tokenizer_json: Path, reci
     gen = {"eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.eos_token_id, "do_sample": True,
            "temperature": 0.7, "top_p": 0.95, "max_new_tokens": 128}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    if recipe is not None and recipe.path:
-        shutil.copyfile(recipe.path, out_dir / "recipe.toml")
+    if recipe is not None:  # the full resolved recipe, defaults included, next to what it made
+        (out_dir / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2) + "\n")
     return out_dir
