@@ -114,3 +114,12 @@ def test_refuses_to_overwrite_a_run(tmp_path, corpus):
     shutil.rmtree(tmp_path / "run" / "state")
     with pytest.raises(sluice.SluiceError, match="no checkpoint"):
         run(recipe(corpus, steps=2), tmp_path / "run", resume=True, log=lambda m: None)
+
+
+def test_training_card(tmp_path, corpus):
+    run(recipe(corpus), tmp_path / "run", log=lambda m: None, progress=False)
+    card = json.loads((tmp_path / "run" / "model" / "training.json").read_text())
+    assert card["steps"] == 6 and card["tokens_seen"] == 6 * 32 * 4 * 2
+    assert card["heldout"]["bpb"] > 0 and card["heldout"]["tokens"] > 0
+    assert set(card["baselines"]) >= {"gzip-9", "xz-9e"}
+    assert card["train_wall_seconds"] > 0

@@ -233,7 +233,38 @@ def run(recipe: Recipe, out_dir: str | Path, resume: bool = False, stop_at: int 
         export_hf(model, cfg, out / "model", out / "data" / "tokenizer.json", recipe)
         summary["export"] = str(out / "model")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if "export" in summary:
+        write_card(out, t.seq_len)
     return summary
+
+
+def write_card(out: Path, seq_len: int) -> dict:
+    """Evaluate the *exported* checkpoint (the weights that ship) on the whole held-out split and
+    write model/training.json: size, tokens, time, losses, bits per byte next to gzip and xz."""
+    from .loading import load
+    out = Path(out)
+    summary = json.loads((out / "summary.json").read_text())
+    data = summary["data"]
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    from tokenizers import Tokenizer as HFTokenizer
+    tok = HFTokenizer.from_file(str(out / "data" / "tokenizer.json"))
+    model = load(out / "model", "float32")
+    held = np.load(out / "data" / "heldout.npy")
+    ev = evaluate(model, held, token_byte_lengths(tok), seq_len, held.size, autocast=False)
+    wall, prev = 0.0, 0.0
+    for r in rows:  # "elapsed" restarts at 0 in each resumed session: add up the sessions
+        if r["elapsed"] < prev:
+            wall += prev
+        prev = r["elapsed"]
+    card = {"params": model.config.num_params, "steps": summary["step"],
+            "tokens_seen": summary["tokens_seen"], "train_wall_seconds": round(wall + prev, 1),
+            "tokenizer_and_data_seconds": data.get("tokenizer_seconds"),
+            "final_train_loss": rows[-1]["loss"] if rows else None,
+            "heldout": ev, "baselines": data.get("baselines", {}),
+            "corpus": {k: data[k] for k in ("train_files", "heldout_files", "train_bytes",
+                                            "heldout_bytes", "train_tokens", "heldout_tokens")}}
+    (out / "model" / "training.json").write_text(json.dumps(card, indent=1) + "\n")
+    return card
 
 
 class _Progress:
