@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from common import environment, save_json
 
 # Qwen3-0.6B's shapes (its config.json); weights are random, speed does not depend on them.
 FULL = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -26,20 +27,6 @@ FULL = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_
             max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
 QUICK = dict(FULL, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, intermediate_size=256, vocab_size=4096, max_position_embeddings=512)
-
-
-def cpu_info() -> dict:
-    """What decides the bf16 story: AVX-512 / AMX have bf16 dot-product instructions, AVX2 has not."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                 if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    return {"model": name, "avx2": "avx2" in flags, "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags, "torch_threads": torch.get_num_threads()}
 
 
 def build_checkpoint(workdir: Path, shape: dict, name: str) -> Path:
@@ -209,16 +196,12 @@ def main(argv=None) -> dict:
 
     result = {"benchmark": "decode_speed", "quick": args.quick, "checkpoint": str(model_dir),
               "shape": shape, "batch_size": 1, "prompt_tokens": args.prompt_tokens,
-              "new_tokens": args.new_tokens, "reps": args.reps, "cpu": cpu_info(),
-              "versions": {"torch": torch.__version__, "transformers": T.__version__,
-                           "sluice": sluice.__version__},
+              "new_tokens": args.new_tokens, "reps": args.reps, **environment(),
               "memcpy_bytes": copy_bytes, "memcpy_GB_s": bandwidth / 1e9,
               "weight_bytes_per_token": wbytes, "decode_bound_tok_s": bound,
               "greedy_agreement_prefix": agree, "errors": errors, "rows": rows}
     print_table(result)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    save_json(args.json, result)
     return result
 
 

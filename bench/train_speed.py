@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 from pathlib import Path
@@ -22,23 +21,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common import environment, save_json
+
 RECIPE = Path(__file__).resolve().parents[1] / "src" / "sluice" / "recipes" / "stdlib.toml"
 CONFIGS = ("transformers fp32", "transformers bf16-autocast", "sluice fp32", "sluice bf16-autocast",
            "sluice compile fp32")
-
-
-def cpu_info() -> dict:
-    """What decides the bf16 story: AVX-512 / AMX have bf16 dot-product instructions, AVX2 has not."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                 if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    return {"model": name, "avx2": "avx2" in flags, "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags, "torch_threads": torch.get_num_threads()}
 
 
 def model_config(recipe_path: Path, quick: bool):
@@ -125,9 +112,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.micro_batch, args.seq_len, args.reps, args.warmup = 2, 32, 1, 1
 
-    import transformers as T
 
-    import sluice
 
     recipe, cfg = model_config(args.recipe, args.quick)
     t = recipe.train
@@ -172,14 +157,10 @@ def main(argv=None) -> dict:
                                                      "num_layers", "num_heads", "num_kv_heads", "head_dim",
                                                      "tie_word_embeddings")},
               "micro_batch": args.micro_batch, "seq_len": args.seq_len, "tokens_per_step": tokens,
-              "reps": args.reps, "warmup": args.warmup, "cpu": cpu_info(),
-              "versions": {"torch": torch.__version__, "transformers": T.__version__,
-                           "sluice": sluice.__version__},
+              "reps": args.reps, "warmup": args.warmup, **environment(),
               "errors": errors, "rows": rows}
     print_table(result)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    save_json(args.json, result)
     return result
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
-from .corpus import (Corpus, compression_baselines, encode_files, load_corpus, token_byte_lengths,
+from .corpus import (compression_baselines, encode_files, load_corpus, token_byte_lengths,
                      train_tokenizer)
 from .errors import SluiceError
 from .export import export_hf

@@ -1,0 +1,38 @@
+"""Helpers shared by the benchmark scripts (run as `python bench/<script>.py`, so this is importable)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def cpu_info() -> dict:
+    """What decides the bf16 story: AVX-512 / AMX have bf16 dot-product instructions, AVX2 has not."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return {"model": name, "avx2": "avx2" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "amx_bf16": "amx_bf16" in flags, "torch_threads": torch.get_num_threads()}
+
+
+def environment() -> dict:
+    """What a result depends on besides the code: the CPU and the library versions."""
+    import transformers
+
+    import sluice
+    return {"cpu": cpu_info(), "versions": {"torch": torch.__version__,
+                                            "transformers": transformers.__version__,
+                                            "sluice": sluice.__version__}}
+
+
+def save_json(path: Path | None, result: dict) -> None:
+    if path:
+        import json
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
