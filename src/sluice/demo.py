@@ -19,31 +19,28 @@ VALVE_PROMPT = "def read_config(path):\n    with open(path) as f:\n"
 
 
 def valves_table(llm, prompt: str) -> Table:
+    """The four valves of the source article, measured by ValveProbe on one forward of `prompt`."""
     from .observatory import ValveProbe
     ids = torch.tensor([llm.tokenizer.encode(prompt)])
     with ValveProbe(llm.model) as probe, torch.inference_mode():
         llm.model(ids)
     s = probe.summary()
-    t = Table(title=f"the four valves on {ids.shape[1]} tokens of {prompt.splitlines()[0]!r}",
-              title_justify="left")
-    t.add_column("where")
-    t.add_column("RMS in", justify="right")
-    t.add_column("RMS out", justify="right")
-    t.add_column("what it shows")
-    t.add_row("x_0 embeddings", "", f"{s['residual_rms'][0]:.3f}", "the residual stream starts here")
-    for i in range(len(s["attn_norm_in"])):
-        t.add_row(f"block {i}: attn norm / mlp norm",
-                  f"{s['attn_norm_in'][i]:.2f} / {s['mlp_norm_in'][i]:.2f}",
-                  f"{s['attn_norm_out'][i]:.2f} / {s['mlp_norm_out'][i]:.2f}",
-                  f"1. input RMSNorm; stream after block: x_{i + 1} RMS {s['residual_rms'][i + 1]:.2f}")
-    t.add_row("final norm", f"{s['final_norm_in']:.2f}", f"{s['final_norm_out']:.2f}",
-              "3. flattens the stream's growth "
-              f"(x_L / x_0 = {s['residual_rms'][-1] / max(s['residual_rms'][0], 1e-12):.1f}x)")
+    rms = s["residual_rms"]
     vocab = llm.model.config.vocab_size
-    t.add_row("LM head logits", f"min {s['logit_min']:.2f}", f"max {s['logit_max']:.2f}",
-              f"4. softmax over {vocab:,} tokens: log-sum-exp {s['logsumexp']:.2f}")
-    t.add_row("next-token softmax", f"H {s['entropy']:.2f} nats", f"top-1 p {s['top1_prob']:.3f}",
-              f"entropy of a uniform guess: {math.log(vocab):.2f} nats")
+    t = Table(title=f"the four valves, {ids.shape[1]} tokens of {prompt.splitlines()[0]!r} "
+                    "(RMS over the hidden size, mean over tokens)", title_justify="left")
+    for name in ("", "1. attn norm in -> out", "1. mlp norm in -> out", "2. residual stream"):
+        t.add_column(name, justify="right" if name else "left")
+    t.add_row("embeddings", "", "", f"x_0 {rms[0]:.3f}")
+    for i in range(len(s["attn_norm_in"])):
+        t.add_row(f"block {i}", f"{s['attn_norm_in'][i]:.2f} -> {s['attn_norm_out'][i]:.2f}",
+                  f"{s['mlp_norm_in'][i]:.2f} -> {s['mlp_norm_out'][i]:.2f}", f"x_{i + 1} {rms[i + 1]:.2f}")
+    t.add_row("3. final norm", f"{s['final_norm_in']:.2f} -> {s['final_norm_out']:.2f}", "",
+              f"grew {rms[-1] / max(rms[0], 1e-12):.0f}x")
+    t.caption = (f"4. LM head: logits in [{s['logit_min']:.2f}, {s['logit_max']:.2f}], log-sum-exp "
+                 f"{s['logsumexp']:.2f}; softmax over {vocab:,} tokens: entropy {s['entropy']:.2f} nats "
+                 f"(uniform {math.log(vocab):.2f}), top-1 p {s['top1_prob']:.3f}")
+    t.caption_justify = "left"
     return t
 
 
