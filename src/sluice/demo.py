@@ -10,10 +10,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+# No trailing newline: the tokenizer learned "\n" + indentation as one token, so a prompt that ends
+# in a bare "\n" token is one the model never saw in training and continues badly.
 PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\n\n\ndef list_python_files(root):\n",
-    "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):\n",
+    "def fibonacci(n):",
+    "import os\n\n\ndef list_python_files(root):",
+    "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):",
 ]
 VALVE_PROMPT = "def read_config(path):\n    with open(path) as f:\n"
 
