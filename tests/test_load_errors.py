@@ -136,3 +136,11 @@ def test_repo_id_resolves_in_cache(tmp_path, monkeypatch):
     ids = torch.arange(10)[None]
     with torch.no_grad():
         assert (sluice.load("tiny/qwen3")(ids) - ref(ids).logits).abs().max() <= 1e-4
+
+
+def test_unimplemented_valve_values_are_refused(ckpt):
+    cfg = sluice.ModelConfig.from_hf(ckpt)
+    with pytest.raises(ConfigError, match="norm_placement='sandwich' is not implemented"):
+        cfg.replace(norm_placement="sandwich")
+    with pytest.raises(ConfigError, match="qk_norm='full'"):
+        cfg.replace(qk_norm="full")

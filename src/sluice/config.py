@@ -70,6 +70,13 @@ class ModelConfig:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
+        # Fields the model does not implement yet are refused, not ignored (they are here so that
+        # the next family is a new _FAMILIES row plus a branch in model.py, not a new model).
+        for name, allowed in (("norm_kind", ("rms",)), ("norm_placement", ("pre",)),
+                              ("qk_norm", (None, "head")), ("hidden_act", _ACTIVATIONS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not implemented "
+                                  f"(implemented: {allowed})")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                               f"num_key_value_heads ({self.num_kv_heads})")
