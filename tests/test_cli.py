@@ -58,3 +58,51 @@ def test_chat_two_turns_over_stdin(tiny_dir):
 def test_chat_exit_command(tiny_dir):
     r = sluice("chat", "--model", str(tiny_dir), "--max-tokens", "2", stdin="/exit\nnever read\n")
     assert r.returncode == 0 and r.stdout.count("> ") == 1
+
+
+def test_chat_ctrl_c_stops_the_reply_not_the_session(tmp_path):
+    """Through a pseudo-terminal, as a person would: Ctrl-C mid-reply, then keep chatting."""
+    import os
+    import pty
+    import select
+    import time
+
+    from ckpt import build_with_tokenizer
+    build_with_tokenizer(tmp_path, "qwen3", max_position_embeddings=8192)
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the real CLI on the pty
+        os.execv(sys.executable, [sys.executable, "-m", "sluice", "chat", "--model", str(tmp_path),
+                                  "--max-tokens", "8000", "--temperature", "1", "--seed", "0",
+                                  "--ignore-eos"])
+    seen = b""
+
+    def read_until(needle: bytes, timeout: float = 120) -> bytes:
+        nonlocal seen
+        end = time.time() + timeout
+        while needle not in seen and time.time() < end:
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(fd, 4096)
+                except OSError:
+                    break
+        assert needle in seen, seen[-500:]
+        return seen
+
+    def read_more(n: int, timeout: float = 60) -> None:
+        nonlocal seen
+        target, end = len(seen) + n, time.time() + timeout
+        while len(seen) < target and time.time() < end:
+            if select.select([fd], [], [], 0.5)[0]:
+                seen += os.read(fd, 4096)
+        assert len(seen) >= target, seen[-500:]
+
+    read_until(b"> ")
+    os.write(fd, b"hello\r")
+    read_until(b"hello")
+    read_more(40)  # the reply is streaming (8000 tokens: far from done)
+    os.write(fd, b"\x03")
+    read_until(b"[stopped]")
+    read_until(b"> ", timeout=30)  # the session goes on
+    os.write(fd, b"/exit\r")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
