@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer as HFTokenizer
 
 from .config import ModelConfig
 from .corpus import (compression_baselines, encode_files, load_corpus, token_byte_lengths,
@@ -161,7 +162,6 @@ def run(recipe: Recipe, out_dir: str | Path, resume: bool = False, stop_at: int 
     held_ids = np.load(out / "data" / "heldout.npy")
     if train_ids.size <= t.seq_len + 1:
         raise SluiceError(f"corpus too small: {train_ids.size} training tokens for seq_len {t.seq_len}")
-    from tokenizers import Tokenizer as HFTokenizer
     tok = HFTokenizer.from_file(str(out / "data" / "tokenizer.json"))
     byte_len = token_byte_lengths(tok)
 
@@ -246,7 +246,6 @@ def write_card(out: Path, seq_len: int) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     data = summary["data"]
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    from tokenizers import Tokenizer as HFTokenizer
     tok = HFTokenizer.from_file(str(out / "data" / "tokenizer.json"))
     model = load(out / "model", "float32")
     held = np.load(out / "data" / "heldout.npy")
