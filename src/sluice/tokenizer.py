@@ -52,7 +52,8 @@ class Tokenizer:
 
         self.bos_token_id = self._id_or_none(self.bos_token)
         self.pad_token_id = self._id_or_none(self.pad_token)
-        self.eos_token_ids = _eos_ids((generation_config or {}).get("eos_token_id"), self._id_or_none(self.eos_token))
+        self.generation_config = dict(generation_config or {})  # also the engine's sampling defaults
+        self.eos_token_ids = _eos_ids(self.generation_config.get("eos_token_id"), self._id_or_none(self.eos_token))
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.all_special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         self.all_special_ids |= {i for i in map(self._id_or_none, [*names.values(), *extra]) if i is not None}

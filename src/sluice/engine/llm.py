@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,16 +56,18 @@ class LLM:
         self.model = load(self.model_dir, dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         cfg = self.model.config
-        path = self.model_dir / "generation_config.json"
-        self.generation_config = json.loads(path.read_text()) if path.is_file() else {}
+        self.generation_config = self.tokenizer.generation_config  # read (and checked) once, there
         limit = cfg.max_position_embeddings
         if max_model_len is not None and not (isinstance(max_model_len, int) and 0 < max_model_len <= limit):
             raise ConfigError(f"max_model_len must be an integer in [1, {limit}] (the model's "
                               f"max_position_embeddings), got {max_model_len!r}")
         self.max_model_len = max_model_len or limit
-        eos = self.generation_config.get("eos_token_id", cfg.eos_token_id)
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        self.eos_token_ids = set(eos) | set(self.tokenizer.eos_token_ids)
+        # The tokenizer's eos ids come from generation_config.json, else tokenizer_config.json; a
+        # checkpoint without a generation_config also stops on config.json's eos_token_id.
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        if "eos_token_id" not in self.generation_config:
+            eos = cfg.eos_token_id
+            self.eos_token_ids |= {eos} if isinstance(eos, int) else set(eos or [])
         self.runner = Runner(self.model, compile=compile)
         self.last_stats = Stats()
 
@@ -76,15 +77,15 @@ class LLM:
         """Generate for every prompt (strings or token-id lists), decoding them as one batch."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        outputs = self._start(list(prompts), params)
-        for _ in self._run(outputs):
+        outputs, params = self._start(list(prompts), params)
+        for _ in self._run(outputs, params):
             pass
         return outputs
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one completion; concatenated they equal the final text."""
-        outputs = self._start([prompt], params)
-        for _, delta in self._run(outputs):
+        outputs, params = self._start([prompt], params)
+        for _, delta in self._run(outputs, params):
             yield delta
         self.last_output = outputs[0]
 
@@ -97,7 +98,8 @@ class LLM:
                                                   **template_kwargs)
 
     # ------------------------------------------------------------------ the loop
-    def _start(self, prompts: list, params) -> list[RequestOutput]:
+    def _start(self, prompts: list, params) -> tuple[list[RequestOutput], list[SamplingParams]]:
+        """Validate the request and resolve its params, before any compute."""
         if not prompts:
             raise RequestError("no prompts given")
         if params is None or isinstance(params, SamplingParams):
@@ -105,9 +107,9 @@ class LLM:
         if len(params) != len(prompts):
             raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         vocab = self.model.config.vocab_size
-        self._params = [p.with_defaults(self.generation_config) for p in params]
+        params = [p.with_defaults(self.generation_config) for p in params]
         outputs = []
-        for i, (prompt, p) in enumerate(zip(prompts, self._params)):
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
             p.validate(vocab)
             text = prompt if isinstance(prompt, str) else None
             ids = self.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
@@ -121,14 +123,15 @@ class LLM:
                     f"{len(ids) + p.max_tokens} tokens do not fit the context of {self.max_model_len} "
                     f"tokens (shorten the prompt or lower max_tokens)")
             outputs.append(RequestOutput(prompt_token_ids=ids, prompt=text))
-        return outputs
+        return outputs, params
 
-    def _run(self, outputs: list[RequestOutput]) -> Iterator[tuple[int, str]]:
+    def _run(self, outputs: list[RequestOutput],
+             params: list[SamplingParams]) -> Iterator[tuple[int, str]]:
         """Prefill all rows together, then decode until every row has finished.
 
         Yields (row, text delta) as text becomes final. One host sync per step (the sampled ids,
         needed to detokenize and check stops); the model step and the sampler have none."""
-        params, B = self._params, len(outputs)
+        B = len(outputs)
         sampler = Sampler(params, self.model.config.vocab_size)
         for b, out in enumerate(outputs):
             sampler.add_context(b, out.prompt_token_ids)
@@ -137,14 +140,13 @@ class LLM:
         stats = self.last_stats = Stats(prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs))
         needed = max(len(o.prompt_token_ids) + p.max_tokens for o, p in zip(outputs, params))
         t0 = time.perf_counter()
-        logits = self.runner.prefill([o.prompt_token_ids for o in outputs], Runner.slots_for(needed))
         active = list(range(B))
         try:
+            logits = self.runner.prefill([o.prompt_token_ids for o in outputs], Runner.slots_for(needed))
+            tokens = sampler(logits)  # (B,): the first generated token ends the prefill
+            stats.prefill_seconds = time.perf_counter() - t0
+            t0 = time.perf_counter()
             while True:
-                tokens = sampler(logits)  # (B,)
-                if stats.prefill_seconds == 0.0:
-                    stats.prefill_seconds = time.perf_counter() - t0
-                    t0 = time.perf_counter()
                 ids = tokens.tolist()
                 for b in list(active):
                     out, tok = outputs[b], ids[b]
@@ -167,7 +169,7 @@ class LLM:
                         yield b, delta
                 if not active:
                     break
-                logits = self.runner.step(tokens)
+                tokens = sampler(self.runner.step(tokens))
         finally:
             stats.decode_seconds = time.perf_counter() - t0
             self.runner.release()
