@@ -84,32 +84,19 @@ def encode_files(tok: HFTokenizer, texts: list[str], sep_id: int) -> np.ndarray:
 
 
 def token_byte_lengths(tok: HFTokenizer) -> np.ndarray:
-    """UTF-8 bytes each token stands for (0 for special tokens): the denominator of bits per byte."""
+    """UTF-8 bytes each token stands for (0 for special tokens): the denominator of bits per byte.
+
+    A byte-level BPE piece is spelled in the ByteLevel alphabet, one character per byte."""
     special = {t.content for t in tok.get_added_tokens_decoder().values()}
-    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     lengths = np.zeros(tok.get_vocab_size(), dtype=np.int64)
     for piece, i in tok.get_vocab().items():
-        lengths[i] = 0 if piece in special else sum(1 for c in piece if c in byte_of)
+        if piece in special:
+            continue
+        if not alphabet.issuperset(piece):
+            raise CorpusError(f"token {piece!r} is not byte-level: bits per byte need a byte-level BPE")
+        lengths[i] = len(piece)
     return lengths
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    # The ByteLevel alphabet maps each byte to one printable character; a token's piece is made of
-    # these characters, one per byte.
-    return {b: c for b, c in zip(range(256), _alphabet_in_byte_order())}
-
-
-def _alphabet_in_byte_order() -> list[str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 def compression_baselines(texts: list[str]) -> dict[str, float]:
