@@ -222,6 +222,7 @@ def run(recipe: Recipe, out_dir: str | Path, resume: bool = False, stop_at: int 
             log(f"max_minutes={t.max_minutes} reached at step {step}: stopping and exporting")
             break
     bar.close()
+    log_file.close()
     save_state(state_dir, model, opt, step, history)
     summary = {"step": step, "steps_planned": t.steps, "tokens_seen": step * tokens_per_step,
                "train_seconds_this_session": round(time.perf_counter() - t_run, 1),
