@@ -3,7 +3,7 @@
     python bench/train_speed.py --json bench/train_speed.json   # full run
     python bench/train_speed.py --quick --json o.json            # seconds-long smoke test
 
-A step is what src/sluice/train.py does: forward, cross-entropy on fp32 logits, backward, gradient
+A step is what src/sluice/training/train.py does: forward, cross-entropy on fp32 logits, backward, gradient
 clipping, fused AdamW step. Every configuration sees the same random token batches, configurations
 are interleaved step by step (A, B, A, B, ...) so background load hits them alike, warmup steps
 (which also pay for torch.compile) are excluded, and medians are reported. bf16 autocast rows are
@@ -23,15 +23,15 @@ import torch.nn.functional as F
 
 from common import environment, save_json
 
-RECIPE = Path(__file__).resolve().parents[1] / "src" / "sluice" / "recipes" / "stdlib.toml"
+RECIPE = Path(__file__).resolve().parents[1] / "src" / "sluice" / "training" / "recipes" / "stdlib.toml"
 CONFIGS = ("transformers fp32", "transformers bf16-autocast", "sluice fp32", "sluice bf16-autocast",
            "sluice compile fp32")
 
 
 def model_config(recipe_path: Path, quick: bool):
     """sluice's ModelConfig exactly as `sluice train` builds it from the recipe."""
-    from sluice.recipe import Recipe
-    from sluice.train import model_config as train_model_config
+    from sluice.training.recipe import Recipe
+    from sluice.training.train import model_config as train_model_config
 
     recipe = Recipe.load(recipe_path)
     cfg = train_model_config(recipe, recipe.tokenizer.vocab_size, sep_id=0)

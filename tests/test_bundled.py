@@ -7,7 +7,7 @@ import sys
 import torch
 
 import sluice
-from sluice.loading import bundled_model_dir
+from sluice.model.loading import bundled_model_dir
 
 
 def test_bundled_model_matches_transformers():

@@ -1,4 +1,4 @@
-"""sluice.hub: local directories and offline lookups in a fake Hugging Face cache."""
+"""sluice.model.hub: local directories and offline lookups in a fake Hugging Face cache."""
 
 import socket
 
@@ -6,7 +6,7 @@ import pytest
 from tok_fixtures import build_tokenizer
 
 from sluice.errors import ModelNotFoundError
-from sluice.hub import hf_cache_dir, resolve_model_dir
+from sluice.model.hub import hf_cache_dir, resolve_model_dir
 from sluice.tokenizer import Tokenizer
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from sluice.errors import RequestError
-from sluice.sampling import Sampler, SamplingParams, filtered_probs
+from sluice.engine.sampling import Sampler, SamplingParams, filtered_probs
 
 # No ties, and no filter threshold lands near a cut (checked in expected_probs), so rounding
 # cannot move a token across a boundary.

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from sluice.errors import RequestError
-from sluice.streaming import TextStream
+from sluice.engine.streaming import TextStream
 
 # Mostly English, so the few merges a tiny vocab affords go to ASCII and CJK / emoji stay split
 # into byte tokens.

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import sluice
-from sluice.corpus import CorpusError
-from sluice.recipe import Recipe, RecipeError
-from sluice.train import run
+from sluice.training.corpus import CorpusError
+from sluice.training.recipe import Recipe, RecipeError
+from sluice.training.train import run
 
 CORPUS_TEXT = [
     "def add(a, b):\n    return a + b\n",

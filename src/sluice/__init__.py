@@ -1,12 +1,10 @@
 """sluice: a readable, fast, from-scratch decoder-LLM engine with an observatory for its numerics."""
 
-from .config import ModelConfig
 from .engine import LLM, RequestOutput
+from .engine.sampling import SamplingParams
 from .errors import (CheckpointError, ConfigError, ModelNotFoundError, RequestError, SluiceError,
                      TemplateError)
-from .loading import load
-from .model import Transformer
-from .sampling import SamplingParams
+from .model import ModelConfig, Transformer, load
 from .tokenizer import Tokenizer
 
 Model = Transformer

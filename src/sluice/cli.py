@@ -36,7 +36,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _params(args):
-    from .sampling import SamplingParams
+    from .engine.sampling import SamplingParams
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
@@ -127,9 +127,9 @@ def cmd_chat(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .recipe import Recipe
-    from .train import run
-    recipe = Recipe.load(args.recipe or Path(__file__).parent / "recipes" / "stdlib.toml")
+    from .training.recipe import Recipe
+    from .training.train import run
+    recipe = Recipe.load(args.recipe or Path(__file__).parent / "training" / "recipes" / "stdlib.toml")
     summary = run(recipe, args.out, resume=args.resume, stop_at=args.stop_at)
     print(json.dumps({k: v for k, v in summary.items() if k != "data"}, indent=1))
     return 0
@@ -137,7 +137,7 @@ def cmd_train(args) -> int:
 
 def cmd_demo(args) -> int:
     from .demo import run_demo
-    return run_demo(args)
+    return run_demo(_load_llm(args))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,13 +46,12 @@ def valves_table(llm, prompt: str) -> Table:
     return t
 
 
-def run_demo(args) -> int:
-    from .cli import _load_llm
-    from .sampling import SamplingParams
+def run_demo(llm) -> int:
+    """Stream completions from `llm` (the CLI loads it), then print its valves table."""
+    from .engine.sampling import SamplingParams
 
     console = Console(highlight=False)
     t0 = time.perf_counter()
-    llm = _load_llm(args)
     cfg = llm.model.config
     console.print(f"[bold]sluice demo[/bold]: {llm.model_dir.name}, a {cfg.architecture} with "
                   f"{cfg.num_params / 1e6:.1f}M parameters ({cfg.num_layers} layers, hidden "

@@ -21,8 +21,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
-from sluice.errors import CheckpointError, RequestError, TemplateError
-from sluice.hub import resolve_model_dir
+from .errors import CheckpointError, RequestError, TemplateError
+from .model.hub import resolve_model_dir
 
 # The named special tokens transformers passes to every chat template (when set).
 _NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ..errors import ConfigError, RequestError
-from ..hub import resolve_model_dir
-from ..loading import bundled_model_dir, load
-from ..sampling import Sampler, SamplingParams
-from ..streaming import TextStream
+from ..model.hub import resolve_model_dir
+from ..model.loading import bundled_model_dir, load
 from ..tokenizer import Tokenizer
 from .runner import Runner
+from .sampling import Sampler, SamplingParams
+from .streaming import TextStream
 
 
 @dataclass

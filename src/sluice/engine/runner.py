@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import KVCache
-from ..model import Transformer
+from ..model.layers import Transformer
+from .kv_cache import KVCache
 
 SLOT_BUCKET = 64  # cache sizes are rounded up to this, so nearby request sizes share a compiled step
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model import Transformer
+from ..model.layers import Transformer
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from .errors import SluiceError
+from ..errors import SluiceError
 
 
 class RecipeError(SluiceError, ValueError):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .errors import RequestError
+from ..errors import RequestError
 
 DEFAULT_MAX_TOKENS = 256
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 # HF name (with {i} for the layer) -> sluice name. One literal table, in both directions.
 HF_TO_SLUICE = {

@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 
-from .config import ModelConfig
+from ..errors import SluiceError
+from ..model.config import ModelConfig
+from ..model.layers import Transformer
 from .corpus import (compression_baselines, encode_files, load_corpus, token_byte_lengths,
                      train_tokenizer)
-from .errors import SluiceError
 from .export import export_hf
-from .model import Transformer
 from .recipe import Recipe
 
 
@@ -242,7 +242,7 @@ def run(recipe: Recipe, out_dir: str | Path, resume: bool = False, stop_at: int 
 def write_card(out: Path, seq_len: int) -> dict:
     """Evaluate the *exported* checkpoint (the weights that ship) on the whole held-out split and
     write model/training.json: size, tokens, time, losses, bits per byte next to gzip and xz."""
-    from .loading import load
+    from ..model.loading import load
     out = Path(out)
     summary = json.loads((out / "summary.json").read_text())
     data = summary["data"]

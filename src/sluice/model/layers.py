@@ -1,6 +1,6 @@
 """The decoder: norms, RoPE, attention, MLP, Block, Transformer. Plain torch.
 
-One class per piece; variation between families comes from ModelConfig fields (see config.py).
+One class per piece; variation between families comes from ModelConfig fields (see model/config.py).
 Numerics follow transformers' Llama/Qwen code: norms in fp32 and cast back to the activation
 dtype *before* the weight multiply, RoPE tables in fp32, logits returned in fp32.
 

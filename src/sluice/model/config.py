@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # Family -> valve settings that config.json does not spell out because they are fixed by the code
 # of that family in transformers. Per-checkpoint switches (attention_bias, mlp_bias, tie) are read
@@ -71,7 +71,7 @@ class ModelConfig:
 
     def __post_init__(self):
         # Fields the model does not implement yet are refused, not ignored (they are here so that
-        # the next family is a new _FAMILIES row plus a branch in model.py, not a new model).
+        # the next family is a new _FAMILIES row plus a branch in layers.py, not a new model).
         for name, allowed in (("norm_kind", ("rms",)), ("norm_placement", ("pre",)),
                               ("qk_norm", (None, "head")), ("hidden_act", _ACTIVATIONS)):
             if getattr(self, name) not in allowed:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
 from .config import ModelConfig
-from .errors import ConfigError
 from .hub import resolve_model_dir
-from .model import Transformer
+from .layers import Transformer
 from .weights import load_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -20,8 +20,8 @@ BUNDLED_MODEL = "sluice-stdlib"
 
 
 def bundled_model_dir() -> Path:
-    """The model sluice trained itself (recipes/stdlib.toml), shipped inside the package."""
-    path = Path(__file__).parent / "assets" / BUNDLED_MODEL
+    """The model sluice trained itself (training/recipes/stdlib.toml), shipped inside the package."""
+    path = Path(__file__).parents[1] / "assets" / BUNDLED_MODEL
     if not (path / "config.json").is_file():
         raise ConfigError(f"the bundled model is missing from {path}; reinstall sluice-llm or pass "
                           "--model with a local checkpoint directory")

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .config import ModelConfig
-from .weights import sluice_to_hf
+from ..model.config import ModelConfig
+from ..model.weights import sluice_to_hf
 
 # ChatML, the convention of the Qwen family. The bundled model is a base model trained on code and
 # has never seen a chat; the template is here so `sluice chat` and llm.chat() work on it mechanically.

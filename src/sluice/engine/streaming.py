@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .errors import RequestError
+from ..errors import RequestError
 
 _REPLACEMENT = "\ufffd"  # what the tokenizers library decodes an incomplete UTF-8 sequence to
 

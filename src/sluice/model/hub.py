@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sluice.errors import ModelNotFoundError
+from ..errors import ModelNotFoundError
 
 
 def hf_cache_dir() -> Path:

@@ -16,7 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from .errors import SluiceError
+from ..errors import SluiceError
 from .recipe import CorpusSpec, TokenizerSpec
 
 

@@ -1,0 +1,1 @@
+"""`sluice train`: recipes, the corpus and tokenizer, the training loop, and the HF export."""
