@@ -23,3 +23,7 @@ class TemplateError(SluiceError):
 
 class RequestError(SluiceError, ValueError):
     """A bad request: invalid sampling value, prompt too long for the context, and so on."""
+
+
+class ObservatoryError(SluiceError, ValueError):
+    """A measurement cannot be taken as asked: too big to hold, degenerate data, a bad output dir."""
