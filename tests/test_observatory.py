@@ -5,7 +5,7 @@ import math
 import torch
 
 import sluice
-from sluice.observatory import ValveProbe
+from sluice.observatory import observe
 from ckpt import build
 
 
@@ -15,7 +15,7 @@ def test_probe_matches_transformers_hidden_states_and_leaves_logits_identical(tm
     ids = torch.randint(0, 96, (1, 33), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         plain = model(ids)
-        with ValveProbe(model) as probe:
+        with observe(model) as probe:
             probed = model(ids)
         after = model(ids)
         hf = ref(ids, output_hidden_states=True)

@@ -21,12 +21,12 @@ VALVE_PROMPT = "def read_config(path):\n    with open(path) as f:\n"
 
 
 def valves_table(llm, prompt: str) -> Table:
-    """The four valves of the source article, measured by ValveProbe on one forward of `prompt`."""
-    from .observatory import ValveProbe
+    """The four valves of the source article, measured by the observatory on one forward of `prompt`."""
+    from .observatory import observe
     ids = torch.tensor([llm.tokenizer.encode(prompt)])
-    with ValveProbe(llm.model) as probe, torch.inference_mode():
+    with observe(llm.model) as obs, torch.inference_mode():
         llm.model(ids)
-    s = probe.summary()
+    s = obs.summary()
     rms = s["residual_rms"]
     vocab = llm.model.config.vocab_size
     t = Table(title=f"the four valves, {ids.shape[1]} tokens of {prompt.splitlines()[0]!r} "

@@ -1,5 +1,5 @@
 """The observatory: measurements attached to a built model from outside (forward hooks)."""
 
-from .probes import ValveProbe
+from .probes import Observation, observe
 
-__all__ = ["ValveProbe"]
+__all__ = ["Observation", "observe"]

@@ -1,80 +1,215 @@
-"""ValveProbe: forward hooks that measure the four numerical valves of the source article.
+"""`sluice.observe(model)`: forward hooks that measure the four valves, per layer AND per position.
 
-1. input norms: RMS of what goes into each block's attention/MLP norm, and of what comes out;
-2. the residual stream: RMS of x_l after every block (x_0 = the embeddings);
-3. the final norm: RMS just before and just after it;
-4. the LM-head softmax: logit max / min / log-sum-exp, entropy and top-1 probability.
+    with sluice.observe(model) as obs, torch.inference_mode():
+        model(ids)
+    obs.stats["resid_rms"]   # (L+1, B, T): RMS of x_0 (embeddings) .. x_L, for every token
+    obs.summary()            # the short per-layer summary `sluice demo` prints
 
-Hooks only read tensors and write into preallocated fp32 buffers (copy_, no Python lists that grow,
-no .item()), so they can stay attached to a compiled model and leave its logits bit-identical.
-Per-token statistics are averaged over the positions of the last forward; the softmax statistics
-are those of the last position (the distribution the next token is drawn from).
+What is measured at each kind of site (a "site" is a module whose output a hook reads):
+1. residual stream x_0..x_L (embedding + block outputs): RMS, variance over channels, max |x|, and
+   the top-k largest-magnitude channels with their signed values ("massive activations");
+2. every norm (attention/MLP input norms, per-head q/k norms, the final norm): RMS in and out,
+   so the gain it applies is out / in;
+3. every residual branch (attention, MLP): output RMS; its ratio to the stream it is added to is
+   derived in `branch_ratio()`;
+4. the LM head: per position logit max, min, std, log-sum-exp (log Z), softmax entropy, top-1
+   probability and token;
+and, at every site plus every Linear, the number of non-finite values per position, so that
+`first_nonfinite()` names where a NaN or inf first appeared (layer, module, batch row, position).
+
+Hooks are registered from outside (the model code has no `if observe`), only read their tensors,
+and write into preallocated fp32 buffers with copy_ (no Python lists that grow, no .item()), so
+logits stay bit-identical and the hooks trace into a torch.compile'd model. Buffers hold
+`capacity` = (batch, tokens); a larger forward re-allocates them once in a pre-hook on the model,
+after checking the size against `max_bytes`. Statistics describe the *last* forward; with a KV
+cache (decode), its T is the number of new tokens, not their absolute positions.
 """
 
 from __future__ import annotations
 
-import torch
+import re
+from dataclasses import dataclass
 
+import torch
+from torch import nn
+
+from ..errors import ObservatoryError
 from ..model.layers import Transformer
 
-
-def _rms(x: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of each token's RMS over the hidden dimension (fp32)."""
-    x = x.float()
-    return x.pow(2).mean(-1).sqrt().mean()
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+LOGIT_STATS = ("max", "min", "std", "logsumexp", "entropy", "top1_prob")
 
 
-class ValveProbe:
-    def __init__(self, model: Transformer):
-        L = model.config.num_layers
+def _layer_of(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _is_norm(name: str, module: nn.Module) -> bool:
+    # Norms are found by name (attn_norm, mlp_norm, q_norm, k_norm, final_norm, and whatever a later
+    # family adds): the model code names every norm "*norm", and no other module.
+    return name.rsplit(".", 1)[-1].endswith("norm") and not isinstance(module, nn.Identity)
+
+
+@dataclass(frozen=True)
+class Sites:
+    """Which modules are read, in the order their forward hooks fire (children before parents)."""
+    norms: list[str]     # every norm
+    branches: list[str]  # layers.i.attn, layers.i.mlp
+    tracked: list[str]   # every module whose output is checked for non-finite values
+
+
+def find_sites(model: Transformer) -> Sites:
+    modules = dict(model.named_modules())
+    # Post-order (children before their parent) is the order in which forward hooks fire here.
+    def post_order(prefix: str, module: nn.Module):
+        for child_name, child in module.named_children():
+            yield from post_order(f"{prefix}.{child_name}" if prefix else child_name, child)
+        if prefix:
+            yield prefix
+
+    order = list(post_order("", model))
+    branches = [f"layers.{i}.{b}" for i in range(len(model.layers)) for b in ("attn", "mlp")]
+    norms = [n for n in order if _is_norm(n, modules[n])]
+    blocks = {f"layers.{i}" for i in range(len(model.layers))}
+    tracked = [n for n in order if n in blocks or n in branches or n in norms
+               or n in ("embed", "lm_head") or isinstance(modules[n], nn.Linear)]
+    return Sites(norms=norms, branches=branches, tracked=tracked)
+
+
+class Observation:
+    """Hooks + buffers. Use `sluice.observe(model)` to make one; a context manager removes the hooks."""
+
+    def __init__(self, model: Transformer, topk: int = 4, capacity: tuple[int, int] = (1, 128),
+                 max_bytes: int = 2 << 30):
+        if not isinstance(topk, int) or not 1 <= topk <= model.config.hidden_size:
+            raise ObservatoryError(f"topk must be an integer in [1, {model.config.hidden_size}], got {topk!r}")
         self.model = model
-        self.resid = torch.zeros(L + 1)  # RMS of x_0 (embeddings) .. x_L (after the last block)
-        self.resid_absmax = torch.zeros(L + 1)
-        self.attn_norm_in = torch.zeros(L)
-        self.attn_norm_out = torch.zeros(L)
-        self.mlp_norm_in = torch.zeros(L)
-        self.mlp_norm_out = torch.zeros(L)
-        self.final_in = torch.zeros(())
-        self.final_out = torch.zeros(())
-        # logit max, min, log-sum-exp, entropy (nats), top-1 probability, at the last position
-        self.softmax = torch.zeros(5)
-        self._handles = []
+        self.topk = topk
+        self.max_bytes = max_bytes
+        self.num_layers = model.config.num_layers
+        self.sites = find_sites(model)
+        self.norm_names, self.branch_names = self.sites.norms, self.sites.branches
+        self.shape: tuple[int, int] | None = None  # (B, T) of the last forward
+        self.logits_len = 0  # T of the LM head's input (1 when only the last position's logits are made)
+        self._capacity = (0, 0)
+        self._allocate(*capacity)
+        self._handles: list = []
+        modules = dict(model.named_modules())
+        self._handles.append(model.register_forward_pre_hook(self._begin, with_kwargs=True))
         self._hook(model.embed, self._resid_hook(0))
         for i, block in enumerate(model.layers):
             self._hook(block, self._resid_hook(i + 1))
-            self._hook(block.attn_norm, self._norm_hook(self.attn_norm_in, self.attn_norm_out, i))
-            self._hook(block.mlp_norm, self._norm_hook(self.mlp_norm_in, self.mlp_norm_out, i))
-        self._hook(model.final_norm, self._final_hook)
+        for j, name in enumerate(self.norm_names):
+            self._hook(modules[name], self._norm_hook(j))
+        for j, name in enumerate(self.branch_names):
+            self._hook(modules[name], self._branch_hook(j))
         self._hook(model.lm_head, self._logits_hook)
+        for j, name in enumerate(self.sites.tracked):
+            self._hook(modules[name], self._nonfinite_hook(j))
 
+    # ------------------------------------------------------------------ buffers
+    def bytes_for(self, B: int, T: int) -> int:
+        L1, k = self.num_layers + 1, self.topk
+        floats = L1 * 3 + L1 * k + 2 * len(self.norm_names) + len(self.branch_names) + len(LOGIT_STATS)
+        return B * T * (4 * floats + 8 * (L1 * k + 1) + 4 * len(self.sites.tracked))
+
+    def _allocate(self, B: int, T: int) -> None:
+        need = self.bytes_for(B, T)
+        if need > self.max_bytes:
+            raise ObservatoryError(f"observing a forward of {B} x {T} tokens needs {need / 2**20:,.0f} MiB "
+                                   f"of statistics, over the limit of {self.max_bytes / 2**20:,.0f} MiB "
+                                   "(pass max_bytes= to observe() to allow more, or a shorter input)")
+        L1, k, f32 = self.num_layers + 1, self.topk, dict(dtype=torch.float32)
+        self._buf = {
+            "resid_rms": torch.zeros(L1, B, T, **f32),
+            "resid_var": torch.zeros(L1, B, T, **f32),
+            "resid_absmax": torch.zeros(L1, B, T, **f32),
+            "resid_top_channels": torch.zeros(L1, B, T, k, dtype=torch.long),
+            "resid_top_values": torch.zeros(L1, B, T, k, **f32),
+            "norm_in_rms": torch.zeros(len(self.norm_names), B, T, **f32),
+            "norm_out_rms": torch.zeros(len(self.norm_names), B, T, **f32),
+            "branch_rms": torch.zeros(len(self.branch_names), B, T, **f32),
+            "logits": torch.zeros(len(LOGIT_STATS), B, T, **f32),
+            "top1_id": torch.zeros(B, T, dtype=torch.long),
+            "nonfinite": torch.zeros(len(self.sites.tracked), B, T, dtype=torch.int32),
+        }
+        self._capacity = (B, T)
+
+    def _begin(self, _module, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        B, T = ids.shape
+        if B > self._capacity[0] or T > self._capacity[1]:
+            self._allocate(max(B, self._capacity[0]), max(T, self._capacity[1]))
+        self.shape = (B, T)
+        for view in self._views(B, T).values():  # a site that does not run must not show stale data
+            view.zero_()
+
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        """The buffers cut to the last forward's (B, T). The logits rows cover `logits_len` positions."""
+        if self.shape is None:
+            raise ObservatoryError("nothing observed yet: run the model inside `with observe(model)`")
+        return self._views(*self.shape)
+
+    def _views(self, B: int, T: int) -> dict[str, torch.Tensor]:
+        # (B, T) are the last two dims of every buffer but the top-k ones, which have k after them.
+        return {name: buf[:, :B, :T] if name.startswith("resid_top") else buf[..., :B, :T]
+                for name, buf in self._buf.items()}
+
+    # ------------------------------------------------------------------ hooks
     def _hook(self, module, fn):
         self._handles.append(module.register_forward_hook(fn))
 
-    def _resid_hook(self, i):
+    def _resid_hook(self, i: int):
         def hook(_module, _inputs, out):
-            self.resid[i].copy_(_rms(out))
-            self.resid_absmax[i].copy_(out.detach().abs().max())
+            x = out.detach().float()  # (B, T, C)
+            B, T, _ = x.shape
+            b = self._buf
+            b["resid_rms"][i, :B, :T].copy_(x.pow(2).mean(-1).sqrt())
+            b["resid_var"][i, :B, :T].copy_(x.var(-1, correction=0))
+            top = x.abs().topk(self.topk, dim=-1)  # (B, T, k): the largest-magnitude channels
+            b["resid_absmax"][i, :B, :T].copy_(top.values[..., 0])
+            b["resid_top_channels"][i, :B, :T].copy_(top.indices)
+            b["resid_top_values"][i, :B, :T].copy_(x.gather(-1, top.indices))
         return hook
 
-    @staticmethod
-    def _norm_hook(into, out_buf, i):
+    def _norm_hook(self, j: int):
         def hook(_module, inputs, out):
-            into[i].copy_(_rms(inputs[0]))
-            out_buf[i].copy_(_rms(out))
+            x, y = inputs[0].detach().float(), out.detach().float()  # (B, T, C) or (B, T, heads, D)
+            B, T = x.shape[:2]
+            self._buf["norm_in_rms"][j, :B, :T].copy_(x.flatten(2).pow(2).mean(-1).sqrt())
+            self._buf["norm_out_rms"][j, :B, :T].copy_(y.flatten(2).pow(2).mean(-1).sqrt())
         return hook
 
-    def _final_hook(self, _module, inputs, out):
-        self.final_in.copy_(_rms(inputs[0]))
-        self.final_out.copy_(_rms(out))
+    def _branch_hook(self, j: int):
+        def hook(_module, _inputs, out):
+            x = out.detach().float()
+            B, T, _ = x.shape
+            self._buf["branch_rms"][j, :B, :T].copy_(x.pow(2).mean(-1).sqrt())
+        return hook
 
     def _logits_hook(self, _module, _inputs, out):
-        z = out[:, -1].detach().float()  # (B, V): the next-token logits, in fp32 as sampling sees them
-        logp = torch.log_softmax(z, dim=-1)
+        z = out.detach().float()  # (B, T, V), in fp32 as sampling sees them
+        B, T, _ = z.shape
+        logz = torch.logsumexp(z, dim=-1, keepdim=True)
+        logp = z - logz
         p = logp.exp()
-        stats = torch.stack([z.max(-1).values, z.min(-1).values, torch.logsumexp(z, -1),
-                             -(p * logp).sum(-1), p.max(-1).values], dim=-1)  # (B, 5)
-        self.softmax.copy_(stats.mean(0))
+        top = z.max(-1)
+        stats = torch.stack([top.values, z.min(-1).values, z.std(-1, correction=0), logz[..., 0],
+                             -(p * logp).sum(-1), (top.values - logz[..., 0]).exp()])  # (6, B, T)
+        self._buf["logits"][:, :B, :T].copy_(stats)
+        self._buf["top1_id"][:B, :T].copy_(top.indices)
+        self.logits_len = T
 
+    def _nonfinite_hook(self, j: int):
+        def hook(_module, _inputs, out):
+            B, T = out.shape[:2]
+            bad = ~torch.isfinite(out.detach())
+            self._buf["nonfinite"][j, :B, :T].copy_(bad.flatten(2).sum(-1))
+        return hook
+
+    # ------------------------------------------------------------------ lifecycle
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
@@ -86,11 +221,116 @@ class ValveProbe:
     def __exit__(self, *exc):
         self.remove()
 
+    # ------------------------------------------------------------------ derived views
+    def norm_gain(self) -> torch.Tensor:
+        """(norms, B, T): output RMS / input RMS, what each norm multiplies the scale by."""
+        s = self.stats
+        return s["norm_out_rms"] / s["norm_in_rms"].clamp_min(torch.finfo(torch.float32).tiny)
+
+    def branch_ratio(self) -> torch.Tensor:
+        """(2L, B, T): each branch's output RMS over the RMS of the stream it is added to.
+
+        Pre-norm: the attention branch is added to x_l (the block's input, = the attention norm's
+        input) and the MLP branch to x_l + attn (= the MLP norm's input)."""
+        s = self.stats
+        index = {n: j for j, n in enumerate(self.norm_names)}
+        streams = torch.stack([s["norm_in_rms"][index[f"{name}_norm"]] for name in self.branch_names])
+        return s["branch_rms"] / streams.clamp_min(torch.finfo(torch.float32).tiny)
+
+    def first_nonfinite(self) -> dict | None:
+        """Where a NaN or inf first appeared: the earliest module in execution order, and in it the
+        first (batch row, token) affected; None when every observed value was finite."""
+        counts = self.stats["nonfinite"]  # (sites, B, T)
+        hit = counts.flatten(1).sum(-1).nonzero()
+        if not len(hit):
+            return None
+        j = int(hit[0])
+        # the first *position* hit, over all batch rows, is the origin (later ones see it via attention)
+        t = int((counts[j] > 0).any(0).nonzero()[0])
+        b = int((counts[j][:, t] > 0).nonzero()[0])
+        name = self.sites.tracked[j]
+        return {"module": name, "layer": _layer_of(name), "batch": b, "position": t,
+                "count": int(counts[j].sum()), "total": int(counts.sum())}
+
+    def massive_activations(self, top: int = 5) -> list[dict]:
+        """Per layer, the channels with the largest |x| over all tokens: channel, signed value, the
+        (batch row, token) where it peaks, how many tokens have it in their top-k, and |x| over that
+        token's RMS (a channel holding all of a token's energy would give sqrt(hidden))."""
+        s = self.stats
+        ch, val, rms = s["resid_top_channels"], s["resid_top_values"], s["resid_rms"]
+        rows = []
+        for layer in range(ch.shape[0]):
+            c, v = ch[layer].flatten(), val[layer].flatten()  # (B*T*k,)
+            counts = torch.bincount(c, minlength=self.model.config.hidden_size)
+            peak = torch.zeros_like(counts, dtype=torch.float32).scatter_reduce(
+                0, c, v.abs(), reduce="amax", include_self=True)
+            best = peak.topk(min(top, int((peak > 0).sum()) or 1)).indices
+            for channel in best.tolist():
+                where = ((c == channel) & (v.abs() == peak[channel])).nonzero()[0, 0]
+                flat = int(where) // self.topk
+                b, t = divmod(flat, rms.shape[2])
+                value = float(v[where])
+                rows.append({"layer": layer, "channel": channel, "value": value, "batch": b,
+                             "position": t, "tokens_in_topk": int(counts[channel]),
+                             "ratio_to_rms": abs(value) / max(float(rms[layer, b, t]), 1e-30)})
+        return rows
+
     def summary(self) -> dict:
-        """The measurements of the last forward as plain Python numbers."""
-        names = ("logit_max", "logit_min", "logsumexp", "entropy", "top1_prob")
-        return {"residual_rms": self.resid.tolist(), "residual_absmax": self.resid_absmax.tolist(),
-                "attn_norm_in": self.attn_norm_in.tolist(), "attn_norm_out": self.attn_norm_out.tolist(),
-                "mlp_norm_in": self.mlp_norm_in.tolist(), "mlp_norm_out": self.mlp_norm_out.tolist(),
-                "final_norm_in": float(self.final_in), "final_norm_out": float(self.final_out),
-                **dict(zip(names, self.softmax.tolist()))}
+        """Per-layer numbers averaged over the tokens of the last forward, plus the softmax of the
+        last position (the distribution the next token is drawn from), averaged over the batch."""
+        s = self.stats
+        index = {n: j for j, n in enumerate(self.norm_names)}
+        per_layer = lambda key, suffix: [float(s[key][index[f"layers.{i}.{suffix}"]].mean())  # noqa: E731
+                                         for i in range(self.num_layers)]
+        logits = s["logits"][:, :, self.logits_len - 1].mean(-1)  # (6,) at the last position
+        final = index.get("final_norm")
+        return {"residual_rms": s["resid_rms"].mean((1, 2)).tolist(),
+                "residual_absmax": s["resid_absmax"].amax((1, 2)).tolist(),
+                "attn_norm_in": per_layer("norm_in_rms", "attn_norm"),
+                "attn_norm_out": per_layer("norm_out_rms", "attn_norm"),
+                "mlp_norm_in": per_layer("norm_in_rms", "mlp_norm"),
+                "mlp_norm_out": per_layer("norm_out_rms", "mlp_norm"),
+                "final_norm_in": float(s["norm_in_rms"][final].mean()) if final is not None else None,
+                "final_norm_out": float(s["norm_out_rms"][final].mean()) if final is not None else None,
+                **{f"logit_{k}" if k in ("max", "min", "std") else k: float(v)
+                   for k, v in zip(LOGIT_STATS, logits)}}
+
+    def to_records(self) -> list[dict]:
+        """Long-format rows (one per site, batch row and token) for CSV or JSON."""
+        s, B, T = self.stats, *self.shape
+        rows: list[dict] = []
+        for layer in range(self.num_layers + 1):
+            for b in range(B):
+                for t in range(T):
+                    rows.append({"kind": "residual", "layer": layer, "batch": b, "position": t,
+                                 "rms": float(s["resid_rms"][layer, b, t]),
+                                 "var": float(s["resid_var"][layer, b, t]),
+                                 "absmax": float(s["resid_absmax"][layer, b, t]),
+                                 "top_channels": s["resid_top_channels"][layer, b, t].tolist(),
+                                 "top_values": s["resid_top_values"][layer, b, t].tolist()})
+        gain, ratio = self.norm_gain(), self.branch_ratio()
+        for j, name in enumerate(self.norm_names):
+            rows += [{"kind": "norm", "module": name, "layer": _layer_of(name), "batch": b, "position": t,
+                      "in_rms": float(s["norm_in_rms"][j, b, t]), "out_rms": float(s["norm_out_rms"][j, b, t]),
+                      "gain": float(gain[j, b, t])} for b in range(B) for t in range(T)]
+        for j, name in enumerate(self.branch_names):
+            rows += [{"kind": "branch", "module": name, "layer": _layer_of(name), "batch": b, "position": t,
+                      "rms": float(s["branch_rms"][j, b, t]), "ratio_to_stream": float(ratio[j, b, t])}
+                     for b in range(B) for t in range(T)]
+        for b in range(B):
+            for t in range(self.logits_len):
+                row = {"kind": "logits", "batch": b, "position": t + T - self.logits_len,
+                       "top1_id": int(s["top1_id"][b, t])}
+                row.update({k: float(s["logits"][i, b, t]) for i, k in enumerate(LOGIT_STATS)})
+                rows.append(row)
+        return rows
+
+
+def observe(model: Transformer, topk: int = 4, capacity: tuple[int, int] = (1, 128),
+            max_bytes: int = 2 << 30) -> Observation:
+    """Attach the valve probes to `model` (hooks stay until `remove()` or the end of a `with`).
+
+    topk: how many largest-magnitude channels to keep per token and layer. capacity: (batch,
+    tokens) to preallocate for (a larger forward re-allocates once). max_bytes: refuse statistics
+    buffers larger than this."""
+    return Observation(model, topk=topk, capacity=capacity, max_bytes=max_bytes)
