@@ -1,0 +1,122 @@
+"""The logit lens: read every layer's residual stream through the model's own final norm + LM head.
+
+A pre-norm model only ever decodes x_L, but every x_l lives in the same residual space, so
+lm_head(final_norm(x_l)) asks "what would the model say if it stopped after layer l?" (nostalgebraist
+2020). Watching the final prediction's probability rise, and KL(final || layer l) fall, shows where
+in depth the answer forms. The final norm is part of the lens on purpose: the raw stream's scale
+grows with depth (see growth.py), and without the norm early and late layers would not be comparable
+(`head_logits(..., final_norm=False)` gives the raw version, for the softmax-safety table).
+
+The model runs once; forward hooks on the embedding and on every block copy x_0..x_L into one
+preallocated (L+1, B, T, C) tensor (blocks return the full residual stream, so the hook output is
+x_l exactly). Logits are then computed one layer at a time: (L+1) x B x T x V logits never exist at
+once, which at a 150k vocabulary would be the largest thing in memory by far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ObservatoryError
+from ..model.layers import Transformer
+
+
+@dataclass
+class LensResult:
+    """What each layer's stream predicts. L = number of blocks; row l = x_l (row 0: embeddings)."""
+
+    top_ids: torch.Tensor  # (L+1, B, T, k) int64: the k most likely tokens at layer l
+    top_probs: torch.Tensor  # (L+1, B, T, k) fp32: their probabilities under layer l's lens
+    predicted_prob: torch.Tensor  # (L+1, B, T) fp32: probability layer l gives to `predicted`
+    kl: torch.Tensor  # (L+1, B, T) fp32: KL(final || layer l) in nats; 0 at l = L
+    entropy: torch.Tensor  # (L+1, B, T) fp32: entropy of layer l's distribution, nats
+    mean_square: torch.Tensor  # (L+1,) fp32: mean of x_l^2 over B, T, C (what fit_growth takes)
+    final_logits: torch.Tensor  # (B, T, V) fp32: the model's own output of this forward
+    predicted: torch.Tensor  # (B, T) int64: argmax of final_logits, the model's greedy next token
+
+
+def head_logits(model: Transformer, x: torch.Tensor, final_norm: bool = True) -> torch.Tensor:
+    """Residual stream x (B, T, C) -> fp32 logits (B, T, V), exactly as Transformer.forward ends.
+
+    final_norm=False applies the LM head to the raw stream: what the final norm prevents (logits
+    whose scale follows the stream's, which is what pushes exp() toward overflow)."""
+    x = x.to(model.lm_head.weight.dtype)
+    if final_norm:
+        x = model.final_norm(x)
+    return model.lm_head(x).float()  # (B, T, V)
+
+
+def _check_size(model: Transformer, B: int, T: int, max_bytes: int) -> None:
+    cfg = model.config
+    L, C, V = len(model.layers), cfg.hidden_size, cfg.vocab_size
+    stream = (L + 1) * B * T * C * model.embed.weight.element_size()
+    # final logits kept, plus one layer's logits, log-probs and probs alive at a time
+    logits = 4 * B * T * V * 4
+    need = stream + logits
+    if need > max_bytes:
+        raise ObservatoryError(
+            f"the logit lens on {B} x {T} tokens needs {need / 2**20:,.0f} MiB: the residual stream "
+            f"x_0..x_{L} ({L + 1} x {B} x {T} x {C} values, {stream / 2**20:,.0f} MiB) plus fp32 logits "
+            f"({B} x {T} x {V}, {logits / 2**20:,.0f} MiB for 4 copies), over max_bytes = "
+            f"{max_bytes / 2**20:,.0f} MiB (pass a larger max_bytes= or fewer tokens)")
+
+
+def _capture(model: Transformer, ids: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+    """Run the model once, copying x_0..x_L into stream (L+1, B, T, C); return its logits."""
+    def keep(l):
+        def hook(_module, _inputs, out):
+            stream[l].copy_(out)
+        return hook
+
+    handles = [model.embed.register_forward_hook(keep(0))]
+    try:
+        for i, block in enumerate(model.layers):
+            handles.append(block.register_forward_hook(keep(i + 1)))
+        return model(ids)  # (B, T, V) fp32
+    finally:
+        for h in handles:  # also on error: a stale hook would write into a freed buffer later
+            h.remove()
+
+
+def logit_lens(model: Transformer, ids: torch.Tensor, topk: int = 5,
+               max_bytes: int = 2 << 30) -> LensResult:
+    """Apply the logit lens to every layer for input ids (B, T); see LensResult for what comes back.
+
+    max_bytes: refuse (ObservatoryError, naming the size) when the captured stream plus the logits
+    working set would exceed it."""
+    if ids.ndim != 2:
+        raise ObservatoryError(f"logit_lens takes token ids of shape (B, T), got {tuple(ids.shape)}")
+    V = model.config.vocab_size
+    if not 1 <= topk <= V:
+        raise ObservatoryError(f"topk must be in [1, {V}], got {topk}")
+    B, T = ids.shape
+    L, C = len(model.layers), model.config.hidden_size
+    _check_size(model, B, T, max_bytes)
+    w = model.embed.weight
+    stream = torch.empty(L + 1, B, T, C, dtype=w.dtype, device=w.device)
+    f32 = dict(dtype=torch.float32, device=w.device)
+    top_ids = torch.empty(L + 1, B, T, topk, dtype=torch.int64, device=w.device)
+    top_probs = torch.empty(L + 1, B, T, topk, **f32)
+    predicted_prob, kl, entropy = (torch.empty(L + 1, B, T, **f32) for _ in range(3))
+    mean_square = torch.empty(L + 1, **f32)
+
+    with torch.inference_mode():
+        final_logits = _capture(model, ids, stream)  # (B, T, V)
+        predicted = final_logits.argmax(-1)  # (B, T)
+        logp_final = final_logits.log_softmax(-1)
+        p_final = logp_final.exp()
+        for l in range(L + 1):
+            logp = head_logits(model, stream[l]).log_softmax(-1)  # (B, T, V)
+            top = logp.topk(topk, dim=-1)
+            top_ids[l].copy_(top.indices)
+            top_probs[l].copy_(top.values.exp())
+            predicted_prob[l].copy_(logp.gather(-1, predicted[..., None])[..., 0].exp())
+            # KL(final || l) = sum_v p_final (log p_final - log p_l); log-probs are finite for finite
+            # logits, so a p_final that underflowed to 0 contributes 0, not NaN
+            kl[l].copy_((p_final * (logp_final - logp)).sum(-1))
+            entropy[l].copy_(-(logp.exp() * logp).sum(-1))
+            mean_square[l].copy_(stream[l].float().pow(2).mean())
+    return LensResult(top_ids, top_probs, predicted_prob, kl, entropy, mean_square, final_logits,
+                      predicted)
