@@ -4,7 +4,7 @@ Run directory layout:
   data/      tokenizer.json, train.npy, heldout.npy, data.json   (made once, reused on --resume)
   state/     resume.safetensors (weights + AdamW moments), resume.json (step, history)
   model/     the exported Hugging Face checkpoint (sluice and transformers both load it)
-  log.jsonl  one line per logged step / evaluation
+  log.jsonl  one line per logged step; at evaluations also held-out loss and the valve summary
 
 Batches are a pure function of (seed, step), and the optimizer state is saved exactly, so a run
 resumed from a checkpoint follows the same loss curve as one that never stopped.
@@ -27,6 +27,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..errors import SluiceError
 from ..model.config import ModelConfig
 from ..model.layers import Transformer
+from ..observatory.training import valve_summary
 from .corpus import (compression_baselines, encode_files, load_corpus, token_byte_lengths,
                      train_tokenizer)
 from .export import export_hf
@@ -164,6 +165,8 @@ def run(recipe: Recipe, out_dir: str | Path, resume: bool = False, stop_at: int 
         raise SluiceError(f"corpus too small: {train_ids.size} training tokens for seq_len {t.seq_len}")
     tok = HFTokenizer.from_file(str(out / "data" / "tokenizer.json"))
     byte_len = token_byte_lengths(tok)
+    # The window whose valves are recorded at each evaluation: fixed, so the series compare.
+    probe = torch.from_numpy(held_ids[:t.seq_len].astype(np.int64))[None]  # (1, T)
 
     cfg = model_config(recipe, meta["vocab_size"], meta["sep_id"])
     torch.manual_seed(t.seed)
@@ -210,6 +213,8 @@ def run(recipe: Recipe, out_dir: str | Path, resume: bool = False, stop_at: int 
         if step % t.eval_every == 0 or step == t.steps:
             ev = evaluate(model, held_ids, byte_len, t.seq_len, t.eval_tokens, t.autocast_bf16)
             rec.update(heldout_loss=ev["loss"], heldout_bpb=ev["bpb"])
+            if probe.numel():  # the eager model, not step_fn: see valve_summary on recompiles
+                rec["valves"] = valve_summary(model, probe, t.autocast_bf16)
             bar.note(f"step {step}: train loss {total:.3f}, held-out loss {ev['loss']:.3f}, "
                      f"{ev['bpb']:.3f} bits/byte", log)
         log_file.write(json.dumps(rec) + "\n")
