@@ -123,3 +123,61 @@ def test_training_card(tmp_path, corpus):
     assert card["heldout"]["bpb"] > 0 and card["heldout"]["tokens"] > 0
     assert set(card["baselines"]) >= {"gzip-9", "xz-9e"}
     assert card["train_wall_seconds"] > 0
+
+
+def test_valves_recorded_at_every_evaluation(tmp_path, corpus):
+    import math
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from sluice.model.layers import Transformer
+    from sluice.observatory.training import valve_summary
+    from sluice.training.train import model_config
+
+    r = recipe(corpus, steps=7)  # evaluations at 3, 6 and the last step, 7
+    run(r, tmp_path / "run", log=lambda m: None, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows if "valves" in x] == [3, 6, 7]
+    assert all(("valves" in x) == ("heldout_loss" in x) for x in rows)
+    for x in rows[2::3]:
+        v = x["valves"]
+        assert len(v["residual_rms"]) == len(v["residual_absmax"]) == r.model.num_layers + 1
+        numbers = [*v["residual_rms"], *v["attn_norm_in"], *v["mlp_norm_out"],
+                   *(v[k] for k in ("final_norm_in", "logit_max", "logsumexp", "entropy", "top1_prob"))]
+        assert all(math.isfinite(n) for n in numbers)
+    # The last record is the valves of the final weights (saved in fp32 in state/) on the first
+    # seq_len held-out tokens, not of some other forward.
+    meta = json.loads((tmp_path / "run" / "data" / "data.json").read_text())
+    model = Transformer(model_config(r, meta["vocab_size"], meta["sep_id"]))
+    tensors = load_file(str(tmp_path / "run" / "state" / "resume.safetensors"))
+    model.load_state_dict({k[6:]: w for k, w in tensors.items() if k.startswith("model.")}, strict=False)
+    model.tie_weights()
+    held = np.load(tmp_path / "run" / "data" / "heldout.npy")[:r.train.seq_len]
+    again = valve_summary(model, torch.from_numpy(held.astype(np.int64))[None])
+    assert [k for k, v in rows[-1]["valves"].items() if again[k] != pytest.approx(v, rel=1e-5)] == []
+    assert model.training and not any(m._forward_hooks for m in model.modules())  # left as found
+
+
+def test_training_valves_series(tmp_path, corpus):
+    from sluice.observatory.training import training_valves
+
+    run(recipe(corpus, steps=6), tmp_path / "run", log=lambda m: None, progress=False)
+    s = training_valves(tmp_path / "run")
+    assert list(s) == ["steps", "residual_rms", "final_norm_in", "final_norm_out", "logit_max",
+                       "logsumexp", "entropy", "top1_prob", "heldout_loss"]
+    assert s["steps"] == [3, 6] and all(len(v) == 2 for v in s.values())
+    assert all(len(layers) == 3 for layers in s["residual_rms"])
+    assert s == training_valves(tmp_path / "run" / "log.jsonl")
+
+
+def test_training_valves_refuses_a_log_without_them(tmp_path):
+    from sluice.observatory.training import training_valves
+
+    log = tmp_path / "old" / "log.jsonl"
+    log.parent.mkdir()
+    log.write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.5, "heldout_loss": 8.7}\n')
+    with pytest.raises(sluice.SluiceError, match=r"old/log\.jsonl has no valve records"):
+        training_valves(tmp_path / "old")
+    with pytest.raises(sluice.SluiceError, match="no training log at .*nowhere"):
+        training_valves(tmp_path / "nowhere")
