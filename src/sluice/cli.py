@@ -1,4 +1,4 @@
-"""The `sluice` command line: demo, generate, chat, train."""
+"""The `sluice` command line: demo, generate, chat, inspect, train."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ from pathlib import Path
 from .errors import SluiceError
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    """--model and --dtype; with engine=True also the generation engine's own flags."""
     p.add_argument("--model", default=None,
                    help="local checkpoint directory or cached Hugging Face repo id "
                         "(default: the bundled model sluice trained itself)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    if not engine:
+        return
     p.add_argument("--max-model-len", type=int, default=None,
                    help="refuse requests longer than this many tokens (default: the model's context)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
@@ -135,6 +138,39 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_inspect(args) -> int:
+    from rich.console import Console
+
+    from .errors import ObservatoryError
+    from .model import load
+    from .observatory.analysis import inspect, to_json
+    from .observatory.report import prepare_out_dir, save
+    from .observatory.tables import print_all
+    from .tokenizer import Tokenizer
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:  # refused before the (slow) load; too long is checked once the tokenizer is here
+        raise ObservatoryError("the prompt is empty: give some text to inspect, e.g. "
+                               "sluice inspect \"def read_config(path):\"")
+    out = prepare_out_dir(args.out) if args.out else None
+    err = Console(stderr=True, highlight=False)
+    with err.status(f"loading {args.model or 'the bundled model'} ({args.dtype})..."):
+        model = load(args.model, dtype=args.dtype)
+        tokenizer = Tokenizer.from_pretrained(model.model_dir)
+    data = inspect(model, tokenizer, prompt)
+    if out is not None:
+        with err.status(f"writing the report to {out}..."):
+            paths = save(data, out)
+    if args.json:
+        print(to_json(data))
+    else:
+        print_all(data)
+    if out is not None:
+        err.print(f"report: {paths['html']} (plus report.json and {len(paths) - 2} PNGs in {out})")
+    for finding in data["findings"]:
+        err.print(f"[bold red]finding:[/bold red] {finding['message']}")
+    return 3 if data["findings"] else 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
     return run_demo(_load_llm(args))
@@ -162,6 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(p)
     p.add_argument("--system", default=None, help="system message")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("inspect", help="measure the four valves, logit lens and softmax safety on one "
+                                       "prompt; tables, or JSON, or an HTML report with plots",
+                       epilog="exit status: 0 ok, 2 bad input (the message names it), 3 the forward "
+                              "produced NaN/inf (reported as a finding with its origin; report still written)")
+    _model_args(p, engine=False)
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write report.html (self-contained), report.json and the PNG plots here "
+                        "(created if missing)")
+    p.add_argument("--json", action="store_true",
+                   help="print every number as one JSON document on stdout instead of tables "
+                        "(NaN/inf as the strings \"nan\", \"inf\", \"-inf\")")
+    p.add_argument("prompt", help="the text to inspect ('-' reads it from stdin)")
+    p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("train", help="pretrain a model from a TOML recipe")
     p.add_argument("--recipe", default=None, help="recipe file (default: the bundled model's recipe)")

@@ -73,5 +73,6 @@ def run_demo(llm) -> int:
                   "  sluice generate --temperature 0 \"def merge_sort(items):\"\n"
                   "  sluice generate --json --max-tokens 32 \"import json\"\n"
                   "  sluice chat\n"
+                  "  sluice inspect \"def read_config(path):\" --out report/   # every valve, plots, HTML\n"
                   "  sluice train --out runs/my-model      # retrain the bundled model from its recipe")
     return 0
