@@ -182,12 +182,19 @@ def test_poisoned_weight_and_inf_embedding_are_located(tmp_path):
             model(ids)
         assert obs.first_nonfinite()["module"] == "layers.2.mlp.up"
         assert obs.first_nonfinite()["layer"] == 2 and obs.first_nonfinite()["position"] == 0
+        # x_3 (after the poisoned MLP) is NaN everywhere: no channel to rank there, and no crash
+        layers = {r["layer"] for r in obs.massive_activations()}
+        assert layers == {0, 1, 2}
         model.layers[2].mlp.up.weight[7, 3] = 0.0
         model.embed.weight[8, 0] = float("inf")  # token 8 sits at position 4
         with observe(model) as obs:
             model(ids)
     got = obs.first_nonfinite()
     assert (got["module"], got["layer"], got["position"]) == ("embed", None, 4)
+    # the other views still answer on a broken forward: inf ranks as the biggest activation
+    rows = obs.massive_activations()
+    assert rows[0]["layer"] == 0 and rows[0]["channel"] == 0 and rows[0]["value"] == float("inf")
+    assert rows[0]["position"] == 4
 
 
 def test_massive_activation_is_found(tmp_path):

@@ -261,14 +261,13 @@ class Observation:
         rows = []
         for layer in range(ch.shape[0]):
             c, v = ch[layer].flatten(), val[layer].flatten()  # (B*T*k,)
+            # NaN magnitudes rank last (first_nonfinite() reports them); inf ranks first
+            mag = v.abs().nan_to_num(nan=-1.0)
             counts = torch.bincount(c, minlength=self.model.config.hidden_size)
-            peak = torch.zeros_like(counts, dtype=torch.float32).scatter_reduce(
-                0, c, v.abs(), reduce="amax", include_self=True)
-            best = peak.topk(min(top, int((peak > 0).sum()) or 1)).indices
-            for channel in best.tolist():
-                where = ((c == channel) & (v.abs() == peak[channel])).nonzero()[0, 0]
-                flat = int(where) // self.topk
-                b, t = divmod(flat, rms.shape[2])
+            peak = torch.full(counts.shape, -1.0).scatter_reduce(0, c, mag, reduce="amax")
+            for channel in peak.topk(min(top, int((peak >= 0).sum()))).indices.tolist():
+                where = int(((c == channel) & (mag == peak[channel])).nonzero()[0, 0])
+                b, t = divmod(where // self.topk, rms.shape[2])
                 value = float(v[where])
                 rows.append({"layer": layer, "channel": channel, "value": value, "batch": b,
                              "position": t, "tokens_in_topk": int(counts[channel]),
