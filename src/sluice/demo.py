@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 
@@ -23,27 +22,11 @@ VALVE_PROMPT = "def read_config(path):\n    with open(path) as f:\n"
 def valves_table(llm, prompt: str) -> Table:
     """The four valves of the source article, measured by the observatory on one forward of `prompt`."""
     from .observatory import observe
+    from .observatory.tables import valves_table as table
     ids = torch.tensor([llm.tokenizer.encode(prompt)])
     with observe(llm.model) as obs, torch.inference_mode():
         llm.model(ids)
-    s = obs.summary()
-    rms = s["residual_rms"]
-    vocab = llm.model.config.vocab_size
-    t = Table(title=f"the four valves, {ids.shape[1]} tokens of {prompt.splitlines()[0]!r} "
-                    "(RMS over the hidden size, mean over tokens)", title_justify="left")
-    for name in ("", "1. attn norm in -> out", "1. mlp norm in -> out", "2. residual stream"):
-        t.add_column(name, justify="right" if name else "left")
-    t.add_row("embeddings", "", "", f"x_0 {rms[0]:.3f}")
-    for i in range(len(s["attn_norm_in"])):
-        t.add_row(f"block {i}", f"{s['attn_norm_in'][i]:.2f} -> {s['attn_norm_out'][i]:.2f}",
-                  f"{s['mlp_norm_in'][i]:.2f} -> {s['mlp_norm_out'][i]:.2f}", f"x_{i + 1} {rms[i + 1]:.2f}")
-    t.add_row("3. final norm", f"{s['final_norm_in']:.2f} -> {s['final_norm_out']:.2f}", "",
-              f"grew {rms[-1] / max(rms[0], 1e-12):.0f}x")
-    t.caption = (f"4. LM head: logits in [{s['logit_min']:.2f}, {s['logit_max']:.2f}], log-sum-exp "
-                 f"{s['logsumexp']:.2f}; softmax over {vocab:,} tokens: entropy {s['entropy']:.2f} nats "
-                 f"(uniform {math.log(vocab):.2f}), top-1 p {s['top1_prob']:.3f}")
-    t.caption_justify = "left"
-    return t
+    return table(obs.summary(), ids.shape[1], llm.model.config.vocab_size)
 
 
 def run_demo(llm) -> int:

@@ -38,12 +38,11 @@ def _table(title: str, caption: str | None = None) -> Table:
                  min_width=min(max(len(title), len(caption or "")) + 4, 120))
 
 
-def valves_table(data: dict) -> Table:
-    """The four valves per block, as `sluice demo` prints them (RMS over the hidden size, mean over
-    tokens), with the LM-head softmax of the last position as the caption."""
-    s, m = data["valves"], data["model"]
+def valves_table(s: dict, num_tokens: int, vocab_size: int) -> Table:
+    """The four valves per block (RMS over the hidden size, mean over tokens), with the LM-head
+    softmax of the last position as the caption. s: Observation.summary(); `sluice demo` uses it too."""
     rms = s["residual_rms"]
-    t = _table(f"the four valves, {len(data['tokens']['ids'])} tokens (RMS over the hidden size, mean over tokens)")
+    t = _table(f"the four valves, {num_tokens} tokens (RMS over the hidden size, mean over tokens)")
     for name in ("", "1. attn norm in -> out", "1. mlp norm in -> out", "2. residual stream"):
         t.add_column(name, justify="right" if name else "left")
     t.add_row("embeddings", "", "", f"x_0 {_f(rms[0], '.3f')}")
@@ -54,7 +53,7 @@ def valves_table(data: dict) -> Table:
     if s["final_norm_in"] is not None:
         t.add_row("3. final norm", f"{_f(s['final_norm_in'], '.2f')} -> {_f(s['final_norm_out'], '.2f')}", "",
                   f"grew {_f(rms[-1] / max(rms[0], 1e-12), '.0f')}x" if math.isfinite(rms[-1]) else "")
-    V = m["vocab_size"]
+    V = vocab_size
     t.caption = caption = (f"4. LM head, last position: logits in [{_f(s['logit_min'], '.2f')}, {_f(s['logit_max'], '.2f')}], "
                  f"log-sum-exp {_f(s['logsumexp'], '.2f')}; softmax over {V:,} tokens: entropy "
                  f"{_f(s['entropy'], '.2f')} nats (uniform {math.log(V):.2f}), top-1 p {_f(s['top1_prob'], '.3f')}")
@@ -146,7 +145,7 @@ def print_all(data: dict, console: Console | None = None) -> None:
         console.print(f"[bold red]finding:[/bold red] {escape(f['message'])}")
     for name, why in data["skipped"].items():
         console.print(f"[yellow]skipped {name}:[/yellow] {escape(why)}")
-    console.print(valves_table(data))
+    console.print(valves_table(data["valves"], len(data["tokens"]["ids"]), data["model"]["vocab_size"]))
     for key, fn in (("lens", lens_table), ("softmax_safety", softmax_table), ("growth", growth_table),
                     ("massive_activations", massive_table)):
         if key in data:
