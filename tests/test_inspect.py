@@ -49,36 +49,66 @@ class Page(HTMLParser):
             self.h2[-1] += data
 
 
-def check_report(out: Path) -> str:
+def sections(training: bool):
+    return [title for anchor, title in SECTIONS if training or anchor != "training"]
+
+
+def check_report(out: Path, training: bool = False) -> str:
     html = (out / "report.html").read_text(encoding="utf-8")
     page = Page()
     page.feed(html)
     page.close()
-    for _, title in SECTIONS:
+    for title in sections(training):
         assert any(title in h for h in page.h2), f"section {title!r} missing from {page.h2}"
+    assert len(page.h2) == len(sections(training))
     assert "http://" not in html and "https://" not in html
     assert not page.tags & {"script", "link", "iframe", "object", "embed"}
     for ref in page.refs:  # data: URIs and in-page anchors only: opens from disk with no network
         assert ref.startswith(("data:image/png;base64,", "#")), ref[:60]
     assert sum(r.startswith("data:") for r in page.refs) >= 7  # the figures are embedded
     for name in FIGURES:
+        if name == "training_valves" and not training:
+            assert not (out / f"{name}.png").exists()
+            continue
         png = (out / f"{name}.png").read_bytes()
         assert png.startswith(PNG_SIGNATURE) and len(png) > 1000, name
     json.loads((out / "report.json").read_text())
     return html
 
 
+def fake_run(run: Path, num_layers: int = 3) -> list[dict]:
+    """A training log as `sluice train` writes it: valves at every evaluation (steps 10, 20, 30),
+    plain lines in between, and step 20 logged twice: a run resumed from an older checkpoint logs
+    it again later in the file, and that later record is the one that counts."""
+    rows = []
+    for step in range(1, 31):
+        row = {"step": step, "loss": 9.0 - step / 10}
+        if step % 10 == 0:
+            valves = {"residual_rms": [0.02 * step + layer for layer in range(num_layers + 1)],
+                      "final_norm_in": 0.1 * step, "final_norm_out": 1.0, "logit_max": step / 3,
+                      "logsumexp": 8.0, "entropy": 9.0 - step / 10, "top1_prob": step / 100}
+            row.update(heldout_loss=8.5 - step / 10, valves=valves)
+        rows.append(row)
+    stale = dict(rows[19], valves=dict(rows[19]["valves"], logit_max=-1.0))
+    run.mkdir(parents=True)
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows[:19], stale, *rows[19:]]))
+    return [r for r in rows if "valves" in r]
+
+
 @pytest.fixture(scope="module")
 def cli_run(tiny_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("inspect") / "new" / "dir"  # created, parents too
-    r = sluice_cli("inspect", "--model", str(tiny_dir), PROMPT, "--out", str(out), "--json")
+    tmp = tmp_path_factory.mktemp("inspect")
+    out = tmp / "new" / "dir"  # created, parents too
+    evals = fake_run(tmp / "run")
+    r = sluice_cli("inspect", "--model", str(tiny_dir), PROMPT, "--out", str(out), "--json",
+                   "--training", str(tmp / "run"))
     assert r.returncode == 0, r.stderr
-    return r, out
+    return r, out, evals
 
 
 def test_cli_report_and_json(cli_run, tiny_dir):
-    r, out = cli_run
-    html = check_report(out)
+    r, out, evals = cli_run
+    html = check_report(out, training=True)
     data = json.loads(r.stdout)  # stdout is only the JSON document
     assert data == json.loads((out / "report.json").read_text())
     # the residual RMS per layer and position is exactly what observe() measures
@@ -94,13 +124,18 @@ def test_cli_report_and_json(cli_run, tiny_dir):
     assert data["nonfinite"]["first"] is None and data["findings"] == [] and data["skipped"] == {}
     assert "report.html" in r.stderr
     assert "\u21b5" in html  # the newline token is drawn visibly
+    # the training section: the series of the run's evaluations, the latest record of a step kept
+    tr = data["training"]
+    assert tr["steps"] == [10, 20, 30] and tr["logit_max"] == [e["valves"]["logit_max"] for e in evals]
+    assert tr["residual_rms"] == [e["valves"]["residual_rms"] for e in evals]
+    assert tr["heldout_loss"] == [e["heldout_loss"] for e in evals]
 
 
 def test_python_api_and_tables(tiny_dir, tmp_path, capsys):
     model = sluice.load(str(tiny_dir))
     tok = sluice.Tokenizer.from_pretrained(tiny_dir)
     data = inspect(model, tok, "<b>&amp; x</b>", progress=True)  # progress goes to stderr
-    html = check_report(Path(save(data, tmp_path)["html"]).parent)
+    html = check_report(Path(save(data, tmp_path)["html"]).parent)  # no training section without a run
     assert "<b>&amp;" not in html.split("<h2")[0].split("class=\"prompt\"")[1]  # the prompt is escaped
     assert main(["inspect", "--model", str(tiny_dir), PROMPT]) == 0
     shown = capsys.readouterr().out
@@ -110,6 +145,19 @@ def test_python_api_and_tables(tiny_dir, tmp_path, capsys):
 
 def test_jsonable_writes_nonfinite_as_strings():
     assert jsonable({"a": [float("nan"), float("inf"), -float("inf"), 1.5]}) == {"a": ["nan", "inf", "-inf", 1.5]}
+
+
+def test_training_tables_and_bad_run(tiny_dir, tmp_path, capsys):
+    fake_run(tmp_path / "run")
+    assert main(["inspect", "--model", str(tiny_dir), PROMPT, "--training", str(tmp_path / "run")]) == 0
+    shown = " ".join(capsys.readouterr().out.split())  # rich wraps a long title
+    assert "the valves over training" in shown and "3 evaluations)" in shown
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "log.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    for run, why in (("old", "has no valve records"), ("missing", "no training log")):
+        assert main(["inspect", "--model", str(tiny_dir), PROMPT, "--training", str(tmp_path / run)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and str(tmp_path / run) in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("case", ["empty", "too_long", "out_is_file", "out_under_file"])
@@ -182,7 +230,7 @@ def check_report_sections_only(out: Path) -> str:
     html = (out / "report.html").read_text(encoding="utf-8")
     page = Page()
     page.feed(html)
-    for _, title in SECTIONS:
+    for title in sections(training=False):
         assert any(title in h for h in page.h2), title
     assert all(ref.startswith(("data:", "#")) for ref in page.refs)
     return html

@@ -152,11 +152,17 @@ def cmd_inspect(args) -> int:
         raise ObservatoryError("the prompt is empty: give some text to inspect, e.g. "
                                "sluice inspect \"def read_config(path):\"")
     out = prepare_out_dir(args.out) if args.out else None
+    training = None
+    if args.training:  # read (and checked) before the slow part
+        from .observatory.training import training_valves
+        training = {"run": args.training, **training_valves(args.training)}
     err = Console(stderr=True, highlight=False)
     with err.status(f"loading {args.model or 'the bundled model'} ({args.dtype})..."):
         model = load(args.model, dtype=args.dtype)
         tokenizer = Tokenizer.from_pretrained(model.model_dir)
     data = inspect(model, tokenizer, prompt)
+    if training is not None:
+        data["training"] = training
     if out is not None:
         with err.status(f"writing the report to {out}..."):
             paths = save(data, out)
@@ -210,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print every number as one JSON document on stdout instead of tables "
                         "(NaN/inf as the strings \"nan\", \"inf\", \"-inf\")")
+    p.add_argument("--training", default=None, metavar="RUN",
+                   help="also show how the valves formed over a `sluice train` run (its directory "
+                        "or log.jsonl), e.g. one of recipes/stdlib-valves.toml")
     p.add_argument("prompt", help="the text to inspect ('-' reads it from stdin)")
     p.set_defaults(func=cmd_inspect)
 

@@ -242,6 +242,43 @@ def growth_fit(data: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
+def training_valves(data: dict, path: Path) -> Path:
+    """How the valves formed over a `sluice train` run: one point per evaluation."""
+    tr = data["training"]
+    steps = _arr(tr["steps"])
+    rms = _arr(tr["residual_rms"])  # (evaluations, L+1)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    ax = axes[0, 0]
+    colours = plt.cm.viridis(np.linspace(0, 1, rms.shape[1]))
+    for layer in range(rms.shape[1]):
+        ax.plot(steps, rms[:, layer], color=colours[layer], label=_layer_labels(rms.shape[1])[layer])
+    ax.set(ylabel="RMS of x_l (mean over tokens)", title="2. residual stream, per layer")
+    ax.legend(fontsize=7, ncol=2, title="x_l", title_fontsize=7)
+    ax = axes[0, 1]
+    ax.plot(steps, tr["final_norm_in"], "o-", label="final norm in (= x_L)")
+    ax.plot(steps, tr["final_norm_out"], "s-", label="final norm out")
+    ax.set(ylabel="RMS", title="3. final norm")
+    ax.legend(fontsize=8)
+    for ax in axes[0]:
+        _log_if_wide(ax, rms)
+    ax = axes[1, 0]
+    ax.plot(steps, tr["logit_max"], "o-", label="max logit")
+    ax.plot(steps, tr["logsumexp"], "s-", label="log Z (log-sum-exp)")
+    ax.set(xlabel="training step", ylabel="logit", title="4. LM head, last position")
+    ax.legend(fontsize=8)
+    ax = axes[1, 1]
+    ax.plot(steps, tr["entropy"], "o-", label="softmax entropy (nats)")
+    loss = [v if v is not None else math.nan for v in tr["heldout_loss"]]
+    ax.plot(steps, loss, "s-", label="held-out loss (nats/token)")
+    ax.set(xlabel="training step", ylabel="nats", title="softmax entropy and held-out loss")
+    ax.legend(fontsize=8)
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"The valves over training ({len(steps)} evaluations of one fixed held-out window)")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 # name -> (function, the data keys it needs); report.py shows them in this order
 FIGURES = {
     "residual_rms": (residual_rms, ("residual",)),
@@ -252,6 +289,7 @@ FIGURES = {
     "logit_histogram": (logit_histogram, ("logits",)),
     "entropy": (entropy, ("logits",)),
     "lens_grid": (lens_grid, ("lens",)),
+    "training_valves": (training_valves, ("training",)),
 }
 
 

@@ -27,7 +27,8 @@ NONFINITE_ROWS = 12  # modules listed in the non-finite check; the rest only inh
 SECTIONS = [("valves", "The four valves"), ("residual", "Residual stream"), ("growth", "Growth fit"),
             ("norms", "Norm gains"), ("branches", "Branch / stream ratios"),
             ("massive", "Massive activations"), ("logits", "Logit histogram and entropy per position"),
-            ("lens", "Logit lens"), ("softmax", "Softmax safety"), ("nonfinite", "Non-finite check")]
+            ("lens", "Logit lens"), ("softmax", "Softmax safety"), ("nonfinite", "Non-finite check"),
+            ("training", "Valves over training")]  # the last one only with --training
 
 CSS = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;max-width:1200px;
@@ -221,6 +222,9 @@ HOW = {
                "reference, at every position. 'naive' is exp(z)/sum exp(z); 'safe' subtracts the max "
                "first; 'online' finds max and sum in one pass. With the final norm bypassed the logits "
                "follow the raw stream's scale, which is what the final norm protects the softmax from.",
+    "training": "The same summary (residual RMS per layer, final norm, last position's logits and entropy) "
+                "that `sluice train` records at each evaluation on one fixed held-out window: how the valves "
+                "formed as the model learned.",
     "nonfinite": "Every module output (residual stream, norms, branches, every Linear, the LM head) is checked "
                  "for NaN and inf; the first module in execution order that has one is where it came from.",
 }
@@ -243,7 +247,20 @@ def _body(anchor: str, data: dict, pngs) -> str:
         "lens": lambda: _lens(data),
         "softmax": lambda: _softmax(data),
         "nonfinite": lambda: _nonfinite(data),
+        "training": lambda: _training(data, pngs),
     }[anchor]()
+
+
+def _training(data: dict, pngs) -> str:
+    tr = data["training"]
+    rows = [[str(step), _num(loss) if loss is not None else "", _num(rms[0]), _num(rms[-1]),
+             f"{_num(fin)} &rarr; {_num(fout)}", _num(zmax), _num(lse), _num(ent)]
+            for step, loss, rms, fin, fout, zmax, lse, ent in zip(
+                tr["steps"], tr["heldout_loss"], tr["residual_rms"], tr["final_norm_in"],
+                tr["final_norm_out"], tr["logit_max"], tr["logsumexp"], tr["entropy"])]
+    return (f"<p>Run: <code>{escape(tr['run'])}</code></p>" + _img(pngs, "training_valves", "valves over training")
+            + _table(["step", "held-out loss", "x_0 RMS", "x_L RMS", "final norm in &rarr; out", "max logit",
+                      "log Z", "entropy"], rows))
 
 
 def render(data: dict, pngs: dict[str, Path]) -> str:
@@ -258,9 +275,10 @@ def render(data: dict, pngs: dict[str, Path]) -> str:
     parts += [f'<p class="finding"><b>Finding:</b> {escape(f["message"])}</p>' for f in data["findings"]]
     parts += [f'<p class="skipped"><b>Skipped {escape(k)}:</b> {escape(v)}</p>' for k, v in data["skipped"].items()]
     parts.append(_prompt_html(data))
+    sections = [(a, t) for a, t in SECTIONS if a != "training" or "training" in data]
     parts.append("<nav>" + "".join(f'<a href="#{a}">{i + 1}. {t}</a><br>'
-                                    for i, (a, t) in enumerate(SECTIONS)) + "</nav>")
-    for i, (anchor, name) in enumerate(SECTIONS):
+                                    for i, (a, t) in enumerate(sections)) + "</nav>")
+    for i, (anchor, name) in enumerate(sections):
         parts.append(f'<section id="{anchor}"><h2>{i + 1}. {name}</h2><p class="how">{HOW[anchor]}</p>'
                      f"{_body(anchor, data, pngs)}</section>")
     parts.append("<p class=\"meta\">Written by <code>sluice inspect</code>; every number is in report.json "

@@ -134,6 +134,25 @@ def massive_table(data: dict) -> Table:
     return t
 
 
+def training_table(data: dict, rows: int = 8) -> Table:
+    """The valves at (up to) `rows` evaluations of a training run, first and last included."""
+    tr = data["training"]
+    n = len(tr["steps"])
+    picks = sorted({round(i * (n - 1) / max(rows - 1, 1)) for i in range(min(rows, n))})
+    t = _table(f"the valves over training: {tr['run']} ({n} evaluations)",
+               caption="one fixed held-out window; loss: held-out, nats/token; RMS over the hidden size, "
+                       "mean over tokens; final norm: RMS in->out")
+    for name in ("step", "loss", "x_0 RMS", "x_L RMS", "final norm", "max logit", "log Z", "entropy"):
+        t.add_column(name, justify="right")
+    for i in picks:
+        loss = tr["heldout_loss"][i]
+        t.add_row(str(tr["steps"][i]), _f(loss, ".3f") if loss is not None else "",
+                  _f(tr["residual_rms"][i][0]), _f(tr["residual_rms"][i][-1]),
+                  f"{_f(tr['final_norm_in'][i])}->{_f(tr['final_norm_out'][i])}",
+                  _f(tr["logit_max"][i]), _f(tr["logsumexp"][i]), _f(tr["entropy"][i]))
+    return t
+
+
 def print_all(data: dict, console: Console | None = None) -> None:
     """Findings first (a NaN explains every odd number after it), then each table that has data."""
     console = console or Console(highlight=False)
@@ -147,7 +166,7 @@ def print_all(data: dict, console: Console | None = None) -> None:
         console.print(f"[yellow]skipped {name}:[/yellow] {escape(why)}")
     console.print(valves_table(data["valves"], len(data["tokens"]["ids"]), data["model"]["vocab_size"]))
     for key, fn in (("lens", lens_table), ("softmax_safety", softmax_table), ("growth", growth_table),
-                    ("massive_activations", massive_table)):
+                    ("massive_activations", massive_table), ("training", training_table)):
         if key in data:
             console.print()
             # the lens gets as many positions as the terminal has room for (~12 columns each)
