@@ -181,3 +181,10 @@ def test_training_valves_refuses_a_log_without_them(tmp_path):
         training_valves(tmp_path / "old")
     with pytest.raises(sluice.SluiceError, match="no training log at .*nowhere"):
         training_valves(tmp_path / "nowhere")
+
+
+def test_recording_valves_leaves_training_unchanged(tmp_path, corpus, monkeypatch):
+    run(recipe(corpus), tmp_path / "with", log=lambda m: None, progress=False)
+    monkeypatch.setattr("sluice.training.train.valve_summary", lambda *a, **k: {})
+    run(recipe(corpus), tmp_path / "without", log=lambda m: None, progress=False)
+    assert losses(tmp_path / "with") == losses(tmp_path / "without")
