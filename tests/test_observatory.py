@@ -163,7 +163,7 @@ def test_injected_nan_is_reported_at_its_layer_module_and_position(tmp_path):
         handle.remove()
     assert torch.isnan(logits[1, 9:]).all()  # it really broke the output
     assert obs.first_nonfinite() == {"module": "layers.1.attn.v", "layer": 1, "batch": 1,
-                                     "position": 9, "count": 1, "total": obs.first_nonfinite()["total"]}
+                                     "position": 9, "positions": 1, "total": obs.first_nonfinite()["total"]}
     # nothing upstream of it is flagged, and in v itself only that one value. (Downstream, even
     # positions < 9 turn NaN: attention multiplies the masked-out value rows by probability 0, and
     # 0 * NaN is NaN, so the poison leaks backwards in time. The origin is still exact.)

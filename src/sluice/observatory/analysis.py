@@ -197,7 +197,7 @@ def _probes(data: dict, obs, text) -> None:
         data["findings"].append({
             "kind": "nonfinite", **first,
             "message": f"non-finite values (NaN/inf) first appear in {first['module']} ({where}) at "
-                       f"position {first['position']} (token {tok!r}): {first['count']:,} values there, "
+                       f"position {first['position']} (token {tok!r}): {first['positions']:,} token outputs there, "
                        f"{first['total']:,} over all modules; every later number inherits them"})
     _attempt(data, "massive_activations", first is not None, lambda: _massive(data, obs))
 

@@ -14,8 +14,8 @@ What is measured at each kind of site (a "site" is a module whose output a hook 
    derived in `branch_ratio()`;
 4. the LM head: per position logit max, min, std, log-sum-exp (log Z), softmax entropy, top-1
    probability and token;
-and, at every site plus every Linear, the number of non-finite values per position, so that
-`first_nonfinite()` names where a NaN or inf first appeared (layer, module, batch row, position).
+and, at every site plus every Linear, whether each position's output holds a NaN or inf, so that
+`first_nonfinite()` names where one first appeared (layer, module, batch row, position).
 
 Hooks are registered from outside (the model code has no `if observe`), only read their tensors,
 and write into preallocated fp32 buffers with copy_ (no Python lists that grow, no .item()), so
@@ -97,22 +97,19 @@ class Observation:
         self._handles: list = []
         modules = dict(model.named_modules())
         self._handles.append(model.register_forward_pre_hook(self._begin, with_kwargs=True))
-        self._hook(model.embed, self._resid_hook(0))
-        for i, block in enumerate(model.layers):
-            self._hook(block, self._resid_hook(i + 1))
-        for j, name in enumerate(self.norm_names):
-            self._hook(modules[name], self._norm_hook(j))
-        for j, name in enumerate(self.branch_names):
-            self._hook(modules[name], self._branch_hook(j))
-        self._hook(model.lm_head, self._logits_hook)
+        measure = {"embed": self._resid_stats(0), "lm_head": self._logits_stats,
+                   **{f"layers.{i}": self._resid_stats(i + 1) for i in range(self.num_layers)},
+                   **{name: self._norm_stats(j) for j, name in enumerate(self.norm_names)},
+                   **{name: self._branch_stats(j) for j, name in enumerate(self.branch_names)}}
+        # One hook per module (each call of a hook costs more than the arithmetic at decode sizes)
         for j, name in enumerate(self.sites.tracked):
-            self._hook(modules[name], self._nonfinite_hook(j))
+            self._handles.append(modules[name].register_forward_hook(self._hook(j, measure.get(name))))
 
     # ------------------------------------------------------------------ buffers
     def bytes_for(self, B: int, T: int) -> int:
         L1, k = self.num_layers + 1, self.topk
         floats = L1 * 3 + L1 * k + 2 * len(self.norm_names) + len(self.branch_names) + len(LOGIT_STATS)
-        return B * T * (4 * floats + 8 * (L1 * k + 1) + 4 * len(self.sites.tracked))
+        return B * T * (4 * floats + 8 * (L1 * k + 1) + 8 * len(self.sites.tracked))
 
     def _allocate(self, B: int, T: int) -> None:
         need = self.bytes_for(B, T)
@@ -132,7 +129,9 @@ class Observation:
             "branch_rms": torch.zeros(len(self.branch_names), B, T, **f32),
             "logits": torch.zeros(len(LOGIT_STATS), B, T, **f32),
             "top1_id": torch.zeros(B, T, dtype=torch.long),
-            "nonfinite": torch.zeros(len(self.sites.tracked), B, T, dtype=torch.int32),
+            # per module and position, the sum of its output in fp64: NaN or inf iff some element
+            # is (finite fp32/bf16 values cannot overflow an fp64 sum), at the cost of one reduction
+            "nonfinite_sum": torch.zeros(len(self.sites.tracked), B, T, dtype=torch.float64),
         }
         self._capacity = (B, T)
 
@@ -147,10 +146,13 @@ class Observation:
 
     @property
     def stats(self) -> dict[str, torch.Tensor]:
-        """The buffers cut to the last forward's (B, T). The logits rows cover `logits_len` positions."""
+        """The buffers cut to the last forward's (B, T). The logits rows cover `logits_len` positions.
+        "nonfinite" (sites, B, T) int32 is 1 where that module's output at that token has a NaN/inf."""
         if self.shape is None:
             raise ObservatoryError("nothing observed yet: run the model inside `with observe(model)`")
-        return self._views(*self.shape)
+        views = self._views(*self.shape)
+        views["nonfinite"] = (~torch.isfinite(views.pop("nonfinite_sum"))).to(torch.int32)
+        return views
 
     def _views(self, B: int, T: int) -> dict[str, torch.Tensor]:
         # (B, T) are the last two dims of every buffer but the top-k ones, which have k after them.
@@ -158,11 +160,16 @@ class Observation:
                 for name, buf in self._buf.items()}
 
     # ------------------------------------------------------------------ hooks
-    def _hook(self, module, fn):
-        self._handles.append(module.register_forward_hook(fn))
+    def _hook(self, j: int, measure):
+        def hook(_module, inputs, out):
+            if measure is not None:
+                measure(inputs, out)
+            B, T = out.shape[:2]
+            self._buf["nonfinite_sum"][j, :B, :T].copy_(out.detach().flatten(2).sum(-1, dtype=torch.float64))
+        return hook
 
-    def _resid_hook(self, i: int):
-        def hook(_module, _inputs, out):
+    def _resid_stats(self, i: int):
+        def measure(_inputs, out):
             x = out.detach().float()  # (B, T, C)
             B, T, _ = x.shape
             b = self._buf
@@ -172,24 +179,24 @@ class Observation:
             b["resid_absmax"][i, :B, :T].copy_(top.values[..., 0])
             b["resid_top_channels"][i, :B, :T].copy_(top.indices)
             b["resid_top_values"][i, :B, :T].copy_(x.gather(-1, top.indices))
-        return hook
+        return measure
 
-    def _norm_hook(self, j: int):
-        def hook(_module, inputs, out):
+    def _norm_stats(self, j: int):
+        def measure(inputs, out):
             x, y = inputs[0].detach().float(), out.detach().float()  # (B, T, C) or (B, T, heads, D)
             B, T = x.shape[:2]
             self._buf["norm_in_rms"][j, :B, :T].copy_(x.flatten(2).pow(2).mean(-1).sqrt())
             self._buf["norm_out_rms"][j, :B, :T].copy_(y.flatten(2).pow(2).mean(-1).sqrt())
-        return hook
+        return measure
 
-    def _branch_hook(self, j: int):
-        def hook(_module, _inputs, out):
+    def _branch_stats(self, j: int):
+        def measure(_inputs, out):
             x = out.detach().float()
             B, T, _ = x.shape
             self._buf["branch_rms"][j, :B, :T].copy_(x.pow(2).mean(-1).sqrt())
-        return hook
+        return measure
 
-    def _logits_hook(self, _module, _inputs, out):
+    def _logits_stats(self, _inputs, out):
         z = out.detach().float()  # (B, T, V), in fp32 as sampling sees them
         B, T, _ = z.shape
         logz = torch.logsumexp(z, dim=-1, keepdim=True)
@@ -201,13 +208,6 @@ class Observation:
         self._buf["logits"][:, :B, :T].copy_(stats)
         self._buf["top1_id"][:B, :T].copy_(top.indices)
         self.logits_len = T
-
-    def _nonfinite_hook(self, j: int):
-        def hook(_module, _inputs, out):
-            B, T = out.shape[:2]
-            bad = ~torch.isfinite(out.detach())
-            self._buf["nonfinite"][j, :B, :T].copy_(bad.flatten(2).sum(-1))
-        return hook
 
     # ------------------------------------------------------------------ lifecycle
     def remove(self) -> None:
@@ -239,8 +239,9 @@ class Observation:
 
     def first_nonfinite(self) -> dict | None:
         """Where a NaN or inf first appeared: the earliest module in execution order, and in it the
-        first (batch row, token) affected; None when every observed value was finite."""
-        counts = self.stats["nonfinite"]  # (sites, B, T)
+        first (batch row, token) affected; None when every observed value was finite. "positions":
+        how many (row, token) outputs of that module hold one; "total": the same over all modules."""
+        counts = self.stats["nonfinite"]  # (sites, B, T) 0/1
         hit = counts.flatten(1).sum(-1).nonzero()
         if not len(hit):
             return None
@@ -250,7 +251,7 @@ class Observation:
         b = int((counts[j][:, t] > 0).nonzero()[0])
         name = self.sites.tracked[j]
         return {"module": name, "layer": _layer_of(name), "batch": b, "position": t,
-                "count": int(counts[j].sum()), "total": int(counts.sum())}
+                "positions": int(counts[j].sum()), "total": int(counts.sum())}
 
     def massive_activations(self, top: int = 5) -> list[dict]:
         """Per layer, the channels with the largest |x| over all tokens: channel, signed value, the

@@ -190,7 +190,7 @@ def _nonfinite(data: dict) -> str:
             if len(sites) > NONFINITE_ROWS else "")
     return (f'<p class="finding">{escape(data["findings"][0]["message"])}</p>'
             "<p>Non-finite values per module, in execution order (the first row is the origin; everything "
-            "after it inherits the NaN/inf):</p>" + _table(["module", "count"], rows, left=1) + more)
+            "after it inherits the NaN/inf):</p>" + _table(["module", "token outputs with NaN/inf"], rows, left=1) + more)
 
 
 # anchor -> (how to read it, body builder); bodies that need missing data show why instead
