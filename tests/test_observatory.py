@@ -125,22 +125,33 @@ def test_logits_bit_identical_eager_and_compiled(tmp_path):
 
 
 def test_compiled_decode_step_runs_the_probes(tiny_llm):
+    """The engine's compiled decode step (T = 1 after a T = 4 prefill) measures what eager does."""
     model = tiny_llm.model
+
+    def run(compile):
+        with observe(model) as obs:
+            runner = Runner(model, compile=compile)
+            runner.prefill([[5, 6, 7, 8]], 64)
+            assert obs.shape == (1, 4)
+            steps, tok = [], torch.tensor([9])
+            for _ in range(2):
+                logits = runner.step(tok)
+                assert obs.shape == (1, 1)
+                torch.testing.assert_close(obs.stats["logits"][3, 0, 0], logits[0].logsumexp(-1))
+                steps.append({k: v.clone() for k, v in obs.stats.items()})
+                tok = logits.argmax(-1)
+            runner.release()
+        return steps
+
+    eager = run(compile=False)
     torch._dynamo.reset()
-    with observe(model) as obs:
-        runner = Runner(model, compile=True)
-        runner.prefill([[5, 6, 7, 8]], 64)
-        assert obs.shape == (1, 4)
-        tok = torch.tensor([9])
-        first = runner.step(tok)
-        assert obs.shape == (1, 1)
-        lse1 = obs.stats["logits"][3, 0, 0].clone()
-        torch.testing.assert_close(lse1, first[0].logsumexp(-1))
-        second = runner.step(first.argmax(-1))
-        torch.testing.assert_close(obs.stats["logits"][3, 0, 0], second[0].logsumexp(-1))
-        assert not torch.equal(lse1, obs.stats["logits"][3, 0, 0])
-    runner.release()
+    compiled = run(compile=True)
     torch._dynamo.reset()
+    assert not torch.equal(eager[0]["resid_rms"], eager[1]["resid_rms"])  # each step is its own
+    for e, c in zip(eager, compiled):
+        for k in ("resid_rms", "resid_var", "norm_in_rms", "norm_out_rms", "branch_rms", "logits"):
+            torch.testing.assert_close(c[k], e[k], rtol=1e-4, atol=1e-5)
+        assert torch.equal(c["nonfinite"], e["nonfinite"]) and not c["nonfinite"].any()
 
 
 def _poison_output(module, batch, position, channel, value=float("nan")):

@@ -27,6 +27,7 @@ cache (decode), its T is the number of new tokens, not their absolute positions.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -160,45 +161,51 @@ class Observation:
                 for name, buf in self._buf.items()}
 
     # ------------------------------------------------------------------ hooks
+    def _at(self, name: str, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Row i of buffer `name`, cut to x's (B, T). Cut here from the tensor in hand, never cached
+        between hooks: under torch.compile a view kept on self could be one of an earlier shape."""
+        return self._buf[name][i, :x.shape[0], :x.shape[1]]
+
     def _hook(self, j: int, measure):
         def hook(_module, inputs, out):
+            out = out.detach()
             if measure is not None:
                 measure(inputs, out)
-            B, T = out.shape[:2]
-            self._buf["nonfinite_sum"][j, :B, :T].copy_(out.detach().flatten(2).sum(-1, dtype=torch.float64))
+            torch.sum(out.flatten(2), -1, dtype=torch.float64, out=self._at("nonfinite_sum", j, out))
         return hook
+
+    @staticmethod
+    def _rms(x: torch.Tensor, into: torch.Tensor) -> None:
+        """RMS over everything after (B, T), computed in fp32 into `into` (B, T): the L2 norm then a
+        scale, two kernels where pow/mean/sqrt/copy take four (at decode sizes, kernels are the cost)."""
+        torch.linalg.vector_norm(x.flatten(2), dim=-1, dtype=torch.float32, out=into)
+        into.mul_(math.prod(x.shape[2:]) ** -0.5)
 
     def _resid_stats(self, i: int):
         def measure(_inputs, out):
-            x = out.detach().float()  # (B, T, C)
-            B, T, _ = x.shape
-            b = self._buf
-            b["resid_rms"][i, :B, :T].copy_(x.pow(2).mean(-1).sqrt())
-            b["resid_var"][i, :B, :T].copy_(x.var(-1, correction=0))
+            self._rms(out, self._at("resid_rms", i, out))
+            x = out.float()  # (B, T, C)
+            torch.var(x, -1, correction=0, out=self._at("resid_var", i, x))
             top = x.abs().topk(self.topk, dim=-1)  # (B, T, k): the largest-magnitude channels
-            b["resid_absmax"][i, :B, :T].copy_(top.values[..., 0])
-            b["resid_top_channels"][i, :B, :T].copy_(top.indices)
-            b["resid_top_values"][i, :B, :T].copy_(x.gather(-1, top.indices))
+            self._at("resid_absmax", i, x).copy_(top.values[..., 0])
+            self._at("resid_top_channels", i, x).copy_(top.indices)
+            torch.gather(x, -1, top.indices, out=self._at("resid_top_values", i, x))
         return measure
 
     def _norm_stats(self, j: int):
-        def measure(inputs, out):
-            x, y = inputs[0].detach().float(), out.detach().float()  # (B, T, C) or (B, T, heads, D)
-            B, T = x.shape[:2]
-            self._buf["norm_in_rms"][j, :B, :T].copy_(x.flatten(2).pow(2).mean(-1).sqrt())
-            self._buf["norm_out_rms"][j, :B, :T].copy_(y.flatten(2).pow(2).mean(-1).sqrt())
+        def measure(inputs, out):  # (B, T, C), or (B, T, heads, D) for q/k norms
+            self._rms(inputs[0].detach(), self._at("norm_in_rms", j, out))
+            self._rms(out, self._at("norm_out_rms", j, out))
         return measure
 
     def _branch_stats(self, j: int):
         def measure(_inputs, out):
-            x = out.detach().float()
-            B, T, _ = x.shape
-            self._buf["branch_rms"][j, :B, :T].copy_(x.pow(2).mean(-1).sqrt())
+            self._rms(out, self._at("branch_rms", j, out))
         return measure
 
     def _logits_stats(self, _inputs, out):
-        z = out.detach().float()  # (B, T, V), in fp32 as sampling sees them
-        B, T, _ = z.shape
+        z = out.float()  # (B, T, V), in fp32 as sampling sees them
+        B, T = z.shape[:2]  # T is 1 when only the last position's logits are made
         logz = torch.logsumexp(z, dim=-1, keepdim=True)
         logp = z - logz
         p = logp.exp()
