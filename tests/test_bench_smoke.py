@@ -16,7 +16,7 @@ def _run(script: str, *args: str) -> None:
     proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", *args],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "| engine |" in proc.stdout or "| config |" in proc.stdout  # the markdown table
+    assert any(h in proc.stdout for h in ("| engine |", "| config |", "| row |"))  # the markdown table
 
 
 def test_decode_speed_quick(tmp_path):
@@ -48,3 +48,24 @@ def test_train_speed_quick(tmp_path):
     for row in rows.values():
         assert row["tok_s"] > 0 and row["step_seconds"] > 0 and row["vs_transformers_fp32"] > 0
         assert row["params"] > 0 and row["first_loss"] > 0
+
+
+def test_probe_overhead_quick(tmp_path):
+    out = tmp_path / "probe.json"
+    _run("probe_overhead.py", "--no-compile", "--ablate", "--workdir", str(tmp_path / "work"), "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["errors"] == {}
+    rows = {(row["row"], row["variant"]): row for row in r["rows"]}
+    variants = ("plain", "probed", "timed hooks", "no-op hooks")
+    assert set(rows) == {(row, v) for row in ("fp32 eager", "bf16 eager") for v in variants}  # --no-compile
+    assert r["hooks"]["begin"] == 1 and sum(r["hooks"].values()) > 1
+    for (_, variant), row in rows.items():
+        assert row["step_ms"] > 0 and row["prefill_s"] > 0 and row["step_ratio"] > 0
+        if variant == "plain":  # the hooks were out: the probe's buffers saw nothing
+            assert row["step_ratio"] == 1.0 and row["probe_buffers_untouched"]
+        else:  # with the probe (or stand-ins for its hooks) not a single logit changes
+            assert row["logits_identical"]
+        if variant == "probed":
+            assert row["hooks_ran_every_step"]
+        if variant == "timed hooks":
+            assert set(row["inside_hooks_ms"]) == set(r["hooks"]) and sum(row["inside_hooks_ms"].values()) > 0
