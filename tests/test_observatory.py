@@ -237,6 +237,12 @@ def test_capacity_grows_and_size_is_checked_before_allocating(tmp_path):
         assert obs.stats["resid_rms"].shape[1:] == (3, 40)
         model(torch.zeros(1, 2, dtype=torch.long))
         assert obs.stats["resid_rms"].shape[1:] == (1, 2)
+    with observe(model, capacity=(1, 4)) as obs:
+        with torch.inference_mode():
+            model(torch.zeros(1, 10, dtype=torch.long))  # grown inside inference mode ...
+        with torch.no_grad():
+            model(torch.zeros(1, 3, dtype=torch.long))  # ... and still writable outside it
+        assert obs.stats["resid_rms"].shape[1:] == (1, 3)
     need = obs.bytes_for(4, 1000)
     with pytest.raises(ObservatoryError, match="4 x 1000 tokens needs"):
         observe(model, capacity=(4, 1000), max_bytes=need - 1)

@@ -118,8 +118,13 @@ class Observation:
             raise ObservatoryError(f"observing a forward of {B} x {T} tokens needs {need / 2**20:,.0f} MiB "
                                    f"of statistics, over the limit of {self.max_bytes / 2**20:,.0f} MiB "
                                    "(pass max_bytes= to observe() to allow more, or a shorter input)")
+        with torch.inference_mode(False):  # normal tensors even when growing inside inference mode,
+            self._buf = self._zeros(B, T)  # so that a later forward under no_grad can write them
+        self._capacity = (B, T)
+
+    def _zeros(self, B: int, T: int) -> dict[str, torch.Tensor]:
         L1, k, f32 = self.num_layers + 1, self.topk, dict(dtype=torch.float32)
-        self._buf = {
+        return {
             "resid_rms": torch.zeros(L1, B, T, **f32),
             "resid_var": torch.zeros(L1, B, T, **f32),
             "resid_absmax": torch.zeros(L1, B, T, **f32),
@@ -134,7 +139,6 @@ class Observation:
             # is (finite fp32/bf16 values cannot overflow an fp64 sum), at the cost of one reduction
             "nonfinite_sum": torch.zeros(len(self.sites.tracked), B, T, dtype=torch.float64),
         }
-        self._capacity = (B, T)
 
     def _begin(self, _module, args, kwargs):
         ids = args[0] if args else kwargs["input_ids"]
