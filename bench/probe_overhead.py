@@ -6,10 +6,8 @@
 Same random checkpoint as decode_speed.py (Qwen3-0.6B's shapes). One model per dtype, with
 observe(model) attached once, before any Runner exists (so before torch.compile traces a step);
 "plain" runs take the probe's hooks out of the model's hook dicts and "probed" runs put the very
-same hook functions back. One model and not two, so both read the very same weight pages (a
-second copy is a second allocation, and a speed difference between copies would be counted as the
-probe's cost: in a first version with copies, one with empty hooks decoded 6% faster than the
-plain one, as large as the effect measured). Dynamo is
+same hook functions back. One model and not two, so both read the very same weight pages (with
+two copies, any speed difference between the copies would be counted as the probe's). Dynamo is
 told to guard on hooks (torch._dynamo.config.skip_nnmodule_hook_guards=False); by default it does
 not, and the compiled step would keep whichever hooks it was first traced with. With the guards it
 traces once with and once without the hooks and afterwards picks the matching graph.
@@ -31,10 +29,10 @@ import time
 from pathlib import Path
 
 import torch
-
-import sluice
 from common import environment, save_json
 from decode_speed import FULL, QUICK, build_checkpoint
+
+import sluice
 
 ROWS = {"fp32 eager": ("float32", False), "fp32 compile": ("float32", True),
         "bf16 eager": ("bfloat16", False)}
@@ -127,7 +125,7 @@ def code_version() -> dict:
     import hashlib
     import subprocess
     probes = Path(sluice.__file__).parent / "observatory" / "probes.py"
-    git = lambda *a: subprocess.run(["git", "-C", str(probes.parent), *a], capture_output=True,  # noqa: E731
+    git = lambda *a: subprocess.run(["git", "-C", str(probes.parent), *a], capture_output=True,
                                     text=True, check=False)
     last, dirty = git("log", "-1", "--format=%h %cs %s", "--", probes.name), git("status", "--porcelain", probes.name)
     return {"sluice_path": str(probes.parents[1]),
@@ -198,7 +196,7 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         try:
             run(key, prompt[:8], 2)
-        except Exception as e:  # a compile failure is a result to report, not a crash
+        except Exception as e:  # noqa: BLE001 - a compile failure is a result to report, not a crash
             errors[" ".join(key)] = f"{type(e).__name__}: {e}"[:500]
             del variants[key]
         warmup_s[key] = time.perf_counter() - t0
@@ -271,7 +269,7 @@ def print_table(r: dict) -> None:
     print("| row | variant | decode ms/step | decode overhead | prefill s | prefill overhead "
           "| logits identical | hooks ran every step |")
     print("|---|---|---:|---:|---:|---:|---|---|")
-    flag = lambda x: "-" if x is None else ("yes" if x else "NO")  # noqa: E731
+    flag = lambda x: "-" if x is None else ("yes" if x else "NO")
     for row in r["rows"]:
         print(f"| {row['row']} | {row['variant']} | {row['step_ms']:.1f} | {row['step_ratio']:.3f}x "
               f"| {row['prefill_s']:.2f} | {row['prefill_ratio']:.3f}x | {flag(row.get('logits_identical'))} "
