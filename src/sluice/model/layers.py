@@ -19,18 +19,54 @@ from .config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * w: no mean subtraction and no bias (cf. LayerNorm)."""
+    """y = x / sqrt(mean(x^2) + eps) * g: no mean subtraction and no bias (cf. LayerNorm).
 
-    def __init__(self, dim: int, eps: float):
+    The statistics are always fp32. Two family choices (config.py): the gain g is `weight` (Llama,
+    Qwen, OLMo 2) or `1 + weight` (Gemma, whose weights are stored as offsets from 1, `offset=1`);
+    and the cast back to the activation dtype happens before the gain multiply (Llama, Qwen) or
+    after it, with the gain applied in fp32 (Gemma, OLMo 2: `gain_in_fp32`). In bf16 the two
+    orders round differently, so each family follows its reference."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, gain_in_fp32: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset, self.gain_in_fp32 = eps, offset, gain_in_fp32
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
+
+    def gain(self) -> torch.Tensor:
+        """The effective per-channel gain, fp32 (what surgery carries over to another norm kind)."""
+        return self.weight.float() + self.offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Llama/Qwen order: back to the activation dtype first, then the weight multiply.
+        if self.gain_in_fp32:
+            return (x32 * (self.weight.float() + self.offset)).to(x.dtype)
         return self.weight * x32.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, gain_in_fp32={self.gain_in_fp32}"
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean(x)) / sqrt(var(x) + eps) * w + b, as GPT-2 and GPT-NeoX normalise.
+
+    F.layer_norm accumulates mean and variance in fp32 even for bf16 inputs and rounds once at the
+    end, which is exactly what transformers' nn.LayerNorm does for these families."""
+
+    def __init__(self, dim: int, eps: float, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def gain(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
