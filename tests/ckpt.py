@@ -16,6 +16,16 @@ ARCHS = {
     "mistral": (T.MistralConfig, T.MistralForCausalLM, {"sliding_window": 4096}),
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
     "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 24}),
+    # GPT-2 spells its sizes n_embd / n_inner / n_positions and has no grouped-query attention.
+    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, {"n_inner": 112, "num_key_value_heads": None}),
+    "neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {"num_key_value_heads": None,
+                                                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                           "partial_rotary_factor": 0.5}}),
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {"head_dim": 24, "query_pre_attn_scalar": 20,
+                                                     "sliding_window": 8}),
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, {"head_dim": 24, "query_pre_attn_scalar": 20,
+                                                         "sliding_window": 8, "sliding_window_pattern": 2}),
+    "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, {}),
 }
 
 
@@ -24,6 +34,7 @@ def build(out: Path, arch: str = "qwen3", *, seed: int = 0, save_dtype=torch.flo
     """Save a random `arch` checkpoint to `out`; return the transformers model (fp32, eval)."""
     cfg_cls, model_cls, extra = ARCHS[arch]
     kwargs = {**_SMALL, **extra, **overrides}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in _SMALL}
     cfg = cfg_cls(**kwargs)
     cfg.architectures = [model_cls.__name__]
     torch.manual_seed(seed)

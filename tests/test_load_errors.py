@@ -48,8 +48,8 @@ def test_qwen_sliding_window_refused(ckpt):
 
 
 def test_unsupported_activation(ckpt):
-    edit_config(ckpt, hidden_act="gelu_pytorch_tanh")
-    with pytest.raises(ConfigError, match="gelu_pytorch_tanh"):
+    edit_config(ckpt, hidden_act="quick_gelu")
+    with pytest.raises(ConfigError, match="quick_gelu"):
         sluice.load(ckpt)
 
 
@@ -140,7 +140,15 @@ def test_repo_id_resolves_in_cache(tmp_path, monkeypatch):
 
 def test_unimplemented_valve_values_are_refused(ckpt):
     cfg = sluice.ModelConfig.from_hf(ckpt)
-    with pytest.raises(ConfigError, match="norm_placement='sandwich' is not implemented"):
-        cfg.replace(norm_placement="sandwich")
-    with pytest.raises(ConfigError, match="qk_norm='full'"):
-        cfg.replace(qk_norm="full")
+    with pytest.raises(ConfigError, match="norm_placement='peri' is not implemented"):
+        cfg.replace(norm_placement="peri")
+    with pytest.raises(ConfigError, match="qk_norm='channel'"):
+        cfg.replace(qk_norm="channel")
+    with pytest.raises(ConfigError, match="parallel_residual"):
+        cfg.replace(norm_placement="sandwich", parallel_residual=True)
+    with pytest.raises(ConfigError, match="rotary dimension 7"):
+        cfg.replace(rotary_dim=7)
+    with pytest.raises(ConfigError, match="final_softcap must be a positive number"):
+        cfg.replace(final_softcap=0.0)
+    with pytest.raises(ConfigError, match="layer_types"):
+        cfg.replace(layer_types=("full", "local", "full"))

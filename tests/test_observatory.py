@@ -17,30 +17,47 @@ def rms(x):
     return x.float().flatten(2).pow(2).mean(-1).sqrt()  # (B, T)
 
 
-def hf_reference(ref, ids):
+# Per family: where transformers keeps the blocks and the final norm, and which of its modules is
+# which sluice site (norms by sluice name; the two branches).
+_LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+_GEMMA_NORMS = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+HF_LAYOUT = {
+    "gpt2": ("transformer", "h", "ln_f", {"attn_norm": "ln_1", "mlp_norm": "ln_2"}, "attn", "mlp"),
+    "neox": ("gpt_neox", "layers", "final_layer_norm", _LLAMA_NORMS, "attention", "mlp"),
+    "gemma2": ("model", "layers", "norm", _GEMMA_NORMS, "self_attn", "mlp"),
+    "gemma3": ("model", "layers", "norm", _GEMMA_NORMS, "self_attn", "mlp"),
+    "olmo2": ("model", "layers", "norm", {"attn_post_norm": "post_attention_layernorm",
+                                          "mlp_post_norm": "post_feedforward_layernorm"}, "self_attn", "mlp"),
+}
+
+
+def hf_reference(ref, ids, arch):
     """Everything the probe measures, read off transformers' modules with hooks of our own."""
     seen = {}
 
     def keep(name, which="out"):
-        def hook(_m, inputs, out):
+        def hook(_m, args, kwargs, out):  # some modules are called with hidden_states=...
             out = out[0] if isinstance(out, tuple) else out
-            seen[name] = (inputs[0] if which == "in" else out).detach()
-            if which == "both":
-                seen[name] = (inputs[0].detach(), out.detach())
+            inp = args[0] if args else kwargs.get("hidden_states")
+            seen[name] = (inp.detach(), out.detach()) if which == "both" else out.detach()
         return hook
 
-    handles = []
-    inner = ref.model
-    handles.append(inner.layers[-1].register_forward_hook(keep("x_L")))
-    handles.append(inner.norm.register_forward_hook(keep("final_norm", "both")))
-    for i, layer in enumerate(inner.layers):
-        handles.append(layer.input_layernorm.register_forward_hook(keep(f"layers.{i}.attn_norm", "both")))
-        handles.append(layer.post_attention_layernorm.register_forward_hook(keep(f"layers.{i}.mlp_norm", "both")))
-        handles.append(layer.self_attn.register_forward_hook(keep(f"layers.{i}.attn")))
-        handles.append(layer.mlp.register_forward_hook(keep(f"layers.{i}.mlp")))
-        if hasattr(layer.self_attn, "q_norm"):
-            handles.append(layer.self_attn.q_norm.register_forward_hook(keep(f"layers.{i}.attn.q_norm", "both")))
-            handles.append(layer.self_attn.k_norm.register_forward_hook(keep(f"layers.{i}.attn.k_norm", "both")))
+    base, blocks, final, norms, attn, mlp = HF_LAYOUT.get(arch, ("model", "layers", "norm", _LLAMA_NORMS,
+                                                                 "self_attn", "mlp"))
+    inner = getattr(ref, base)
+    layers = getattr(inner, blocks)
+    handles = [layers[-1].register_forward_hook(with_kwargs=True, hook=keep("x_L")),
+               getattr(inner, final).register_forward_hook(with_kwargs=True, hook=keep("final_norm", "both"))]
+    for i, layer in enumerate(layers):
+        for ours, theirs in norms.items():
+            handles.append(getattr(layer, theirs).register_forward_hook(with_kwargs=True, hook=keep(f"layers.{i}.{ours}", "both")))
+        handles.append(getattr(layer, attn).register_forward_hook(with_kwargs=True, hook=keep(f"layers.{i}.attn", "both")))
+        handles.append(getattr(layer, mlp).register_forward_hook(with_kwargs=True, hook=keep(f"layers.{i}.mlp", "both")))
+        att = getattr(layer, attn)
+        if hasattr(att, "q_norm"):
+            handles.append(att.q_norm.register_forward_hook(with_kwargs=True, hook=keep(f"layers.{i}.attn.q_norm", "both")))
+            handles.append(att.k_norm.register_forward_hook(with_kwargs=True, hook=keep(f"layers.{i}.attn.k_norm", "both")))
     try:
         out = ref(ids, output_hidden_states=True)
     finally:
@@ -56,7 +73,7 @@ def test_every_statistic_matches_transformers(tmp_path, arch):
     L = model.config.num_layers
     ids = torch.randint(0, 96, (2, 29), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        hf, seen = hf_reference(ref, ids)
+        hf, seen = hf_reference(ref, ids, arch)
         with observe(model, topk=3) as obs:
             model(ids)
     s = obs.stats
@@ -73,17 +90,24 @@ def test_every_statistic_matches_transformers(tmp_path, arch):
         assert torch.equal(s["resid_top_channels"][layer], top.indices)
         close(s["resid_top_values"][layer], x.gather(-1, top.indices))
     # every norm: RMS in and out, hence the gain
-    assert set(obs.norm_names) == {k for k, v in seen.items() if isinstance(v, tuple)}
+    branches = {f"layers.{i}.{b}" for i in range(L) for b in ("attn", "mlp")}
+    assert set(obs.norm_names) == {k for k, v in seen.items() if isinstance(v, tuple)} - branches
     for j, name in enumerate(obs.norm_names):
         x_in, x_out = seen[name]
+        if x_in.dim() == 4 and x_in.shape[1] != 29:  # Gemma 3 normalises q/k laid out (B, heads, T, D)
+            x_in, x_out = x_in.transpose(1, 2), x_out.transpose(1, 2)
         close(s["norm_in_rms"][j], rms(x_in))
         close(s["norm_out_rms"][j], rms(x_out))
-        close(obs.norm_gain()[j], rms(x_out) / rms(x_in))
-    # branches and their ratio to the stream they join
+        # (Gemma's padding token embeds to zeros: a zero input, where the gain is 0 / tiny)
+        close(obs.norm_gain()[j], rms(x_out) / rms(x_in).clamp_min(torch.finfo(torch.float32).tiny))
+    # branches and their ratio to the stream they join: what is added is the post-norm's output
+    # where there is one (Gemma, OLMo 2); the stream is the pre-norm's input, or the branch's own
+    # input where no norm precedes it (OLMo 2)
     for j, name in enumerate(obs.branch_names):
-        close(s["branch_rms"][j], rms(seen[name]))
-        stream = seen[name + "_norm"][0]
-        close(obs.branch_ratio()[j], rms(seen[name]) / rms(stream))
+        close(s["branch_rms"][j], rms(seen[name][1]))
+        added = seen[name + "_post_norm"][1] if name + "_post_norm" in seen else seen[name][1]
+        stream = seen[name + "_norm"][0] if name + "_norm" in seen else seen[name][0]
+        close(obs.branch_ratio()[j], rms(added) / rms(stream).clamp_min(torch.finfo(torch.float32).tiny))
     # logits per position
     z = hf.logits
     logp = z.log_softmax(-1)

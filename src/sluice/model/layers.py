@@ -1,8 +1,9 @@
 """The decoder: norms, RoPE, attention, MLP, Block, Transformer. Plain torch.
 
-One class per piece; variation between families comes from ModelConfig fields (see model/config.py).
-Numerics follow transformers' Llama/Qwen code: norms in fp32 and cast back to the activation
-dtype *before* the weight multiply, RoPE tables in fp32, logits returned in fp32.
+One class per piece; every family (Llama, Qwen, Mistral, GPT-2, GPT-NeoX, Gemma 2/3, OLMo 2) runs
+this same code, and the differences are ModelConfig fields (see model/config.py): which norm, where
+it sits, soft-caps, scales, positions. Statistics of norms, RoPE tables, softmax and logits are
+fp32 whatever the weight dtype; each family's cast order is kept (see RMSNorm).
 
 Shapes: B batch, T new tokens, S cache slots, H query heads, K kv heads, D head_dim, C hidden.
 """
@@ -69,12 +70,21 @@ class LayerNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Per-pair rotation frequencies, (D/2,) fp32, with the config's scaling rule applied."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    """The family's norm over the last `dim` channels."""
+    if cfg.norm_kind == "layer":
+        return LayerNorm(dim, cfg.norm_eps, bias=cfg.norm_bias)
+    return RMSNorm(dim, cfg.norm_eps, offset=cfg.norm_offset, gain_in_fp32=cfg.norm_gain_fp32)
+
+
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
+    """Per-pair rotation frequencies, (R/2,) fp32, R = the rotary width of a head. `theta` overrides
+    the base (Gemma 3's sliding layers), and then no scaling rule applies."""
+    d = cfg.rotary_dim or cfg.head_dim
+    base = theta or cfg.rope_theta
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     sc = cfg.rope_scaling
-    if sc is None:
+    if sc is None or theta is not None:
         return inv
     if sc["rope_type"] == "linear":
         return inv / sc["factor"]
@@ -90,17 +100,36 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos/sin for `positions` (B, T) -> two (B, T, D) tensors in `dtype`, computed in fp32."""
-    freqs = positions.float()[..., None] * inv_freq  # (B, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D): halves layout, as HF checkpoints expect
+    """cos/sin for `positions` (B, T) -> two (B, T, R) tensors in `dtype`, computed in fp32."""
+    freqs = positions.float()[..., None] * inv_freq  # (B, T, R/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, R): halves layout, as HF checkpoints expect
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, heads, D); rotates the pair (x[i], x[i + D/2]) by the position's angle."""
+    """x (B, T, heads, D); rotates the pair (x[i], x[i + R/2]) of the first R channels by the
+    position's angle. With partial rotary (NeoX, R < D) the other D - R channels pass unrotated."""
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :R], cos, sin), x[..., R:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
+    """Attention with Gemma 2's soft-cap on the scores: cap * tanh(s / cap) bounds every score to
+    (-cap, cap) before the softmax. SDPA cannot do this, so the scores are materialised.
+    q (B, H, T, D), k/v (B, K, S, D), mask (B, 1, T, S) bool or None (plain causal) -> (B, H, T, D)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, T, S)
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        T, S = scores.shape[-2:]
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 class Attention(nn.Module):
@@ -112,18 +141,27 @@ class Attention(nn.Module):
         self.k = nn.Linear(C, self.n_kv * D, bias=cfg.qkv_bias)
         self.v = nn.Linear(C, self.n_kv * D, bias=cfg.qkv_bias)
         self.o = nn.Linear(self.n_heads * D, C, bias=cfg.o_bias)
-        # Qwen3 normalises each head's q and k (over D) before RoPE, bounding attention logits.
-        self.q_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm == "head" else None
-        self.k_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm == "head" else None
+        # q/k norms bound the attention logits: over each head's D channels (Qwen3, Gemma 3) or over
+        # the whole projection (OLMo 2). Applied before RoPE.
+        widths = {"head": (D, D), "full": (self.n_heads * D, self.n_kv * D)}.get(cfg.qk_norm)
+        self.q_norm = make_norm(cfg, widths[0]) if widths else None
+        self.k_norm = make_norm(cfg, widths[1]) if widths else None
+        self.full_width_qk_norm = cfg.qk_norm == "full"
+        self.scale = cfg.attn_scale or D ** -0.5
+        self.softcap = cfg.attn_softcap  # an attribute, not read from config: surgery may change it
 
     def forward(self, x, cos, sin, mask, kv=None, positions=None):
         B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
-        k = self.k(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, K, D)
-        v = self.v(x).view(B, T, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
+        q, k, v = self.q(x), self.k(x), self.v(x)  # (B, T, H*D), (B, T, K*D), (B, T, K*D)
+        if self.q_norm is not None and self.full_width_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = k.view(B, T, self.n_kv, self.head_dim)  # (B, T, K, D)
+        v = v.view(B, T, self.n_kv, self.head_dim)
+        if self.q_norm is not None and not self.full_width_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos is not None:  # None: positions are learned embeddings (GPT-2), no rotation
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
             # Static cache (B, S, K, D): write the new keys at their positions, attend over all slots;
             # the mask hides slots that are empty or in the future.
@@ -132,41 +170,67 @@ class Attention(nn.Module):
             k_cache[rows, positions] = k.to(k_cache.dtype)
             v_cache[rows, positions] = v.to(v_cache.dtype)
             k, v = k_cache, v_cache
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, H|K, T|S, D)
-            attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_heads != self.n_kv,
-        )  # (B, H, T, D)
-        return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T|S, D)
+        if self.softcap is not None:
+            out = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                 scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
+        return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, C)
+
+
+_ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated (SwiGLU / GeGLU): down(act(gate(x)) * up(x)). Ungated (GPT-2, NeoX): down(act(up(x)))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         C, I = cfg.hidden_size, cfg.intermediate_size
-        self.gate = nn.Linear(C, I, bias=cfg.mlp_bias)
+        self.gate = nn.Linear(C, I, bias=cfg.mlp_bias) if cfg.mlp_gated else None
         self.up = nn.Linear(C, I, bias=cfg.mlp_bias)
         self.down = nn.Linear(I, C, bias=cfg.mlp_bias)
+        self.act = _ACT[cfg.hidden_act]
 
     def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.gate is None:
+            return self.down(self.act(self.up(x)))
+        return self.down(self.act(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    """Pre-norm block: the residual stream x passes through untouched except for two additions."""
+    """One layer. Where the norms sit is the family's choice (config.norm_placement):
+    pre      x + f(norm(x))            Llama, Qwen, Mistral, GPT-2, NeoX
+    sandwich x + norm'(f(norm(x)))     Gemma 2/3
+    post     x + norm'(f(x))           OLMo 2 (the "reordered" norm)
+    and NeoX's parallel residual adds both branches to the same x. Absent norms are None."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        pre = cfg.norm_placement in ("pre", "sandwich")
+        post = cfg.norm_placement in ("sandwich", "post")
+        self.attn_norm = make_norm(cfg, cfg.hidden_size) if pre else None
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn_post_norm = make_norm(cfg, cfg.hidden_size) if post else None
+        self.mlp_norm = make_norm(cfg, cfg.hidden_size) if pre else None
         self.mlp = MLP(cfg)
+        self.mlp_post_norm = make_norm(cfg, cfg.hidden_size) if post else None
+        self.parallel = cfg.parallel_residual
 
     def forward(self, x, cos, sin, mask, kv=None, positions=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv, positions)
-        x = x + self.mlp(self.mlp_norm(x))
-        return x  # the full residual stream x_{l+1}, so a forward hook sees it exactly
+        a = self.attn(_apply(self.attn_norm, x), cos, sin, mask, kv, positions)
+        a = _apply(self.attn_post_norm, a)
+        if self.parallel:
+            m = self.mlp(_apply(self.mlp_norm, x))
+            return x + (m + a)  # NeoX's order of additions, so bf16 rounds the same way
+        x = x + a
+        m = _apply(self.mlp_post_norm, self.mlp(_apply(self.mlp_norm, x)))
+        return x + m  # the full residual stream x_{l+1}, so a forward hook sees it exactly
+
+
+def _apply(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
 
 
 class Transformer(nn.Module):
@@ -174,63 +238,96 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        learned = cfg.pos_embedding == "learned"
+        self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned else None
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.final_norm else nn.Identity()
+        self.final_norm = make_norm(cfg, cfg.hidden_size) if cfg.final_norm else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.final_softcap = cfg.final_softcap  # attributes, so surgery can change them live
+        self.sliding = [cfg.is_sliding(i) for i in range(cfg.num_layers)]
         # Derived from the config, never loaded: rebuilt by reset_rope() after a meta-device build.
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq_local", self._local_inv_freq(), persistent=False)
+
+    def _local_inv_freq(self):
+        theta = self.config.rope_theta_local
+        return rope_inv_freq(self.config, theta) if theta else None
 
     def reset_rope(self, device=None):
-        self.inv_freq = rope_inv_freq(self.config).to(device or self.embed.weight.device)
+        device = device or self.embed.weight.device
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+        local = self._local_inv_freq()
+        self.inv_freq_local = local.to(device) if local is not None else None
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None):
-        """Fresh weights for training: normal(0, std) matrices, zero biases, unit norms."""
+        """Fresh weights for training: normal(0, std) matrices, zero biases, unit norm gains."""
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, 0.0, std, generator=generator)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+            elif isinstance(m, (RMSNorm, LayerNorm)):
+                nn.init.constant_(m.weight, 1.0 - getattr(m, "offset", 0.0))
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
 
-    def attention_mask(self, positions: torch.Tensor, num_slots: int) -> torch.Tensor:
-        """(B, 1, T, S) bool: query at position p sees cache slot s iff s <= p (and within the window).
+    def attention_mask(self, positions: torch.Tensor, num_slots: int, window: int | None = None):
+        """(B, 1, T, S) bool: query at position p sees cache slot s iff s <= p (and s > p - window).
 
         Slots are positions: row b's token at position p lives in slot p. Padding at the end of a
         short prompt is therefore never visible to that row's real tokens."""
         slots = torch.arange(num_slots, device=positions.device)
         visible = slots <= positions[..., None]  # (B, T, S)
-        if self.config.sliding_window:
-            visible &= slots > positions[..., None] - self.config.sliding_window
+        if window:
+            visible &= slots > positions[..., None] - window
         return visible[:, None]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states (B, T, C) -> logits (B, T, V) fp32, soft-capped if configured."""
+        logits = self.lm_head(x).float()  # softmax and sampling work in fp32
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache=None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V) in fp32.
 
-        positions (B, T): RoPE positions, default 0..T-1. cache: a KVCache (kv_cache.py); new keys
+        positions (B, T): token positions, default 0..T-1. cache: a KVCache (kv_cache.py); new keys
         are written at `positions`. logits_at (B,): only compute logits at that index of T per row
         (prefill needs just the last token), giving (B, 1, V)."""
+        cfg = self.config
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.embed(input_ids)  # (B, T, C)
-        cos, sin = rope_tables(self.inv_freq, positions, x.dtype)
-        if cache is not None:
-            mask = self.attention_mask(positions, cache.num_slots)
-        elif self.config.sliding_window and T > self.config.sliding_window:
-            mask = self.attention_mask(positions, T)
-        else:
-            mask = None  # plain causal: lets SDPA pick its fastest kernel
+        if cfg.embed_scale is not None:
+            x = x * x.new_tensor(cfg.embed_scale)  # the scale rounded to the dtype, as Gemma does
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        rope = local_rope = (None, None)
+        if self.pos_embed is None:
+            rope = local_rope = rope_tables(self.inv_freq, positions, x.dtype)
+            if self.inv_freq_local is not None:
+                local_rope = rope_tables(self.inv_freq_local, positions, x.dtype)
+        slots = cache.num_slots if cache is not None else T
+        # mask None = plain causal, which lets SDPA pick its fastest kernel.
+        mask = self.attention_mask(positions, slots) if cache is not None else None
+        window_mask = mask
+        if any(self.sliding) and (cache is not None or T > cfg.sliding_window):
+            window_mask = self.attention_mask(positions, slots, cfg.sliding_window)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache.layer(i) if cache is not None else None, positions)
+            cos, sin = local_rope if self.sliding[i] else rope
+            kv = cache.layer(i) if cache is not None else None
+            x = layer(x, cos, sin, window_mask if self.sliding[i] else mask, kv, positions)
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device), logits_at][:, None]  # (B, 1, C)
-        x = self.final_norm(x)
-        return self.lm_head(x).float()  # (B, T, V) fp32: softmax and sampling work in fp32
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.logits(x)

@@ -16,13 +16,9 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError
 
-# HF name (with {i} for the layer) -> sluice name. One literal table, in both directions.
-HF_TO_SLUICE = {
-    "model.embed_tokens.weight": "embed.weight",
-    "model.norm.weight": "final_norm.weight",
-    "lm_head.weight": "lm_head.weight",
-    "model.layers.{i}.input_layernorm.weight": "layers.{i}.attn_norm.weight",
-    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
+# HF name (with {i} for the layer) -> sluice name, one literal table per naming scheme. A value
+# that is a tuple is a fused HF tensor: (how it is split, the sluice names it becomes).
+_LLAMA_LAYER = {
     "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.attn.q.weight",
     "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.attn.k.weight",
     "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.attn.v.weight",
@@ -39,30 +35,122 @@ HF_TO_SLUICE = {
     "model.layers.{i}.mlp.gate_proj.bias": "layers.{i}.mlp.gate.bias",
     "model.layers.{i}.mlp.up_proj.bias": "layers.{i}.mlp.up.bias",
     "model.layers.{i}.mlp.down_proj.bias": "layers.{i}.mlp.down.bias",
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "final_norm.weight",
+    "lm_head.weight": "lm_head.weight",
 }
-SLUICE_TO_HF = {v: k for k, v in HF_TO_SLUICE.items()}
-# Tensors some old checkpoints carry that are derived, not learned: safe to skip.
-_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_QKV = ("layers.{i}.attn.q.weight", "layers.{i}.attn.k.weight", "layers.{i}.attn.v.weight")
+_QKV_BIAS = ("layers.{i}.attn.q.bias", "layers.{i}.attn.k.bias", "layers.{i}.attn.v.bias")
+NAME_TABLES: dict[str, dict[str, str | tuple]] = {
+    "llama": {**_LLAMA_LAYER,
+              "model.layers.{i}.input_layernorm.weight": "layers.{i}.attn_norm.weight",
+              "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight"},
+    # Gemma's "post_attention_layernorm" normalises the attention output (the sandwich), while
+    # Llama's of the same name is the MLP's input norm: same HF name, a different valve.
+    "gemma": {**_LLAMA_LAYER,
+              "model.layers.{i}.input_layernorm.weight": "layers.{i}.attn_norm.weight",
+              "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.attn_post_norm.weight",
+              "model.layers.{i}.pre_feedforward_layernorm.weight": "layers.{i}.mlp_norm.weight",
+              "model.layers.{i}.post_feedforward_layernorm.weight": "layers.{i}.mlp_post_norm.weight"},
+    "olmo2": {**_LLAMA_LAYER,
+              "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.attn_post_norm.weight",
+              "model.layers.{i}.post_feedforward_layernorm.weight": "layers.{i}.mlp_post_norm.weight"},
+    # GPT-2 stores Conv1D weights as (in, out), the transpose of nn.Linear's, and q|k|v fused.
+    "gpt2": {
+        "transformer.wte.weight": "embed.weight",
+        "transformer.wpe.weight": "pos_embed.weight",
+        "transformer.ln_f.weight": "final_norm.weight",
+        "transformer.ln_f.bias": "final_norm.bias",
+        "lm_head.weight": "lm_head.weight",
+        "transformer.h.{i}.ln_1.weight": "layers.{i}.attn_norm.weight",
+        "transformer.h.{i}.ln_1.bias": "layers.{i}.attn_norm.bias",
+        "transformer.h.{i}.ln_2.weight": "layers.{i}.mlp_norm.weight",
+        "transformer.h.{i}.ln_2.bias": "layers.{i}.mlp_norm.bias",
+        "transformer.h.{i}.attn.c_attn.weight": ("conv1d_fused", _QKV),
+        "transformer.h.{i}.attn.c_attn.bias": ("fused", _QKV_BIAS),
+        "transformer.h.{i}.attn.c_proj.weight": ("conv1d", ("layers.{i}.attn.o.weight",)),
+        "transformer.h.{i}.attn.c_proj.bias": "layers.{i}.attn.o.bias",
+        "transformer.h.{i}.mlp.c_fc.weight": ("conv1d", ("layers.{i}.mlp.up.weight",)),
+        "transformer.h.{i}.mlp.c_fc.bias": "layers.{i}.mlp.up.bias",
+        "transformer.h.{i}.mlp.c_proj.weight": ("conv1d", ("layers.{i}.mlp.down.weight",)),
+        "transformer.h.{i}.mlp.c_proj.bias": "layers.{i}.mlp.down.bias",
+    },
+    # NeoX fuses q, k, v per head: rows are [q_0 k_0 v_0 q_1 k_1 v_1 ...], each D rows.
+    "neox": {
+        "gpt_neox.embed_in.weight": "embed.weight",
+        "gpt_neox.final_layer_norm.weight": "final_norm.weight",
+        "gpt_neox.final_layer_norm.bias": "final_norm.bias",
+        "embed_out.weight": "lm_head.weight",
+        "gpt_neox.layers.{i}.input_layernorm.weight": "layers.{i}.attn_norm.weight",
+        "gpt_neox.layers.{i}.input_layernorm.bias": "layers.{i}.attn_norm.bias",
+        "gpt_neox.layers.{i}.post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
+        "gpt_neox.layers.{i}.post_attention_layernorm.bias": "layers.{i}.mlp_norm.bias",
+        "gpt_neox.layers.{i}.attention.query_key_value.weight": ("per_head_fused", _QKV),
+        "gpt_neox.layers.{i}.attention.query_key_value.bias": ("per_head_fused", _QKV_BIAS),
+        "gpt_neox.layers.{i}.attention.dense.weight": "layers.{i}.attn.o.weight",
+        "gpt_neox.layers.{i}.attention.dense.bias": "layers.{i}.attn.o.bias",
+        "gpt_neox.layers.{i}.mlp.dense_h_to_4h.weight": "layers.{i}.mlp.up.weight",
+        "gpt_neox.layers.{i}.mlp.dense_h_to_4h.bias": "layers.{i}.mlp.up.bias",
+        "gpt_neox.layers.{i}.mlp.dense_4h_to_h.weight": "layers.{i}.mlp.down.weight",
+        "gpt_neox.layers.{i}.mlp.dense_4h_to_h.bias": "layers.{i}.mlp.down.bias",
+    },
+}
+_SCHEMES = {"GPT2LMHeadModel": "gpt2", "GPTNeoXForCausalLM": "neox", "Gemma2ForCausalLM": "gemma",
+            "Gemma3ForCausalLM": "gemma", "Olmo2ForCausalLM": "olmo2"}
+# Tensors some checkpoints carry that are derived, not learned (rotary tables, GPT-2's causal-mask
+# buffers): safe to skip.
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"
+                      r"|transformer\.h\.\d+\.attn\.(masked_)?bias"
+                      r"|gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)")
 _LOADABLE_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 _LAYER = re.compile(r"\.(\d+)\.")
 
 
-def _rename(name: str, table: dict[str, str]) -> str | None:
+def scheme_of(architecture: str) -> str:
+    return _SCHEMES.get(architecture, "llama")
+
+
+def _key(name: str):
     m = _LAYER.search(name)
-    key = name[: m.start()] + ".{i}." + name[m.end():] if m else name
-    out = table.get(key)
-    return out.replace("{i}", m.group(1)) if (out and m) else out
+    return (name[: m.start()] + ".{i}." + name[m.end():], m.group(1)) if m else (name, None)
 
 
-def hf_to_sluice(name: str) -> str | None:
-    return _rename(name, HF_TO_SLUICE)
-
-
-def sluice_to_hf(name: str) -> str:
-    out = _rename(name, SLUICE_TO_HF)
+def hf_to_sluice(name: str, scheme: str = "llama") -> tuple[str | None, tuple[str, ...]]:
+    """HF tensor name -> (how to split it or None, the sluice names it fills); ((None, ())) if unknown."""
+    key, layer = _key(name)
+    out = NAME_TABLES[scheme].get(key)
     if out is None:
-        raise KeyError(name)
-    return out
+        return None, ()
+    split, names = (None, (out,)) if isinstance(out, str) else out
+    return split, tuple(n.replace("{i}", layer) if layer else n for n in names)
+
+
+def sluice_to_hf(name: str, scheme: str = "llama") -> str:
+    key, layer = _key(name)
+    for hf, out in NAME_TABLES[scheme].items():
+        if key == out or (isinstance(out, tuple) and key in out[1]):
+            return hf.replace("{i}", layer) if layer else hf
+    raise KeyError(name)
+
+
+def _source_shape(split: str | None, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape the HF tensor must have to become tensors of `shapes` (checked before reading it)."""
+    if split is None:
+        return shapes[0]
+    joined = (sum(s[0] for s in shapes), *shapes[0][1:])  # pieces stacked along the output rows
+    return joined[::-1] if split.startswith("conv1d") else joined
+
+
+def _split(t: torch.Tensor, split: str | None, shapes: list[tuple[int, ...]], head_dim: int) -> list:
+    if split is None:
+        return [t]
+    if split.startswith("conv1d"):
+        t = t.t()  # Conv1D (in, out) -> Linear (out, in)
+    if split == "per_head_fused":
+        rows = t.shape[0] // 3
+        t = t.reshape(rows // head_dim, 3, head_dim, *t.shape[1:])  # (H, q|k|v, D, ...)
+        return [t[:, j].reshape(rows, *t.shape[3:]) for j in range(3)]
+    return list(t.split([s[0] for s in shapes], dim=0))
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -97,9 +185,13 @@ def load_weights(model: torch.nn.Module, model_dir: Path, dtype: torch.dtype) ->
     """Fill `model` (built on the meta device) from the checkpoint in `model_dir`, cast to `dtype`.
 
     Every expected tensor must be present with the expected shape; anything unexpected is an
-    error too, because a silently ignored tensor means silently wrong numbers."""
+    error too, because a silently ignored tensor means silently wrong numbers. Fused HF tensors
+    (GPT-2's c_attn, NeoX's query_key_value) are split into q, k, v and Conv1D weights transposed,
+    so inside sluice every family has the same named parameters."""
+    cfg = model.config
+    scheme = scheme_of(cfg.architecture)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
+    if getattr(cfg, "tie_word_embeddings", False):
         expected.pop("lm_head.weight", None)
     loaded: dict[str, torch.Tensor] = {}
     for path in checkpoint_files(model_dir):
@@ -109,26 +201,32 @@ def load_weights(model: torch.nn.Module, model_dir: Path, dtype: torch.dtype) ->
             raise CheckpointError(f"cannot read {path.name}: {e}") from None
         with f:
             for hf_name in f.keys():
-                if _IGNORED.fullmatch(hf_name):
+                name = hf_name
+                if scheme == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
+                    name = "transformer." + name  # the original GPT-2 files lack the prefix
+                if _IGNORED.fullmatch(name):
                     continue
-                name = hf_to_sluice(hf_name)
-                if name == "lm_head.weight" and "lm_head.weight" not in expected:
+                split, names = hf_to_sluice(name, scheme)
+                if names == ("lm_head.weight",) and "lm_head.weight" not in expected:
                     continue  # tied model whose file also stores the (identical) head
-                if name is None or name not in expected:
+                if not names or any(n not in expected for n in names):
                     raise CheckpointError(f"unexpected tensor {hf_name!r} in {path.name}: this "
-                                          f"{model.config.architecture} config has no such parameter")
+                                          f"{cfg.architecture} config has no such parameter")
+                shapes = [expected[n] for n in names]
+                want = _source_shape(split, shapes)
                 shape = tuple(f.get_slice(hf_name).get_shape())
-                if shape != expected[name]:
+                if shape != want:
                     raise CheckpointError(f"tensor {hf_name!r} in {path.name} has shape {shape}, "
-                                          f"but the config implies {expected[name]}")
+                                          f"but the config implies {want}")
                 t = f.get_tensor(hf_name)
                 if t.dtype not in _LOADABLE_DTYPES:
                     raise CheckpointError(f"tensor {hf_name!r} has dtype {t.dtype}; sluice loads "
                                           "float32, float16 and bfloat16 checkpoints only")
-                loaded[name] = t.to(dtype)
+                for n, piece in zip(names, _split(t, split, shapes, cfg.head_dim)):
+                    loaded[n] = piece.to(dtype).contiguous()
     missing = sorted(set(expected) - set(loaded))
     if missing:
-        shown = ", ".join(f"{sluice_to_hf(n)!r} {expected[n]}" for n in missing[:5])
+        shown = ", ".join(f"{sluice_to_hf(n, scheme)!r} {expected[n]}" for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint in {model_dir} is missing tensors: {shown}{more}")
     model.load_state_dict(loaded, strict=False, assign=True)

@@ -43,9 +43,9 @@ def head_logits(model: Transformer, x: torch.Tensor, final_norm: bool = True) ->
     final_norm=False applies the LM head to the raw stream: what the final norm prevents (logits
     whose scale follows the stream's, which is what pushes exp() toward overflow)."""
     x = x.to(model.lm_head.weight.dtype)
-    if final_norm:
+    if final_norm and model.final_norm is not None:
         x = model.final_norm(x)
-    return model.lm_head(x).float()  # (B, T, V)
+    return model.logits(x)  # (B, T, V), with the final soft-cap where the model has one
 
 
 def _check_size(model: Transformer, B: int, T: int, max_bytes: int) -> None:

@@ -98,18 +98,22 @@ class Observation:
         self._handles: list = []
         modules = dict(model.named_modules())
         self._handles.append(model.register_forward_pre_hook(self._begin, with_kwargs=True))
-        measure = {"embed": self._resid_stats(0), "lm_head": self._logits_stats,
-                   **{f"layers.{i}": self._resid_stats(i + 1) for i in range(self.num_layers)},
+        # x_0 is what the first block receives (embeddings, scaled as Gemma does, plus GPT-2's
+        # learned positions), so it is read off layers.0's input rather than the embedding's output.
+        measure = {
+                   **{f"layers.{i}": self._resid_stats(i + 1, first=i == 0) for i in range(self.num_layers)},
                    **{name: self._norm_stats(j) for j, name in enumerate(self.norm_names)},
                    **{name: self._branch_stats(j) for j, name in enumerate(self.branch_names)}}
         # One hook per module (each call of a hook costs more than the arithmetic at decode sizes)
         for j, name in enumerate(self.sites.tracked):
             self._handles.append(modules[name].register_forward_hook(self._hook(j, measure.get(name))))
+        # The logits as the model returns them (after Gemma 2's final soft-cap, where there is one).
+        self._handles.append(model.register_forward_hook(lambda _m, inputs, out: self._logits_stats(inputs, out.detach())))
 
     # ------------------------------------------------------------------ buffers
     def bytes_for(self, B: int, T: int) -> int:
         L1, k = self.num_layers + 1, self.topk
-        floats = L1 * 3 + L1 * k + 2 * len(self.norm_names) + len(self.branch_names) + len(LOGIT_STATS)
+        floats = L1 * 3 + L1 * k + 2 * len(self.norm_names) + 2 * len(self.branch_names) + len(LOGIT_STATS)
         return B * T * (4 * floats + 8 * (L1 * k + 1) + 8 * len(self.sites.tracked))
 
     def _allocate(self, B: int, T: int) -> None:
@@ -133,6 +137,8 @@ class Observation:
             "norm_in_rms": torch.zeros(len(self.norm_names), B, T, **f32),
             "norm_out_rms": torch.zeros(len(self.norm_names), B, T, **f32),
             "branch_rms": torch.zeros(len(self.branch_names), B, T, **f32),
+            # the branch's input, needed only where no norm precedes it (OLMo 2: the raw stream)
+            "branch_in_rms": torch.zeros(len(self.branch_names), B, T, **f32),
             "logits": torch.zeros(len(LOGIT_STATS), B, T, **f32),
             "top1_id": torch.zeros(B, T, dtype=torch.long),
             # per module and position, the sum of its output in fp64: NaN or inf iff some element
@@ -185,8 +191,12 @@ class Observation:
         torch.linalg.vector_norm(x.flatten(2), dim=-1, dtype=torch.float32, out=into)
         into.mul_(math.prod(x.shape[2:]) ** -0.5)
 
-    def _resid_stats(self, i: int):
-        def measure(_inputs, out):
+    def _resid_stats(self, i: int, first: bool = False):
+        first_measure = self._resid_stats(0) if first else None
+
+        def measure(inputs, out):
+            if first_measure is not None:
+                first_measure(None, inputs[0].detach())
             self._rms(out, self._at("resid_rms", i, out))
             x = out.float()  # (B, T, C)
             torch.var(x, -1, correction=0, out=self._at("resid_var", i, x))
@@ -203,8 +213,12 @@ class Observation:
         return measure
 
     def _branch_stats(self, j: int):
-        def measure(_inputs, out):
+        unnormed_input = f"{self.branch_names[j]}_norm" not in self.norm_names
+
+        def measure(inputs, out):
             self._rms(out, self._at("branch_rms", j, out))
+            if unnormed_input:
+                self._rms(inputs[0].detach(), self._at("branch_in_rms", j, out))
         return measure
 
     def _logits_stats(self, _inputs, out):
@@ -239,14 +253,22 @@ class Observation:
         return s["norm_out_rms"] / s["norm_in_rms"].clamp_min(torch.finfo(torch.float32).tiny)
 
     def branch_ratio(self) -> torch.Tensor:
-        """(2L, B, T): each branch's output RMS over the RMS of the stream it is added to.
+        """(2L, B, T): the RMS of what each branch adds to the residual stream over the RMS of the
+        stream it is added to.
 
-        Pre-norm: the attention branch is added to x_l (the block's input, = the attention norm's
-        input) and the MLP branch to x_l + attn (= the MLP norm's input)."""
+        What is added: the branch output, or its post-norm's output where the family has one
+        (Gemma's sandwich, OLMo 2). The stream: the input of the branch's pre-norm (pre-norm and
+        sandwich: x_l for attention, x_l + attn for the MLP; with NeoX's parallel residual both
+        norms read x_l), or the branch's own input where no norm precedes it (OLMo 2)."""
         s = self.stats
         index = {n: j for j, n in enumerate(self.norm_names)}
-        streams = torch.stack([s["norm_in_rms"][index[f"{name}_norm"]] for name in self.branch_names])
-        return s["branch_rms"] / streams.clamp_min(torch.finfo(torch.float32).tiny)
+        added, streams = [], []
+        for j, name in enumerate(self.branch_names):
+            post = index.get(f"{name}_post_norm")
+            added.append(s["branch_rms"][j] if post is None else s["norm_out_rms"][post])
+            pre = index.get(f"{name}_norm")
+            streams.append(s["branch_in_rms"][j] if pre is None else s["norm_in_rms"][pre])
+        return torch.stack(added) / torch.stack(streams).clamp_min(torch.finfo(torch.float32).tiny)
 
     def first_nonfinite(self) -> dict | None:
         """Where a NaN or inf first appeared: the earliest module in execution order, and in it the
@@ -291,8 +313,9 @@ class Observation:
         last position (the distribution the next token is drawn from), averaged over the batch."""
         s = self.stats
         index = {n: j for j, n in enumerate(self.norm_names)}
-        per_layer = lambda key, suffix: [float(s[key][index[f"layers.{i}.{suffix}"]].mean())  # noqa: E731
-                                         for i in range(self.num_layers)]
+        def per_layer(key, suffix):  # None where the family has no such norm (OLMo 2: no pre-norms)
+            return [float(s[key][index[f"layers.{i}.{suffix}"]].mean()) if f"layers.{i}.{suffix}" in index
+                    else None for i in range(self.num_layers)]
         logits = s["logits"][:, :, self.logits_len - 1].mean(-1)  # (6,) at the last position
         final = index.get("final_norm")
         return {"residual_rms": s["resid_rms"].mean((1, 2)).tolist(),
