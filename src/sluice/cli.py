@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from .benchmarks.cli import add_bench_parser
 from .errors import SluiceError
 
 
@@ -229,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at", type=int, default=None,
                    help="checkpoint and exit after this step (resume later with --resume)")
     p.set_defaults(func=cmd_train)
+    add_bench_parser(sub)
     return parser
 
 

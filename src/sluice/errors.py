@@ -27,3 +27,7 @@ class RequestError(SluiceError, ValueError):
 
 class ObservatoryError(SluiceError, ValueError):
     """A measurement cannot be taken as asked: too big to hold, degenerate data, a bad output dir."""
+
+
+class BenchmarkError(SluiceError, ValueError):
+    """A benchmark was asked for something it cannot measure: an unknown dtype or model, a size <= 0."""

@@ -1,0 +1,59 @@
+"""`sluice bench <name>`: one sub-subcommand per benchmark (norms today; decode, ... later).
+
+Kept free of torch imports: the arguments are declared here, the work is imported when it runs.
+bench/<name>.py scripts reuse the same argument functions, so both accept the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_norms_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="small grid, tiny model shapes, few repeats: runs in seconds (a smoke test, "
+                        "not a measurement)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="only eager rows (torch.compile costs a few seconds per kernel on a small CPU)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every sample here as JSON")
+    p.add_argument("--dtypes", default=None, help="comma-separated, default float32,bfloat16")
+    p.add_argument("--hidden", default=None, help="comma-separated hidden sizes (default 1024,2048,4096,8192)")
+    p.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,16,256,4096)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="samples per kernel and per decode step, interleaved (default 15, --quick 3)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default: torch's choice, one per core); recorded")
+    p.add_argument("--models", default=None,
+                   help="model shapes for the decode-step share, comma-separated "
+                        "(default qwen3-0.6b,llama-3-8b)")
+    p.add_argument("--layers", type=int, default=4,
+                   help="layers built for llama-3-8b (default 4: 32 do not fit in 24 GiB in fp32); "
+                        "qwen3-0.6b is built at its full 28")
+    p.add_argument("--kv-len", type=int, default=512, help="tokens already in the KV cache (default 512)")
+    p.add_argument("--decode-compile", action="store_true",
+                   help="also time the torch.compile'd decode step (minutes of compiling per model)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode-step share, kernels only")
+    p.add_argument("--no-kernels", action="store_true", help="skip the kernel grid, decode-step share only")
+
+
+def cmd_bench_norms(args) -> int:
+    from .common import save_json
+    from .norms import print_tables, run
+    result = run(args)
+    print_tables(result)
+    save_json(args.json, result)
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    """Add `bench` and its benchmarks to the `sluice` subcommands (`sub` from add_subparsers)."""
+    p = sub.add_parser("bench", help="measure a claim on this machine (CPU); tables, or JSON")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    q = bench.add_parser("norms", help="RMSNorm versus LayerNorm: kernel time and share of a decode step",
+                         description="RMSNorm versus LayerNorm (the claim: 'RMSNorm saves 10-50%%'): "
+                                     "forward time of sluice's norms and torch's fused ones over a grid "
+                                     "of sizes, eager and torch.compile'd, and the norms' share of a "
+                                     "decode step on Qwen3-0.6B and Llama-3-8B shapes (random weights).",
+                         epilog="exit status: 0 ok, 2 bad input (the message names it)")
+    add_norms_arguments(q)
+    q.set_defaults(func=cmd_bench_norms)

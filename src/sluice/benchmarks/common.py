@@ -1,0 +1,100 @@
+"""What every benchmark records (CPU, versions, threads, commit) and how it times a call."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def cpu_info() -> dict:
+    """What decides the bf16 story: AVX-512 / AMX have bf16 dot-product instructions, AVX2 has not."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"model": platform.processor() or "?"}
+    lines = text.splitlines()
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    return {"model": name, "logical_cpus": sum(ln.startswith("processor") for ln in lines),
+            "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
+            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags}
+
+
+def code_version() -> dict:
+    """The commit the measured code comes from (None outside a git checkout) and whether
+    src/sluice had uncommitted changes, read once at the start of a run."""
+    pkg = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", "-C", str(pkg), *args], capture_output=True, text=True,
+                                  timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    dirty = git("status", "--porcelain", "--", ".")
+    return {"sluice_path": str(pkg), "commit": commit,
+            "uncommitted_changes": bool(dirty) if commit and dirty is not None else None}
+
+
+def environment() -> dict:
+    import sluice
+    return {"cpu": cpu_info(), "torch_threads": torch.get_num_threads(),
+            "torch_interop_threads": torch.get_num_interop_threads(),
+            "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                         "sluice": sluice.__version__},
+            "code": code_version(), "loadavg_at_start": list(os.getloadavg()), "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], reps: int,
+                     min_sample_s: float) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Seconds per call of each function: `reps` samples each, taken round-robin (A B C, B C A,
+    ...) so that drift and background load hit every function alike. A sample is n back-to-back
+    calls, n chosen per function so one sample lasts at least `min_sample_s` (a 5 us call is
+    timed in batches; a 300 ms one alone). The caller warms up (compiles) before this."""
+    calls = {}
+    for name, fn in fns.items():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        once = max(time.perf_counter() - t0, 1e-7)
+        calls[name] = max(1, math.ceil(min_sample_s / once))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    gc_was_on = gc.isenabled()
+    gc.disable()  # a collection in the middle of one sample would be charged to one function
+    try:
+        for r in range(reps):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                fn, n = fns[name], calls[name]
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) / n)
+    finally:
+        if gc_was_on:
+            gc.enable()
+    return samples, calls
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def save_json(path: str | Path | None, result: dict) -> None:
+    if path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
