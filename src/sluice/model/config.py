@@ -60,15 +60,18 @@ _FAMILIES: dict[str, dict[str, Any]] = {
                               keys=dict(hidden_act="hidden_activation"),
                               refuse=("use_bidirectional_attention", "vision_config", "text_config")),
     # OLMo 2: no input norms; the norm sits on each branch's output (x + norm(f(x))), q/k norms
-    # span the full projection width, and the norm gain is applied in fp32.
-    "Olmo2ForCausalLM": dict(valves=dict(norm_placement="post", qk_norm="full", norm_gain_fp32=True),
+    # span the full projection width, and the norm gain and RoPE rotation are applied in fp32.
+    "Olmo2ForCausalLM": dict(valves=dict(norm_placement="post", qk_norm="full", norm_gain_fp32=True,
+                                         rope_fp32=True),
                              bias=("attention_bias", "attention_bias", False)),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 _ROPE_TYPES = ("default", "linear", "llama3")
-# HF activation names -> the three functions sluice implements.
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+# HF activation names -> the functions sluice implements. "gelu_new" (GPT-2) and
+# "gelu_pytorch_tanh" (Gemma) are the same tanh approximation, but the first is written out op by op
+# (each rounded to the dtype) and the second is torch's fused kernel: in bf16 they differ, so both.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_new",
                 "gelu_pytorch_tanh": "gelu_tanh"}
 # Architectures people try that are close to a supported one but need code sluice lacks.
 _NEAR_MISSES = {"Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower is multimodal; sluice "
@@ -105,7 +108,7 @@ class ModelConfig:
     mlp_bias: bool = False
     mlp_gated: bool = True  # down(act(gate(x)) * up(x)) or, ungated, down(act(up(x)))
     tie_word_embeddings: bool = False
-    hidden_act: str = "silu"  # "silu", "gelu" (erf), "gelu_tanh"
+    hidden_act: str = "silu"  # "silu", "gelu" (erf), "gelu_tanh" (fused), "gelu_new" (op by op)
     pos_embedding: str = "rope"  # "rope" or "learned" (GPT-2's table of max_position_embeddings rows)
     embed_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden), rounded to dtype
     attn_scale: float | None = None  # scores * attn_scale; None = head_dim ** -0.5
@@ -115,6 +118,7 @@ class ModelConfig:
     # None, or a dict with "rope_type" in _ROPE_TYPES and that type's parameters.
     rope_scaling: dict | None = None
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head (NeoX); None = all
+    rope_fp32: bool = False  # rotate q/k with fp32 cos/sin, then round (OLMo 2); else tables in dtype
     sliding_window: int | None = None
     # Per layer "full" or "sliding"; None = every layer sliding when sliding_window is set (Mistral).
     layer_types: tuple[str, ...] | None = None
@@ -129,7 +133,7 @@ class ModelConfig:
         for name, allowed in (("norm_kind", ("rms", "layer")),
                               ("norm_placement", ("pre", "sandwich", "post")),
                               ("qk_norm", (None, "head", "full")),
-                              ("hidden_act", ("silu", "gelu", "gelu_tanh")),
+                              ("hidden_act", tuple(sorted(set(_ACTIVATIONS.values())))),
                               ("pos_embedding", ("rope", "learned"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not implemented "

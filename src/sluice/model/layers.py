@@ -161,7 +161,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.full_width_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:  # None: positions are learned embeddings (GPT-2), no rotation
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            # (.to: OLMo 2's tables are fp32, so the rotation is fp32 and rounds once, here)
+            q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         if kv is not None:
             # Static cache (B, S, K, D): write the new keys at their positions, attend over all slots;
             # the mask hides slots that are empty or in the future.
@@ -179,7 +180,13 @@ class Attention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, C)
 
 
-_ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU: the tanh approximation written out, every op rounded to x's dtype as GPT-2's
+    reference computes it (in bf16 this differs from the fused kernel by a few ulps)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+_ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu_new": gelu_new}
 
 
 class MLP(nn.Module):
@@ -313,9 +320,10 @@ class Transformer(nn.Module):
             x = x + self.pos_embed(positions)
         rope = local_rope = (None, None)
         if self.pos_embed is None:
-            rope = local_rope = rope_tables(self.inv_freq, positions, x.dtype)
+            table_dtype = torch.float32 if cfg.rope_fp32 else x.dtype
+            rope = local_rope = rope_tables(self.inv_freq, positions, table_dtype)
             if self.inv_freq_local is not None:
-                local_rope = rope_tables(self.inv_freq_local, positions, x.dtype)
+                local_rope = rope_tables(self.inv_freq_local, positions, table_dtype)
         slots = cache.num_slots if cache is not None else T
         # mask None = plain causal, which lets SDPA pick its fastest kernel.
         mask = self.attention_mask(positions, slots) if cache is not None else None
