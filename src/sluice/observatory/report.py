@@ -61,6 +61,8 @@ table.lens small{opacity:.8}
 def _num(x, spec: str = ".3g") -> str:
     if isinstance(x, str):
         return escape(x)
+    if x is None:  # a valve this family does not have (OLMo 2 has no pre-norms)
+        return "none"
     return format(x, spec) if math.isfinite(x) else str(x)
 
 

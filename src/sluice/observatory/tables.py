@@ -21,6 +21,8 @@ def _f(x, spec: str = ".3g") -> str:
     """A number for a cell; NaN and inf (which JSON-ish data may hold) printed as such."""
     if isinstance(x, str):
         return x
+    if x is None:  # a valve this family does not have (OLMo 2 has no pre-norms)
+        return "none"
     return format(x, spec) if math.isfinite(x) else str(x)
 
 
