@@ -178,3 +178,42 @@ def test_unsupported_settings_of_listed_families_are_refused(tmp_path, arch, cha
     _config(tmp_path, arch, **changes)
     with pytest.raises(ConfigError, match=message):
         sluice.load(tmp_path)
+
+
+def _rewrite_config(path, drop=(), **add):
+    raw = json.loads((path / "config.json").read_text())
+    for key in drop:
+        raw.pop(key, None)
+    raw.update(add)
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("arch, over, drop, add", [
+    # Pythia checkpoints on the hub predate rope_parameters
+    ("neox", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25}},
+     ("rope_parameters",), {"rotary_pct": 0.25, "rotary_emb_base": 500}),
+    # Gemma 3 as first released: a period instead of layer_types, a separate local RoPE base
+    ("gemma3", {}, ("layer_types", "rope_parameters"),
+     {"sliding_window_pattern": 2, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0}),
+    # Gemma 2 as first released: no layer_types, every other layer (the even ones) windowed
+    ("gemma2", {}, ("layer_types",), {}),
+])
+def test_older_config_spellings_give_the_same_model(tmp_path, arch, over, drop, add):
+    ref = build(tmp_path, arch, **over)
+    _rewrite_config(tmp_path, drop, **add)
+    ids = ids_of()
+    with torch.no_grad():
+        assert max_diff(sluice.load(tmp_path)(ids), ref(ids).logits) <= 1e-4
+
+
+def test_original_gpt2_tensor_names_load(tmp_path):
+    """The GPT-2 files on the hub lack the "transformer." prefix and carry causal-mask buffers."""
+    from safetensors.torch import load_file, save_file
+    ref = build(tmp_path, "gpt2")
+    tensors = load_file(tmp_path / "model.safetensors")
+    renamed = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    renamed["h.0.attn.bias"] = torch.ones(1, 1, 256, 256).tril()
+    save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids = ids_of()
+    with torch.no_grad():
+        assert max_diff(sluice.load(tmp_path)(ids), ref(ids).logits) <= 1e-4
