@@ -108,16 +108,20 @@ def _img(pngs: dict[str, Path], name: str, alt: str) -> str:
 def _valves(data: dict) -> str:
     s, rms = data["valves"], data["valves"]["residual_rms"]
     _n = lambda x: _num(x, "#.3g")  # noqa: E731 - trailing zeros kept, so a column lines up
-    rows = [["embeddings", "", "", f"x_0 {_n(rms[0])}"]]
-    rows += [[f"block {i}", f"{_n(s['attn_norm_in'][i])} &rarr; {_n(s['attn_norm_out'][i])}",
-              f"{_n(s['mlp_norm_in'][i])} &rarr; {_n(s['mlp_norm_out'][i])}", f"x_{i + 1} {_n(rms[i + 1])}"]
-             for i in range(len(s["attn_norm_in"]))]
+    # the norms this family has: pre (Llama), pre + post (Gemma's sandwich), post only (OLMo 2)
+    kinds = [k for k in ("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm")
+             if any(v is not None for v in s.get(k + "_in", ()))]
+    heads = {"attn_norm": "1. attention norm: RMS in &rarr; out", "attn_post_norm": "attention post-norm",
+             "mlp_norm": "1. MLP norm: RMS in &rarr; out", "mlp_post_norm": "MLP post-norm"}
+    rows = [["embeddings", *[""] * len(kinds), f"x_0 {_n(rms[0])}"]]
+    rows += [[f"block {i}", *(f"{_n(s[k + '_in'][i])} &rarr; {_n(s[k + '_out'][i])}" for k in kinds),
+              f"x_{i + 1} {_n(rms[i + 1])}"] for i in range(len(s["attn_norm_in"]))]
     if s["final_norm_in"] is not None:
-        rows.append(["3. final norm", f"{_n(s['final_norm_in'])} &rarr; {_n(s['final_norm_out'])}", "",
+        rows.append(["3. final norm", f"{_n(s['final_norm_in'])} &rarr; {_n(s['final_norm_out'])}",
+                     *[""] * max(len(kinds) - 1, 0),
                      f"grew {_num(rms[-1] / max(rms[0], 1e-30), '.0f')}x" if math.isfinite(rms[-1]) else ""])
     V = data["model"]["vocab_size"]
-    head = _table(["", "1. attention norm: RMS in &rarr; out", "1. MLP norm: RMS in &rarr; out",
-                   "2. residual stream RMS"], rows, left=1)
+    head = _table(["", *(heads[k] for k in kinds), "2. residual stream RMS"], rows, left=1)
     return head + (f"<p>4. LM head at the last position: logits in [{_n(s['logit_min'])}, "
                    f"{_n(s['logit_max'])}], log-sum-exp {_n(s['logsumexp'])}; softmax over {V:,} tokens: "
                    f"entropy {_n(s['entropy'])} nats (uniform would be {math.log(V):.2f}), top-1 probability "

@@ -45,15 +45,20 @@ def valves_table(s: dict, num_tokens: int, vocab_size: int) -> Table:
     softmax of the last position as the caption. s: Observation.summary(); `sluice demo` uses it too."""
     rms = s["residual_rms"]
     t = _table(f"the four valves, {num_tokens} tokens (RMS over the hidden size, mean over tokens)")
-    for name in ("", "1. attn norm in -> out", "1. mlp norm in -> out", "2. residual stream"):
+    # the norms this family has: pre (Llama), pre + post (Gemma's sandwich), post only (OLMo 2)
+    kinds = [k for k in ("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm")
+             if any(v is not None for v in s.get(k + "_in", ()))]
+    heads = {"attn_norm": "1. attn norm in -> out", "attn_post_norm": "attn post-norm",
+             "mlp_norm": "1. mlp norm in -> out", "mlp_post_norm": "mlp post-norm"}
+    for name in ("", *(heads[k] for k in kinds), "2. residual stream"):
         t.add_column(name, justify="right" if name else "left")
-    t.add_row("embeddings", "", "", f"x_0 {_f(rms[0], '.3f')}")
+    t.add_row("embeddings", *[""] * len(kinds), f"x_0 {_f(rms[0], '.3f')}")
     for i in range(len(s["attn_norm_in"])):
-        t.add_row(f"block {i}", f"{_f(s['attn_norm_in'][i], '.2f')} -> {_f(s['attn_norm_out'][i], '.2f')}",
-                  f"{_f(s['mlp_norm_in'][i], '.2f')} -> {_f(s['mlp_norm_out'][i], '.2f')}",
+        t.add_row(f"block {i}", *(f"{_f(s[k + '_in'][i], '.2f')} -> {_f(s[k + '_out'][i], '.2f')}" for k in kinds),
                   f"x_{i + 1} {_f(rms[i + 1], '.2f')}")
     if s["final_norm_in"] is not None:
-        t.add_row("3. final norm", f"{_f(s['final_norm_in'], '.2f')} -> {_f(s['final_norm_out'], '.2f')}", "",
+        t.add_row("3. final norm", f"{_f(s['final_norm_in'], '.2f')} -> {_f(s['final_norm_out'], '.2f')}",
+                  *[""] * max(len(kinds) - 1, 0),
                   f"grew {_f(rms[-1] / max(rms[0], 1e-12), '.0f')}x" if math.isfinite(rms[-1]) else "")
     V = vocab_size
     t.caption = caption = (f"4. LM head, last position: logits in [{_f(s['logit_min'], '.2f')}, {_f(s['logit_max'], '.2f')}], "
