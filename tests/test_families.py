@@ -217,3 +217,25 @@ def test_original_gpt2_tensor_names_load(tmp_path):
     ids = ids_of()
     with torch.no_grad():
         assert max_diff(sluice.load(tmp_path)(ids), ref(ids).logits) <= 1e-4
+
+
+@pytest.mark.parametrize("arch, pre, post", [("olmo2", False, True), ("gemma2", True, True), ("gpt2", True, False)])
+def test_valves_table_shows_the_norms_each_family_has(tmp_path, arch, pre, post):
+    from rich.console import Console
+
+    from sluice.observatory import observe
+    from sluice.observatory.tables import valves_table
+    build(tmp_path, arch)
+    model = sluice.load(tmp_path)
+    with torch.inference_mode(), observe(model) as obs:
+        model(ids_of(1, 12))
+    s = obs.summary()
+    assert all((v is not None) == pre for v in s["attn_norm_in"] + s["mlp_norm_out"])
+    assert all((v is not None) == post for v in s["attn_post_norm_in"] + s["mlp_post_norm_out"])
+    if post:  # the post-norm's input is what the branch produced
+        j = obs.norm_names.index("layers.1.mlp_post_norm")
+        assert s["mlp_post_norm_in"][1] == pytest.approx(float(obs.stats["norm_in_rms"][j].mean()))
+    console = Console(record=True, width=200)
+    console.print(valves_table(s, 12, model.config.vocab_size))
+    text = console.export_text()
+    assert ("1. attn norm" in text) == pre and ("attn post-norm" in text) == post and "none" not in text
