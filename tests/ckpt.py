@@ -69,3 +69,11 @@ def build_with_tokenizer(out: Path, arch: str = "qwen3", generation_config: dict
     gen.update(generation_config or {})
     (Path(out) / "generation_config.json").write_text(json.dumps(gen))
     return model
+
+
+@torch.no_grad()
+def hf_greedy(ref, prompt: torch.Tensor, n: int) -> list[int]:
+    """transformers' own greedy continuation of `prompt` (1, T): exactly n new token ids."""
+    out = ref.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)
+    return out[0, prompt.shape[1]:].tolist()

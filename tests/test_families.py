@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sluice
-from ckpt import build, build_with_tokenizer
+from ckpt import build, build_with_tokenizer, hf_greedy
 from sluice import RequestError, SamplingParams
 from sluice.engine import Runner
 from sluice.errors import ConfigError
@@ -89,9 +89,7 @@ def test_cached_greedy_decoding_matches_transformers(tmp_path, case):
     arch, over = CASES[case]
     ref = build(tmp_path, arch, **over)
     prompt = torch.tensor([[1, 5, 9, 33, 60, 7]])
-    with torch.no_grad():
-        expected = ref.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None,
-                                pad_token_id=0, min_new_tokens=20)[0, prompt.shape[1]:].tolist()
+    expected = hf_greedy(ref, prompt, 20)
     runner = Runner(sluice.load(tmp_path))
     logits = runner.prefill([prompt[0].tolist()], 64)
     got = []
