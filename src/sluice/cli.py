@@ -152,6 +152,9 @@ def cmd_inspect(args) -> int:
     if not prompt:  # refused before the (slow) load; too long is checked once the tokenizer is here
         raise ObservatoryError("the prompt is empty: give some text to inspect, e.g. "
                                "sluice inspect \"def read_config(path):\"")
+    if args.surgery or args.text:  # what-if: before/after table (observatory/surgery_report.py)
+        from .observatory.surgery_report import run_cli
+        return run_cli(args, prompt)
     out = prepare_out_dir(args.out) if args.out else None
     training = None
     if args.training:  # read (and checked) before the slow part
@@ -220,6 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--training", default=None, metavar="RUN",
                    help="also show how the valves formed over a `sluice train` run (its directory "
                         "or log.jsonl), e.g. one of recipes/stdlib-valves.toml")
+    p.add_argument("--surgery", action="append", metavar="NAME[=VALUE]",
+                   help="what-if on the live model (repeatable), measured against the unmodified one: "
+                        "final-norm=off, norm=layer|rms, softcap=off|V, attn-softcap=off|V, "
+                        "residual-scale=F, attn-scale=F, mlp-scale=F, softmax=naive|safe|online, "
+                        "softmax-dtype=float32|bfloat16|float16 (docs/observatory.md)")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="with --surgery: score bits per byte on this file (default: the model's "
+                        "held-out text); the prompt is what both models continue greedily")
     p.add_argument("prompt", help="the text to inspect ('-' reads it from stdin)")
     p.set_defaults(func=cmd_inspect)
 

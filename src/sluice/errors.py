@@ -29,5 +29,9 @@ class ObservatoryError(SluiceError, ValueError):
     """A measurement cannot be taken as asked: too big to hold, degenerate data, a bad output dir."""
 
 
+class SurgeryError(SluiceError, ValueError):
+    """A what-if (`sluice inspect --surgery`) is unknown, malformed, or does not apply to this model."""
+
+
 class BenchmarkError(SluiceError, ValueError):
     """A benchmark was asked for something it cannot measure: an unknown dtype or model, a size <= 0."""
