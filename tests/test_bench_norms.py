@@ -43,6 +43,8 @@ def check_result(r: dict) -> None:
         assert d["norm_calls"] == NORM_CALLS[model] == sum(k["count"] for k in d["norm_call_kinds"])
         assert d["direct_norm_ms"] > 0 and d["direct_layer_ms"] > 0
         assert all(k["rms_us"] > 0 and k["layer_us"] > 0 for k in d["norm_call_kinds"])
+        assert sum(k["count"] for k in d["norm_call_kinds"] if k["where"] == "final") == 1
+        assert 0 < d["direct_per_layer_ms"] * d["layers"] < d["direct_norm_ms"] <= d["direct_full_depth_ms"]
         assert len(d["norm_share_rounds"]) == r["settings"]["reps"] and math.isfinite(d["norm_share"])
         assert all(d["logits_finite"].values())  # swapping the norms did not blow the forward up
         assert d["layers"] == d["full_depth"] == 2 and d["kv_len"] == 512 and d["cache_slots"] >= 513

@@ -55,6 +55,9 @@ def environment() -> dict:
             "torch_interop_threads": torch.get_num_interop_threads(),
             "versions": {"torch": torch.__version__, "python": platform.python_version(),
                          "sluice": sluice.__version__},
+            # glibc's allocator settings decide whether a big tensor comes back from the OS (page
+            # faults on every call) or from the heap; LD_PRELOAD may swap in another allocator.
+            "allocator_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"},
             "code": code_version(), "loadavg_at_start": list(os.getloadavg()), "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
 
 

@@ -88,11 +88,13 @@ def head_only(model: Transformer) -> Transformer:
 
 
 def norm_calls(model: Transformer, step) -> Counter:
-    """(dim, eps, input shape) -> calls per decode step, counted with pre-hooks on one eager step."""
+    """(dim, eps, input shape, "layers" or "final") -> calls per decode step, counted with
+    pre-hooks on one eager step."""
     calls: Counter = Counter()
 
     def hook(mod, args):
-        calls.update([(mod.weight.shape[0], mod.eps, tuple(args[0].shape))])
+        where = "final" if mod is model.final_norm else "layers"
+        calls.update([(mod.weight.shape[0], mod.eps, tuple(args[0].shape), where)])
     handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, RMSNorm)]
     try:
         step()
@@ -105,12 +107,12 @@ def norm_calls(model: Transformer, step) -> Counter:
 def direct_estimate(calls: Counter, dtype: torch.dtype, reps: int, min_sample_s: float) -> list[dict]:
     """Isolated eager time of each kind of norm call the step makes, next to LayerNorm and Identity."""
     rows = []
-    for (dim, eps, shape), count in sorted(calls.items()):
+    for (dim, eps, shape, where), count in sorted(calls.items()):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
         mods = {"rms": RMSNorm(dim, eps).to(dtype), "layer": LayerNorm(dim, eps, bias=True).to(dtype),
                 "identity": nn.Identity()}
         samples, _ = time_interleaved({k: (lambda m=m, x=x: m(x)) for k, m in mods.items()}, reps, min_sample_s)
-        rows.append({"dim": dim, "shape": list(shape), "count": count,
+        rows.append({"dim": dim, "shape": list(shape), "where": where, "count": count,
                      **{f"{k}_us": median(v) * 1e6 for k, v in samples.items()}})
     return rows
 
@@ -192,6 +194,13 @@ def measure_one(name: str, dtype_name: str, s: dict) -> list[dict]:
             row["direct_norm_ms"] = sum(d["count"] * (d["rms_us"] - d["identity_us"]) for d in direct) / 1e3
             row["direct_layer_ms"] = sum(d["count"] * (d["layer_us"] - d["identity_us"]) for d in direct) / 1e3
             row["direct_share"] = row["direct_norm_ms"] / ms["rms"]
+            # The same per layer and at full depth: steadier than differences of whole-step medians.
+            in_layers = sum(d["count"] * (d["rms_us"] - d["identity_us"]) for d in direct
+                            if d["where"] == "layers") / 1e3
+            row["direct_per_layer_ms"] = in_layers / layers
+            row["direct_per_layer_share"] = in_layers / layers / per_layer["rms"]
+            row["direct_full_depth_ms"] = row["direct_norm_ms"] + (full_depth - layers) * in_layers / layers
+            row["direct_full_depth_share"] = row["direct_full_depth_ms"] / full["rms"]
         results.append(row)
         print(f"decode {name} {dtype_name} {row['mode']}: rms {ms['rms']:.1f} ms, layer {ms['layer']:.1f}, "
               f"none {ms['none']:.1f}; share {100 * row['norm_share']:.1f}%", file=sys.stderr, flush=True)
@@ -205,6 +214,10 @@ def measure(s: dict) -> list[dict]:
             rows += measure_one(name, dtype_name, s)
             gc.collect()  # the previous model's weights go before the next one is built
     return rows
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
 
 
 def print_decode_tables(r: dict) -> None:
@@ -225,12 +238,15 @@ def print_decode_tables(r: dict) -> None:
         print(f"| {d['model']} {short[d['dtype']]} {d['mode']} | {d['layers']} of {d['full_depth']} "
               f"| {st['rms']:.1f} | {st['layer']:.1f} | {st['none']:.1f} | {100 * d['norm_share']:.1f}% "
               f"| {100 * d['norm_share_min']:.1f}% | {d['layer_vs_rms']:.3f}x | {direct} | {'yes' if all(d['logits_finite'].values()) else 'NO'} |")
-    print("\nPer layer = (step - 0-layer head) / layers built; full depth = head + depth x per layer.\n")
+    print("\nPer layer = (step - 0-layer head) / layers built; full depth = head + depth x per layer. "
+          "Direct: the isolated norm calls inside the layers / per-layer time, and extrapolated.\n")
     print("| config | head ms (rms) | per-layer ms (rms) | per-layer norms ms | per-layer share "
-          "| full-depth ms (rms) | full-depth norm share | full-depth layer / rms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| direct per-layer share | full-depth ms (rms) | full-depth norm share | direct full-depth share "
+          "| full-depth layer / rms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for d in rows:
         print(f"| {d['model']} {short[d['dtype']]} {d['mode']} | {d['head_ms']['rms']:.1f} "
               f"| {d['per_layer_ms']['rms']:.2f} | {d['per_layer_norm_ms']:.3f} "
-              f"| {100 * d['per_layer_share']:.1f}% | {d['full_depth_ms']['rms']:.1f} "
-              f"| {100 * d['full_depth_share']:.1f}% | {d['full_depth_layer_vs_rms']:.3f}x |")
+              f"| {100 * d['per_layer_share']:.1f}% | {_pct(d.get('direct_per_layer_share'))} "
+              f"| {d['full_depth_ms']['rms']:.1f} | {100 * d['full_depth_share']:.1f}% "
+              f"| {_pct(d.get('direct_full_depth_share'))} | {d['full_depth_layer_vs_rms']:.3f}x |")
