@@ -43,15 +43,15 @@ ROWS = {"fp32 eager": ("float32", False), "fp32 compile": ("float32", True),
 GROUPS = ("residual", "norms", "branches", "logits", "linears", "begin")
 
 
-def group_of(obs, name: str) -> str:
-    if name == "":
+def group_of(obs, name: str, pre: bool) -> str:
+    if name == "" and pre:
         return "begin"     # the model's pre-hook: zeroes the statistics of the forward to come
     if name in obs.norm_names:
         return "norms"     # RMS in and out, per norm (incl. per-head q/k norms)
     if name in obs.branch_names:
         return "branches"  # output RMS of attention and MLP
-    if name == "lm_head":
-        return "logits"    # max, min, std, log Z, entropy, top-1 over the vocabulary
+    if name == "":
+        return "logits"    # the model's output: max, min, std, log Z, entropy, top-1 over the vocabulary
     if name == "embed" or re.fullmatch(r"layers\.\d+", name):
         return "residual"  # RMS, variance, top-k channels of x_0..x_L
     return "linears"       # the other Linears: only the NaN/inf check (every hook also does it)
@@ -62,7 +62,7 @@ class Switch:
 
     def __init__(self, model, obs):
         ids = {h.id for h in obs._handles}  # found by id, however observe() registered them
-        self.entries = [(hooks, hid, hooks[hid], group_of(obs, name))
+        self.entries = [(hooks, hid, hooks[hid], group_of(obs, name, hooks is module._forward_pre_hooks))
                         for name, module in model.named_modules()
                         for hooks in (module._forward_pre_hooks, module._forward_hooks)
                         for hid in list(hooks) if hid in ids]

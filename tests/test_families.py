@@ -229,7 +229,10 @@ def test_valves_table_shows_the_norms_each_family_has(tmp_path, arch, pre, post)
         model(ids_of(1, 12))
     s = obs.summary()
     assert all((v is not None) == pre for v in s["attn_norm_in"] + s["mlp_norm_out"])
-    assert all((v is not None) == post for v in s["attn_post_norm_in"] + s["mlp_post_norm_out"])
+    # post-norm keys only where the family has post-norms (so a Qwen3 training log does not carry them)
+    assert ("attn_post_norm_in" in s) == post
+    if post:
+        assert all(v is not None for v in s["attn_post_norm_in"] + s["mlp_post_norm_out"])
     if post:  # the post-norm's input is what the branch produced
         j = obs.norm_names.index("layers.1.mlp_post_norm")
         assert s["mlp_post_norm_in"][1] == pytest.approx(float(obs.stats["norm_in_rms"][j].mean()))

@@ -324,15 +324,15 @@ class Observation:
                 "attn_norm_out": per_layer("norm_out_rms", "attn_norm"),
                 "mlp_norm_in": per_layer("norm_in_rms", "mlp_norm"),
                 "mlp_norm_out": per_layer("norm_out_rms", "mlp_norm"),
-                # the norms on the branch outputs (Gemma's sandwich, OLMo 2's reordered norm)
-                "attn_post_norm_in": per_layer("norm_in_rms", "attn_post_norm"),
-                "attn_post_norm_out": per_layer("norm_out_rms", "attn_post_norm"),
-                "mlp_post_norm_in": per_layer("norm_in_rms", "mlp_post_norm"),
-                "mlp_post_norm_out": per_layer("norm_out_rms", "mlp_post_norm"),
                 "final_norm_in": float(s["norm_in_rms"][final].mean()) if final is not None else None,
                 "final_norm_out": float(s["norm_out_rms"][final].mean()) if final is not None else None,
                 **{f"logit_{k}" if k in ("max", "min", "std") else k: float(v)
-                   for k, v in zip(LOGIT_STATS, logits)}}
+                   for k, v in zip(LOGIT_STATS, logits)},
+                # the norms on the branch outputs, for the families that have them (Gemma's
+                # sandwich, OLMo 2's reordered norm)
+                **({f"{kind}_{io}": per_layer(f"norm_{io}_rms", kind)
+                    for kind in ("attn_post_norm", "mlp_post_norm") for io in ("in", "out")}
+                   if "layers.0.attn_post_norm" in index else {})}
 
     def to_records(self) -> list[dict]:
         """Long-format rows (one per site, batch row and token) for CSV or JSON."""
