@@ -50,8 +50,8 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure a claim on this machine (CPU); tables, or JSON")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     q = bench.add_parser("norms", help="RMSNorm versus LayerNorm: kernel time and share of a decode step",
-                         description="RMSNorm versus LayerNorm (the claim: 'RMSNorm saves 10-50%%'): "
-                                     "forward time of sluice's norms and torch's fused ones over a grid "
+                         description="RMSNorm versus LayerNorm (the claim: 'RMSNorm saves 10-50%'): "
+                                     "forward time of sluice's norms and torch's own over a grid "
                                      "of sizes, eager and torch.compile'd, and the norms' share of a "
                                      "decode step on Qwen3-0.6B and Llama-3-8B shapes (random weights).",
                          epilog="exit status: 0 ok, 2 bad input (the message names it)")
