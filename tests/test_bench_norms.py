@@ -38,8 +38,12 @@ def check_result(r: dict) -> None:
     rows = {(d["model"], d["dtype"], d["mode"]): d for d in r["decode"]}
     assert set(rows) == set(itertools.product(NORM_CALLS, DTYPES, ["eager"]))
     for (model, _, _), d in rows.items():
-        for part in ("step_ms", "head_ms", "per_layer_ms", "full_depth_ms"):
+        for part in ("step_ms", "head_ms"):  # measured times
             assert set(d[part]) == {"rms", "layer", "none"} and all(v > 0 for v in d[part].values()), part
+        # derived from differences of noisy medians (step - head): may come out negative on a busy
+        # machine in a --quick run, so only their presence and finiteness are checked
+        for part in ("per_layer_ms", "full_depth_ms"):
+            assert set(d[part]) == {"rms", "layer", "none"} and all(map(math.isfinite, d[part].values())), part
         assert d["norm_calls"] == NORM_CALLS[model] == sum(k["count"] for k in d["norm_call_kinds"])
         assert d["direct_norm_ms"] > 0 and d["direct_layer_ms"] > 0
         assert all(k["rms_us"] > 0 and k["layer_us"] > 0 for k in d["norm_call_kinds"])
