@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .benchmarks.cli import add_bench_parser
 from .errors import SluiceError
+from .observatory.profile_cli import add_profile_parser, add_roofline_parser
 
 
 def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
@@ -242,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint and exit after this step (resume later with --resume)")
     p.set_defaults(func=cmd_train)
     add_bench_parser(sub)
+    add_profile_parser(sub)
+    add_roofline_parser(sub)
     return parser
 
 

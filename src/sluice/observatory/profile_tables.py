@@ -1,0 +1,143 @@
+"""The terminal side of `sluice profile` and `sluice roofline`: rows of numbers, drawn as rich tables.
+
+The row builders return plain strings, so the HTML page (profile_report.py) shows the same cells.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .costs import COMPONENTS, LABELS
+
+LEGEND = ("norms: every norm in the blocks (input, post, q/k); attention (KV): RoPE, the KV-cache write and "
+          "attention over every cache slot; softmax+sampling: the sampler over the fp32 logits; other: residual "
+          "adds, RoPE tables, the mask, glue between modules.")
+
+
+def ms(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def us(milliseconds: float) -> str:
+    return f"{milliseconds * 1e3:,.2f}"
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def mb(x: float) -> str:
+    return f"{x / 1e6:,.2f}"
+
+
+def profile_header(d: dict) -> str:
+    m, hw = d["model"], d["machine"]
+    return (f"{m['name']}: {m['architecture']}, {m['num_params'] / 1e6:,.1f}M parameters "
+            f"({m['param_bytes'] / 1e6:,.1f} MB in {m['dtype']}), {m['num_layers']} layers, vocab "
+            f"{m['vocab_size']:,}; KV cache {m['kv_bytes_per_token'] / 1e3:,.1f} kB/token. Batch 1, eager, "
+            f"{d['settings']['threads']} threads, median of {d['settings']['reps']} rounds. This machine: "
+            f"stream copy {hw['stream_copy']['GB_s']:.1f} GB/s, matmul {hw['matmul']['GFLOP_s']:.1f} GFLOP/s "
+            f"({m['dtype']}).")
+
+
+def summary_rows(d: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["context", "step ms", "tokens/s", "components sum vs step", "MB read (KV)", "achieved GB/s",
+            "of peak", "LM head + softmax", "KV attention (time)", "KV cache (bytes)", "roofline tok/s",
+            "measured / bound"]
+    rows = [[f"{r['context']:,}", f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.1f}", f"{100 * r['sum_vs_step']:+.1f}%",
+             f"{mb(r['read_bytes'])} ({mb(r['kv_cache_bytes'])})", f"{r['achieved_GB_s']:.2f}",
+             pct(r["fraction_of_peak_bandwidth"]), pct(r["lm_head_softmax_share"]), pct(r["kv_time_share"]),
+             pct(r["kv_bytes_share"]), f"{r['predicted']['tokens_per_s']:,.1f}",
+             pct(r["tokens_per_s"] / r["predicted"]["tokens_per_s"])] for r in d["rows"]]
+    return head, rows
+
+
+def component_time_rows(d: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["component"] + [f"ctx {r['context']:,}" for r in d["rows"]]
+    rows = [[LABELS[k]] + [f"{ms(r['components'][k]['ms'])} ({pct(r['components'][k]['share'])})" for r in d["rows"]]
+            for k in COMPONENTS]
+    rows.append(["sum of components"] + [f"{r['components_sum_ms']:.3f}" for r in d["rows"]])
+    rows.append(["whole step, no hooks"] + [f"{r['step_ms']:.3f}" for r in d["rows"]])
+    return head, rows
+
+
+def component_bytes_rows(r: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["component", "MB read", "GFLOP", "measured ms", "achieved GB/s", "roofline ms", "bound"]
+    rows = []
+    for k in COMPONENTS:
+        c, p = r["components"][k], r["predicted"]["components"][k]
+        rows.append([LABELS[k], mb(c["read_bytes"]), f"{c['flops'] / 1e9:.4g}", ms(c["ms"]),
+                     "-" if c["GB_s"] is None else f"{c['GB_s']:.2f}", ms(p["ms"]), p["bound"]])
+    return head, rows
+
+
+def roofline_header(d: dict) -> str:
+    c, hw = d["config"], d["hardware"]
+    return (f"{c['architecture']}: {c['num_params'] / 1e6:,.1f}M parameters, {c['num_layers']} layers, hidden "
+            f"{c['hidden_size']}, {c['num_heads']} query / {c['num_kv_heads']} KV heads of {c['head_dim']}, vocab "
+            f"{c['vocab_size']:,}{', tied embeddings' if c['tie_word_embeddings'] else ''}. Batch {d['batch']}, "
+            f"context {d['context']:,}, {d['dtype']}. Hardware: {hw['label']}, {hw['GB_s']:,.1f} GB/s, "
+            f"{hw['GFLOP_s'] / 1e3:,.2f} TFLOP/s ({hw['source']}).")
+
+
+def roofline_rows(d: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["component", "param MB", "MB read", "GFLOP", "FLOP/byte", "bound us", "share", "roof"]
+    rows = []
+    for k in COMPONENTS:
+        c, p = d["costs"][k], d["predicted"]["components"][k]
+        ai = f"{c['flops'] / c['read_bytes']:.2f}" if c["read_bytes"] else "-"
+        rows.append([LABELS[k], mb(c["param_bytes"]), mb(c["read_bytes"]), f"{c['flops'] / 1e9:.4g}", ai,
+                     us(p["ms"]), pct(p["share"]), p["bound"]])
+    t, p = d["totals"], d["predicted"]
+    rows.append(["total", mb(t["param_bytes"]), mb(t["read_bytes"]), f"{t['flops'] / 1e9:.4g}",
+                 f"{p['arithmetic_intensity']:.2f}", us(p["step_ms"]), "100.0%", p["bound"]])
+    return head, rows
+
+
+def roofline_summary(d: dict) -> str:
+    p = d["predicted"]
+    return (f"Bound: {p['tokens_per_s']:,.1f} tokens/s = min(bandwidth bound {p['bandwidth_bound_tokens_per_s']:,.1f}, "
+            f"compute bound {p['compute_bound_tokens_per_s']:,.1f}); {p['bound']}-bound. Each component under its "
+            f"own roof: {p['component_tokens_per_s']:,.1f} tokens/s. KV cache {pct(d['kv_bytes_share'])} of the bytes "
+            f"read, LM head + logits {pct(d['lm_head_softmax_bytes_share'])}.")
+
+
+def _table(title: str, head: list[str], rows: list[list[str]]) -> Table:
+    t = Table(title=escape(title), title_justify="left")
+    for i, h in enumerate(head):
+        t.add_column(escape(h), justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*(escape(c) for c in r))
+    return t
+
+
+def _console() -> Console:
+    # piped into a file or a doc, the tables keep their columns instead of wrapping at 80
+    return Console(width=None if sys.stdout.isatty() else 150)
+
+
+def print_profile(d: dict, console: Console | None = None) -> None:
+    con = console or _console()
+    con.print(escape(profile_header(d)), highlight=False)
+    for note in d["notes"]:
+        con.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
+    con.print(_table("decode step at each context length", *summary_rows(d)))
+    con.print(_table("ms per component (share of the sum of components)", *component_time_rows(d)))
+    last = d["rows"][-1]
+    con.print(_table(f"bytes, FLOPs and bandwidth per component at context {last['context']:,}",
+                     *component_bytes_rows(last)))
+    con.print(escape(LEGEND), highlight=False)
+
+
+def print_roofline(d: dict, console: Console | None = None) -> None:
+    con = console or _console()
+    con.print(escape(roofline_header(d)), highlight=False)
+    for note in d["notes"]:
+        con.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
+    con.print(_table("predicted cost of one decode step", *roofline_rows(d)))
+    con.print(escape(roofline_summary(d)), highlight=False)
+    con.print(escape(LEGEND), highlight=False)
