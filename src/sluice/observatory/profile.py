@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import statistics
 import time
 
@@ -201,7 +202,8 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
     available = machine.available_memory()
     for c in contexts:  # all refused before any time is spent
         check_memory(cfg, c, dtype, available)
-    params = params or SamplingParams(temperature=1.0, seed=0)
+    params = (params or SamplingParams(temperature=1.0, seed=0)).with_defaults(None)
+    load_start = os.getloadavg()[0]
     hw = hardware or machine.measure(dtype)
     peak_bw, peak_flops = hw["stream_copy"]["GB_s"] * 1e9, hw["matmul"]["GFLOP_s"] * 1e9
     rows = []
@@ -230,6 +232,8 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
             "predicted": pred, "prediction_error": pred["tokens_per_s"] / (1 / step_s) - 1,
             "passes_ms": {p: {k: v * 1e3 for k, v in d.items()} for p, d in m["medians"].items()},
             "seconds": time.perf_counter() - t0,
+            # the machine may be shared: a 1-minute load above the core count means the numbers are not clean
+            "loadavg_1min_after": os.getloadavg()[0],
         })
         if progress:
             progress(rows[-1])
@@ -246,6 +250,6 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
         "settings": {"contexts": contexts, "reps": reps, "min_sample_s": min_sample_s, "batch": 1,
                      "sampling": {"temperature": params.temperature, "top_k": params.top_k,
                                   "top_p": params.top_p, "min_p": params.min_p},
-                     "threads": torch.get_num_threads(), "mode": "eager"},
+                     "threads": torch.get_num_threads(), "mode": "eager", "loadavg_at_start": load_start},
         "machine": hw, "notes": notes, "rows": rows,
     }
