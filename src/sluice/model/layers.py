@@ -303,12 +303,14 @@ class Transformer(nn.Module):
         return logits
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache=None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                cache=None, logits_at: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V) in fp32.
 
         positions (B, T): token positions, default 0..T-1. cache: a KVCache (kv_cache.py); new keys
         are written at `positions`. logits_at (B,): only compute logits at that index of T per row
-        (prefill needs just the last token), giving (B, 1, V)."""
+        (prefill needs just the last token), giving (B, 1, V). return_hidden: return the final-normed
+        hidden states (B, T, C) in the weight dtype instead, i.e. what `logits()` would take, for a
+        caller that applies the LM head itself (engine/fused_head.py)."""
         cfg = self.config
         B, T = input_ids.shape
         if positions is None:
@@ -338,4 +340,4 @@ class Transformer(nn.Module):
             x = x[torch.arange(B, device=x.device), logits_at][:, None]  # (B, 1, C)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return self.logits(x)
+        return x if return_hidden else self.logits(x)
