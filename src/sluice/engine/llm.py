@@ -7,13 +7,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import torch
+
 from ..errors import ConfigError, RequestError
 from ..model.hub import resolve_model_dir
 from ..model.loading import bundled_model_dir, load
 from ..tokenizer import Tokenizer
+from .fused_head import FusedHead
 from .runner import Runner
 from .sampling import Sampler, SamplingParams
 from .streaming import TextStream
+
+# "auto" steps taken on the fused head before its fallback rate may send a batch back to the plain one.
+AUTO_PROBATION = 16
 
 
 @dataclass
@@ -51,7 +57,10 @@ class Stats:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "float32",
-                 max_model_len: int | None = None, compile: bool = False):
+                 max_model_len: int | None = None, compile: bool = False, fused_head: bool | str = "auto"):
+        if fused_head not in (True, False, "auto"):
+            raise ConfigError(f"fused_head must be True, False or 'auto', got {fused_head!r}")
+        self.fused_head = fused_head  # see _use_fused_head
         self.model_dir = resolve_model_dir(model) if model is not None else bundled_model_dir()
         self.model = load(self.model_dir, dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
@@ -98,6 +107,23 @@ class LLM:
                                                   **template_kwargs)
 
     # ------------------------------------------------------------------ the loop
+    def _use_fused_head(self, params: list[SamplingParams]) -> bool:
+        """Sample through the fused LM head (fused_head.py) or the plain one (logits, Sampler)?
+
+        Hooks on the model or its LM head (the observatory) need the logits and the head module to
+        run, so they always get the plain path. "auto" takes the fused path where bench/fused_head.py
+        measured it faster on CPU: a batch with a sampled row that uses top-k, top-p or min-p (no
+        full-vocabulary sort); greedy and plain-temperature batches keep the plain path, where the
+        two are even (docs/benchmarks.md, "The softmax toll booth"). A fused "auto" batch whose
+        rows keep falling back (over a quarter of them after AUTO_PROBATION steps: a model too
+        flat for the candidates to prove its cuts, paying for the LM head twice) returns to the
+        plain path for the rest of its steps (see _run)."""
+        m = self.model
+        if self.fused_head is False or any(mod._forward_hooks or mod._forward_pre_hooks for mod in (m, m.lm_head)):
+            return False
+        return self.fused_head is True or any(
+            p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params)
+
     def _start(self, prompts: list, params) -> tuple[list[RequestOutput], list[SamplingParams]]:
         """Validate the request and resolve its params, before any compute."""
         if not prompts:
@@ -135,6 +161,12 @@ class LLM:
         sampler = Sampler(params, self.model.config.vocab_size)
         for b, out in enumerate(outputs):
             sampler.add_context(b, out.prompt_token_ids)
+        # The Sampler keeps the rows' params, generators and penalty masks, so the two paths can
+        # take turns: sample() reads `fused` when called, hidden states (B, C) in, or logits (B, V).
+        fused, head = self._use_fused_head(params), FusedHead(sampler)
+
+        def sample(x: torch.Tensor) -> torch.Tensor:
+            return head(x, self.model.lm_head.weight, self.model.final_softcap).tokens if fused else sampler(x)
         streams = [TextStream(self.tokenizer.decode, p.stop) for p in params]
         stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) for p in params]
         stats = self.last_stats = Stats(prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs))
@@ -142,8 +174,8 @@ class LLM:
         t0 = time.perf_counter()
         active = list(range(B))
         try:
-            logits = self.runner.prefill([o.prompt_token_ids for o in outputs], Runner.slots_for(needed))
-            tokens = sampler(logits)  # (B,): the first generated token ends the prefill
+            first = self.runner.prefill([o.prompt_token_ids for o in outputs], Runner.slots_for(needed), hidden=fused)
+            tokens = sample(first)  # (B,): the first generated token ends the prefill
             stats.prefill_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
             while True:
@@ -169,7 +201,9 @@ class LLM:
                         yield b, delta
                 if not active:
                     break
-                tokens = sampler(self.runner.step(tokens))
+                if fused and self.fused_head == "auto" and head.calls >= AUTO_PROBATION and head.fallback_rate > 0.25:
+                    fused = False  # the candidates rarely prove this batch's cuts (a flat model): plain from here
+                tokens = sample(self.runner.step(tokens, hidden=fused))
         finally:
             stats.decode_seconds = time.perf_counter() - t0
             self.runner.release()

@@ -274,7 +274,7 @@ class Sampler:
         B = len(self.params)
         self.rows = _row_tensors(self.params, vocab_size, self.device)
         self.seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=self.device)  # (B, V)
-        self._noise = torch.ones(B, vocab_size, dtype=torch.float32, device=self.device)  # (B, V)
+        self._noise: torch.Tensor | None = None  # (B, V) fp32, made on first use (engine/fused_head.py needs none)
         self._generators = [_generator(p.seed, self.device) for p in self.params]
         self._refresh_flags()
 
@@ -313,6 +313,8 @@ class Sampler:
         tokens = None
         if self._sampled_rows:
             filtered = _filter(x, self.rows, *self._filters)
+            if self._noise is None:
+                self._noise = torch.ones_like(x)
             for i in self._sampled_rows:
                 self._noise[i].exponential_(generator=self._generators[i])
             # An Exp(1) draw of exactly 0 would give log 0 = -inf and make -inf - (-inf) = NaN.

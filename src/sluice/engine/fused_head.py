@@ -1,0 +1,215 @@
+"""The fused LM head: next tokens straight from final-normed hidden states, walking the vocabulary
+in chunks of LM-head rows so that no vocabulary-sized vector is ever written.
+
+The plain path (Transformer.logits, then Sampler) writes V fp32 logits per row and reads them back
+for the max, for exp and sum, and for the filters (top-k/top-p sort the whole row) before it
+samples. Here each chunk of c head rows (c, C) meets the hidden states and gives (B, c) logits that
+live only while that chunk is processed; per row we keep
+
+- a running max and a running sum of exp (the online softmax of observatory/softmax.py): log Z;
+- the running best key: the logit (greedy), or logit / T - log E with E ~ Exp(1) drawn from the
+  row's own generator (the exponential race of sampling.py, which needs no normaliser at all);
+- each chunk's top-K (values, ids) for rows with top_k / top_p / min_p: their union holds the
+  vocabulary's top-K, from which the filters are resolved at the end.
+
+Filters follow sampling._filter exactly (order, ties, fp32). On K candidates that is exact only
+when the kept set provably lies inside them. Every token outside has a logit <= the K-th
+candidate's, so it suffices that top_k's k-th value, or top_p's cut, or min_p's threshold lies
+strictly above that value, or that K covers the vocabulary. A row where none holds (top-p's nucleus
+has more than K tokens on a flat distribution, or bf16 ties straddle the K-th value) FALLS BACK to
+the plain path for that step: its full logits are computed and sampling._filter runs on them.
+Finding such rows is this path's one host sync. Greedy and pure-temperature rows never fall back.
+
+Numerics are the plain path's: each chunk's matmul runs in the weight dtype and is cast to fp32 as
+Transformer.logits does, then Gemma's soft-cap, then the repetition penalty. On the CPUs measured a
+chunk of F.linear is bit-identical to the same columns of the full product, so greedy picks the
+same token (the first index on ties, like argmax); tests/test_fused_head.py checks it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .sampling import Sampler, SamplingParams, _filter, _penalize
+
+CHUNK = 32768  # head rows per step of the walk; smaller chunks are slower on CPU (docs/benchmarks.md)
+CANDIDATES = 256  # the top-K kept per row with filters; raised to max(top_k) + 1 where a row needs it
+_TINY = torch.finfo(torch.float32).tiny  # an Exp(1) draw of exactly 0 would give log 0 = -inf
+
+
+@dataclass
+class HeadOut:
+    tokens: torch.Tensor  # (B,) int64 next tokens
+    fallback: torch.Tensor  # (B,) bool: rows sampled by the plain path this step
+    log_z: torch.Tensor | None = None  # (B,) fp32 logsumexp of the model's logits (soft-capped, T 1, no penalty)
+    logprobs: torch.Tensor | None = None  # (B,) fp32 log p of each token under that distribution
+
+
+def _has_filter(p: SamplingParams) -> bool:
+    return p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)
+
+
+def _online(m: torch.Tensor, s: torch.Tensor, z: torch.Tensor, t: torch.Tensor | None = None):
+    """Fold a chunk z (B, c) into the running max m (B,) and running sum s (B,) of exp((z - m) / t).
+
+    When the max grows the old sum is rescaled by exp((m_old - m_new) / t) <= 1; on the first
+    chunk m_old = -inf makes that factor 0."""
+    m_new = torch.maximum(m, z.amax(-1))
+    if t is None:
+        return m_new, s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(-1)
+    return m_new, s * torch.exp((m - m_new) / t) + torch.exp((z - m_new[:, None]) / t[:, None]).sum(-1)
+
+
+def _race(x: torch.Tensor, rows: list[int], generators: list) -> torch.Tensor:
+    """argmax(x - log E) per row of x (n, m), E ~ Exp(1) from generators[rows[r]] for row r."""
+    noise = torch.empty_like(x)
+    for r, i in enumerate(rows):
+        noise[r].exponential_(generator=generators[i])
+    return (x - noise.clamp_min_(_TINY).log()).argmax(-1)
+
+
+class FusedHead:
+    """Samples from hidden states (B, C) and the LM-head weight (V, C) for the rows of a Sampler.
+
+    The Sampler keeps what a row is (params, generator, repetition-penalty mask), so Sampler.set_row
+    and add_context apply here too and a fallback row uses the same state as the plain path."""
+
+    def __init__(self, sampler: Sampler, chunk: int = CHUNK, candidates: int = CANDIDATES):
+        self.sampler, self.chunk, self.candidates = sampler, chunk, candidates
+        self.calls = self.rows_filtered = self.rows_fallback = 0  # for callers that adapt (LLM's "auto")
+
+    @property
+    def fallback_rate(self) -> float:
+        """The fraction of filtered rows so far that fell back to the plain path."""
+        return self.rows_fallback / self.rows_filtered if self.rows_filtered else 0.0
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None = None,
+                 logprobs: bool = False) -> HeadOut:
+        smp = self.sampler
+        B, V = smp.seen.shape  # (B, V) bool: the only vocabulary-sized state (1 byte a token), for penalties
+        assert hidden.shape == (B, weight.shape[1]) and weight.shape[0] == V, (hidden.shape, weight.shape)
+        dev, params, temp = hidden.device, smp.params, smp.rows["temperature"]
+        filt = [i for i, p in enumerate(params) if _has_filter(p)]
+        race = [i for i, p in enumerate(params) if p.temperature > 0 and i not in filt]
+        pick = len(filt) < B  # greedy or race rows exist
+        # Enough candidates to prove any row's top_k cut: the k-th value must beat the K-th.
+        K = min(V, max([self.candidates] + [params[i].top_k + 1 for i in filt]))
+        need_mass = any(params[i].top_p < 1 and params[i].top_k <= 0 for i in filt)
+        fr = torch.tensor(filt, dtype=torch.int64, device=dev)
+        temp_f = temp[fr]  # (Bf,)
+
+        best = torch.full((B,), -math.inf, device=dev)  # (B,) running best key
+        best_id = torch.zeros(B, dtype=torch.int64, device=dev)
+        m_raw, s_raw = torch.full((B,), -math.inf, device=dev), torch.zeros(B, device=dev)
+        m_t, s_t = torch.full((len(filt),), -math.inf, device=dev), torch.zeros(len(filt), device=dev)
+        cand_v, cand_i = [], []  # per chunk (Bf, <=K): penalised logits and token ids
+        noise = torch.ones(B, min(self.chunk, V), device=dev) if race else None  # 1: log 1 = 0 elsewhere
+        for start in range(0, V, self.chunk):
+            z = F.linear(hidden, weight[start:start + self.chunk]).float()  # (B, c) as Transformer.logits
+            c = z.shape[1]
+            if softcap is not None:
+                z = torch.tanh(z / softcap) * softcap
+            if logprobs:
+                m_raw, s_raw = _online(m_raw, s_raw, z)
+            if smp._use_penalty:
+                z = _penalize(z, smp.seen[:, start:start + c], smp.rows["penalty"])
+            if pick:
+                key = z  # greedy rows: the penalised logit; their temperature reads 1 and noise stays 1
+                if race:
+                    n = noise[:, :c]
+                    for i in race:
+                        n[i].exponential_(generator=smp._generators[i])
+                    key = z / temp[:, None] - n.clamp_min_(_TINY).log()
+                j = key.argmax(-1)  # (B,) the first maximum within the chunk
+                v = key.gather(1, j[:, None])[:, 0]
+                better = v > best  # strict: on a tie the earlier chunk wins, as in a full-row argmax
+                best, best_id = torch.where(better, v, best), torch.where(better, j + start, best_id)
+            if filt:
+                zf = z if len(filt) == B else z[fr]  # (Bf, c)
+                if need_mass:
+                    m_t, s_t = _online(m_t, s_t, zf, temp_f)
+                v, j = zf.topk(min(K, c), dim=-1)
+                cand_v.append(v)
+                cand_i.append(j + start)
+
+        tokens, fallback = best_id, torch.zeros(B, dtype=torch.bool, device=dev)
+        if filt:
+            tok_f, fb_f = self._resolve(torch.cat(cand_v, 1), torch.cat(cand_i, 1), K, V, fr,
+                                       s_t if need_mass else None)
+            tokens[fr], fallback[fr] = tok_f, fb_f
+            n_fallback = int(fb_f.sum())  # the host sync: how many rows could not be proven exact
+            if n_fallback:
+                idx = fr[fb_f]
+                tokens[idx] = self._plain(hidden[idx], weight, softcap, idx.tolist())
+            self.rows_filtered, self.rows_fallback = self.rows_filtered + len(filt), self.rows_fallback + n_fallback
+        self.calls += 1
+        if smp._use_penalty:
+            smp.seen.scatter_(1, tokens[:, None], True)
+        out = HeadOut(tokens, fallback)
+        if logprobs:
+            out.log_z = m_raw + s_raw.log()
+            out.logprobs = self._logits_of(hidden, weight, softcap, tokens) - out.log_z
+        return out
+
+    def _resolve(self, cand_v, cand_i, K: int, V: int, fr, s_t):
+        """The filtered rows on their candidates (Bf, n >= K): -> tokens (Bf,), fallback (Bf,) bool."""
+        smp = self.sampler
+        rows = {name: t[fr] for name, t in smp.rows.items()}  # (Bf,) each
+        # _filter's order: value descending, token id ascending on ties (its stable sort).
+        ids, order = cand_i.sort(-1)
+        v, order = cand_v.gather(1, order).sort(dim=-1, descending=True, stable=True)
+        v, ids = v[:, :K], ids.gather(1, order)[:, :K]  # (Bf, K): the vocabulary's top-K
+        x = (v - v[:, :1]) / rows["temperature"][:, None]  # (Bf, K) as _filter's x
+        complete = K == V  # every token is a candidate
+        certain = (v > v[:, -1:]) | complete  # (Bf, K): no token outside can rank among these
+        exact = torch.full_like(certain[:, 0], complete)  # (Bf,)
+        use_top_k, use_top_p, use_min_p = smp._filters
+        k = rows["top_k"]
+        topk_on = k < V  # off rows have k = V
+        kth = (k - 1).clamp(max=K - 1)[:, None]  # (Bf, 1); off rows read the K-th: keeps every candidate
+        keep = x >= x.gather(1, kth)  # top_k keeps ties with the k-th (HF's rule)
+        k_proven = certain.gather(1, kth)[:, 0]  # the k-th value beats every token outside
+        exact |= topk_on & k_proven
+        if use_top_p or use_min_p:
+            # Over the top-k survivors where top_k is on (then all candidates); else over the whole
+            # vocabulary, whose normaliser is the online sum s_t = sum exp((z - max) / T).
+            p = x.masked_fill(~keep, -math.inf).softmax(-1)
+            if s_t is not None:
+                p = torch.where(topk_on[:, None], p, torch.exp(x) / s_t[:, None])
+            if use_top_p:
+                top_p = rows["top_p"][:, None]
+                mass_before = F.pad(p.cumsum(-1)[:, :-1], (1, 0))  # as _filter computes it
+                keep_p = (mass_before < top_p) | (top_p >= 1)
+                keep &= keep_p
+                # A certain token already past the cut: everything ranked after it is out too.
+                exact |= (certain & ~keep_p).any(-1)
+            if use_min_p:
+                keep_m = p >= rows["min_p"][:, None] * p[:, :1]
+                keep &= keep_m
+                exact |= ~keep_m[:, -1]  # the K-th value fails min_p, so every smaller one does
+        keep[:, 0] = True
+        fallback = ~exact | (topk_on & ~k_proven)  # an unproven top-k set also leaves top-p's mass unknown
+        pick = _race(x.masked_fill(~keep, -math.inf), fr.tolist(), smp._generators)
+        return ids.gather(1, pick[:, None])[:, 0], fallback
+
+    def _plain(self, hidden, weight, softcap, idx: list[int]) -> torch.Tensor:
+        """The plain path for rows idx: full logits (n, V), sampling._filter, the race."""
+        smp = self.sampler
+        z = F.linear(hidden, weight).float()
+        if softcap is not None:
+            z = torch.tanh(z / softcap) * softcap
+        rows = {name: t[idx] for name, t in smp.rows.items()}
+        if smp._use_penalty:
+            z = _penalize(z, smp.seen[idx], rows["penalty"])
+        return _race(_filter(z, rows, *smp._filters), idx, smp._generators)
+
+    @staticmethod
+    def _logits_of(hidden, weight, softcap, tokens) -> torch.Tensor:
+        """The model's logit of each chosen token (B,): one head row each, rounded as the matmul's."""
+        z = (hidden.float() * weight[tokens].float()).sum(-1).to(weight.dtype).float()
+        return torch.tanh(z / softcap) * softcap if softcap is not None else z
