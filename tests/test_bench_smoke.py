@@ -69,3 +69,18 @@ def test_probe_overhead_quick(tmp_path):
             assert row["hooks_ran_every_step"]
         if variant == "timed hooks":
             assert set(row["inside_hooks_ms"]) == set(r["hooks"]) and sum(row["inside_hooks_ms"].values()) > 0
+
+
+def test_fused_head_quick(tmp_path):
+    out = tmp_path / "fused.json"
+    _run("fused_head.py", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["cpu"] and r["chunk"] > 0 and r["candidates"] > 0
+    rows = {(x["batch"], x["dtype"], x["mode"]): x for x in r["rows"]}
+    assert set(rows) == {(b, d, m) for b in (1, 4) for d in ("float32", "bfloat16") for m in ("greedy", "top_p")}
+    for x in rows.values():
+        assert x["plain_ms"] > 0 and x["fused_ms"] > 0 and x["speedup_paired"] > 0
+        assert x["plain_peak_bytes"] > 0 and x["fused_peak_bytes"] > 0
+        assert 0 <= x["fallback_fraction"] <= 1
+        if x["mode"] == "greedy":  # the same tokens as the plain path, never a fallback
+            assert x["same_tokens"] and x["fallback_fraction"] == 0
