@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 import sluice
 import sluice.engine.llm as llm_module
-from sluice.engine.fused_head import CANDIDATES, FusedHead
+from sluice.engine.fused_head import FusedHead
 from sluice.engine.sampling import Sampler, SamplingParams, filtered_probs
 
 V, C, CHUNK = 1001, 48, 256
@@ -89,8 +89,10 @@ def counts_vs_expected(tokens, expected):
     return chisquare(obs[keep], exp[keep] * obs.sum() / exp[keep].sum()).pvalue
 
 
-def run_groups(groups, W, candidates=CANDIDATES):
-    """One batch: N rows per group (each row its own seed), the group's hidden state in every row."""
+def run_groups(groups, W, candidates=128):
+    """One batch: N rows per group (each row its own seed), the group's hidden state in every row.
+
+    128 candidates of 1001 tokens: the exactness proofs are exercised, not skipped (K >= V is exact)."""
     names = list(groups)
     h = torch.cat([hidden(1, groups[n][1], seed=10 + i).expand(N, C) for i, n in enumerate(names)])
     params, seen_ids = [], []
@@ -207,13 +209,13 @@ def test_engine_uses_the_plain_head_while_hooks_watch_the_logits(tiny_dir):
 def test_auto_returns_to_the_plain_head_when_rows_keep_falling_back(tiny_dir, monkeypatch):
     heads = []
 
-    class Spy(FusedHead):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
+    class Spy(FusedHead):  # with fewer candidates than the 512 tokens, so that proofs can fail
+        def __init__(self, sampler):
+            super().__init__(sampler, candidates=64)
             heads.append(self)
 
     monkeypatch.setattr(llm_module, "FusedHead", Spy)
-    # A random model is flat: top-p's nucleus is most of the 512 tokens, far over the candidates.
+    # A random model is flat: top-p's nucleus is most of the 512 tokens, far over 64 candidates.
     p = SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)  # not greedy
     assert len(sluice.LLM(str(tiny_dir)).generate([[5, 6, 7]], p)[0].token_ids) == 30
     assert heads[-1].fallback_rate > 0.25 and heads[-1].calls == llm_module.AUTO_PROBATION

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from .sampling import Sampler, SamplingParams, _filter, _penalize
 
 CHUNK = 32768  # head rows per step of the walk; smaller chunks are slower on CPU (docs/benchmarks.md)
-CANDIDATES = 256  # the top-K kept per row with filters; raised to max(top_k) + 1 where a row needs it
+CANDIDATES = 1024  # the top-K kept per row with filters; raised to max(top_k) + 1 where a row needs it
 _TINY = torch.finfo(torch.float32).tiny  # an Exp(1) draw of exactly 0 would give log 0 = -inf
 
 
@@ -94,8 +94,8 @@ class FusedHead:
         B, V = smp.seen.shape  # (B, V) bool: the only vocabulary-sized state (1 byte a token), for penalties
         assert hidden.shape == (B, weight.shape[1]) and weight.shape[0] == V, (hidden.shape, weight.shape)
         dev, params, temp = hidden.device, smp.params, smp.rows["temperature"]
-        filt = [i for i, p in enumerate(params) if _has_filter(p)]
-        race = [i for i, p in enumerate(params) if p.temperature > 0 and i not in filt]
+        filt = [i for i, p in enumerate(params) if _has_filter(p)]  # rows resolved on candidates
+        race = [i for i, p in enumerate(params) if p.temperature > 0 and not _has_filter(p)]  # whole-vocab race
         pick = len(filt) < B  # greedy or race rows exist
         # Enough candidates to prove any row's top_k cut: the k-th value must beat the K-th.
         K = min(V, max([self.candidates] + [params[i].top_k + 1 for i in filt]))

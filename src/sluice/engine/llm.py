@@ -37,6 +37,8 @@ class Stats:
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    fused_head_steps: int = 0  # tokens sampled through the fused LM head (the rest took the plain one)
+    fallback_rate: float = 0.0  # of the filtered rows on the fused head, the fraction that fell back
 
     @property
     def prefill_tok_s(self) -> float:
@@ -52,7 +54,8 @@ class Stats:
         return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
                 "prefill_seconds": round(self.prefill_seconds, 4),
                 "decode_seconds": round(self.decode_seconds, 4),
-                "prefill_tok_s": round(self.prefill_tok_s, 2), "decode_tok_s": round(self.decode_tok_s, 2)}
+                "prefill_tok_s": round(self.prefill_tok_s, 2), "decode_tok_s": round(self.decode_tok_s, 2),
+                "fused_head_steps": self.fused_head_steps, "fallback_rate": round(self.fallback_rate, 4)}
 
 
 class LLM:
@@ -206,5 +209,6 @@ class LLM:
                 tokens = sample(self.runner.step(tokens, hidden=fused))
         finally:
             stats.decode_seconds = time.perf_counter() - t0
+            stats.fused_head_steps, stats.fallback_rate = head.calls, head.fallback_rate
             self.runner.release()
 
