@@ -1,6 +1,7 @@
 """The LM head + sampling: plain (full logits, then Sampler) versus fused (engine/fused_head.py), CPU.
 
     python bench/fused_head.py --json runs/bench/fused_head.json   # the full grid
+    python bench/fused_head.py --engine --json runs/bench/fused_head_engine.json  # the engine, bundled model
     python bench/fused_head.py --quick                              # seconds-long smoke test
 
 plain  logits = F.linear(h, W).float(), (B, V) as Transformer.logits makes them; then Sampler: a
@@ -16,6 +17,10 @@ nuclei of a few to a few hundred tokens, which is what decides how often the fus
 back. Every rep draws new hidden states, and both paths run on them back to back (alternating
 which goes first); the table shows mean times (a step that falls back costs what it costs) and the
 median of the per-rep ratios (steadier when other work shares the machine).
+
+--engine times whole generations instead: the bundled (trained) model through LLM(fused_head=False)
+and LLM(fused_head=True), decode tokens/s, so its fallback rate is that of a real model's
+distributions (a random checkpoint is flat: top-p would fall back at nearly every step).
 
 Peak memory is the allocator's own account: the call runs once under torch.profiler with
 profile_memory=True, its allocation (+bytes) and free (-bytes) events are replayed in time order,
@@ -101,6 +106,38 @@ def measure(W, hs: list, mode: str, chunk: int, candidates: int) -> dict:
     return row
 
 
+def engine_rows(modes: list[str], batches: list[int], reps: int, new_tokens: int) -> list[dict]:
+    """Decode tokens/s of the bundled model, plain vs fused head, interleaved; medians."""
+    import sluice
+
+    llms = {name: sluice.LLM(fused_head=name == "fused") for name in ("plain", "fused")}
+    source = Path(sluice.engine.llm.__file__).read_text()  # a fixed prompt: the engine's own source
+    prompt = llms["plain"].tokenizer.encode(source)[:200]
+    rows = []
+    for mode in modes:
+        for B in batches:
+            params = [sluice.SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=s, **MODES[mode])
+                      for s in range(B)]
+            rates, fallback = {"plain": [], "fused": []}, []
+            for rep in range(reps + 1):  # rep 0 is the warmup
+                for name in ("plain", "fused")[:: 1 if rep % 2 == 0 else -1]:
+                    llms[name].generate([prompt] * B, params)
+                    stats = llms[name].last_stats
+                    if rep:
+                        rates[name].append(stats.decode_tok_s)
+                        if name == "fused":
+                            fallback.append(stats.fallback_rate)
+            row = {"row": f"bundled B={B} {mode}", "batch": B, "mode": mode, "new_tokens": new_tokens,
+                   "plain_tok_s": statistics.median(rates["plain"]), "fused_tok_s": statistics.median(rates["fused"]),
+                   "plain_samples": rates["plain"], "fused_samples": rates["fused"],
+                   "fallback_fraction": statistics.mean(fallback)}
+            row["speedup"] = row["fused_tok_s"] / row["plain_tok_s"]
+            print(f"{row['row']}: plain {row['plain_tok_s']:.1f} tok/s, fused {row['fused_tok_s']:.1f} tok/s, "
+                  f"fallback {row['fallback_fraction']:.2f}", flush=True)
+            rows.append(row)
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=None, help="write results here as JSON")
@@ -112,8 +149,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--logit-std", type=float, default=5.0)
     ap.add_argument("--chunk", type=int, default=None, help="fused_head.CHUNK if not given")
     ap.add_argument("--candidates", type=int, default=None, help="fused_head.CANDIDATES if not given")
+    ap.add_argument("--engine", action="store_true", help="whole generations with the bundled model instead")
+    ap.add_argument("--new-tokens", type=int, default=64, help="per generation, with --engine")
+    ap.add_argument("--engine-batch", default="1,8", help="batch sizes, with --engine")
     ap.add_argument("--quick", action="store_true", help="one tiny shape, batch 1 and 4, 1 rep: a smoke test")
     args = ap.parse_args(argv)
+    if args.engine:
+        return main_engine(args)
     from sluice.engine import fused_head
 
     shapes = {k: SHAPES[k] for k in args.shapes.split(",")}
@@ -147,6 +189,22 @@ def main(argv=None) -> dict:
               "candidates": candidates, "logit_std": args.logit_std, "top_p": MODES["top_p"]["top_p"],
               "loadavg_end": load, **environment(), "rows": rows}
     print_table(result)
+    save_json(args.json, result)
+    return result
+
+
+def main_engine(args) -> dict:
+    batches = [1, 2] if args.quick else [int(b) for b in args.engine_batch.split(",")]
+    reps, new = (1, 8) if args.quick else (args.reps, args.new_tokens)
+    rows = engine_rows(args.modes.split(","), batches, reps, new)
+    result = {"benchmark": "fused_head_engine", "quick": args.quick, "reps": reps, **environment(), "rows": rows}
+    print(f"\n### The engine, bundled model: decode tokens/s, median of {reps}, {new} new tokens"
+          f"{' (QUICK: smoke test only)' if args.quick else ''}\n")
+    print("| row | plain tok/s | fused tok/s | fused / plain | fallback rows |")
+    print("|---|---:|---:|---:|---:|")
+    for x in rows:
+        print(f"| {x['row']} | {x['plain_tok_s']:.1f} | {x['fused_tok_s']:.1f} | {x['speedup']:.2f}x "
+              f"| {100 * x['fallback_fraction']:.0f}% |")
     save_json(args.json, result)
     return result
 

@@ -84,3 +84,13 @@ def test_fused_head_quick(tmp_path):
         assert 0 <= x["fallback_fraction"] <= 1
         if x["mode"] == "greedy":  # the same tokens as the plain path, never a fallback
             assert x["same_tokens"] and x["fallback_fraction"] == 0
+
+
+def test_fused_head_engine_quick(tmp_path):
+    out = tmp_path / "engine.json"
+    _run("fused_head.py", "--engine", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and {(x["batch"], x["mode"]) for x in r["rows"]} == {(1, "greedy"), (2, "greedy"),
+                                                                           (1, "top_p"), (2, "top_p")}
+    for x in r["rows"]:
+        assert x["plain_tok_s"] > 0 and x["fused_tok_s"] > 0 and 0 <= x["fallback_fraction"] <= 1
