@@ -32,6 +32,7 @@ existed before it (weights and hidden states excluded; the Sampler is fresh, so 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from pathlib import Path
@@ -59,6 +60,14 @@ def peak_bytes(fn) -> int:
         live += n
         peak = max(peak, live)
     return peak
+
+
+def loadavg() -> list[float]:
+    """1, 5 and 15-minute load averages: above ~2 on this 2-core machine, someone else was computing."""
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return [math.nan] * 3
 
 
 def make_paths(W, B: int, mode: str, chunk: int, candidates: int):
@@ -106,34 +115,42 @@ def measure(W, hs: list, mode: str, chunk: int, candidates: int) -> dict:
     return row
 
 
+# The engine's modes: "model defaults" is what generation_config.json asks for (T 0.7, top-p 0.95).
+ENGINE_MODES = {"greedy": MODES["greedy"], "top_p": MODES["top_p"], "model defaults": {}}
+VARIANTS = {"plain": False, "fused": True, "auto": "auto"}
+
+
 def engine_rows(modes: list[str], batches: list[int], reps: int, new_tokens: int) -> list[dict]:
-    """Decode tokens/s of the bundled model, plain vs fused head, interleaved; medians."""
+    """Decode tokens/s of the bundled model with each fused_head setting, interleaved; medians."""
     import sluice
 
-    llms = {name: sluice.LLM(fused_head=name == "fused") for name in ("plain", "fused")}
+    llms = {name: sluice.LLM(fused_head=v) for name, v in VARIANTS.items()}
     source = Path(sluice.engine.llm.__file__).read_text()  # a fixed prompt: the engine's own source
     prompt = llms["plain"].tokenizer.encode(source)[:200]
     rows = []
     for mode in modes:
         for B in batches:
-            params = [sluice.SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=s, **MODES[mode])
+            params = [sluice.SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=s, **ENGINE_MODES[mode])
                       for s in range(B)]
-            rates, fallback = {"plain": [], "fused": []}, []
+            rates, fallback, auto_fused = {name: [] for name in VARIANTS}, [], []
             for rep in range(reps + 1):  # rep 0 is the warmup
-                for name in ("plain", "fused")[:: 1 if rep % 2 == 0 else -1]:
+                for name in list(VARIANTS)[:: 1 if rep % 2 == 0 else -1]:
                     llms[name].generate([prompt] * B, params)
                     stats = llms[name].last_stats
                     if rep:
                         rates[name].append(stats.decode_tok_s)
                         if name == "fused":
                             fallback.append(stats.fallback_rate)
+                        if name == "auto":  # tokens auto sampled on the fused head, of all it sampled
+                            auto_fused.append(stats.fused_head_steps / new_tokens)
             row = {"row": f"bundled B={B} {mode}", "batch": B, "mode": mode, "new_tokens": new_tokens,
-                   "plain_tok_s": statistics.median(rates["plain"]), "fused_tok_s": statistics.median(rates["fused"]),
-                   "plain_samples": rates["plain"], "fused_samples": rates["fused"],
-                   "fallback_fraction": statistics.mean(fallback)}
+                   "fallback_fraction": statistics.mean(fallback), "auto_fused_fraction": statistics.mean(auto_fused)}
+            for name, r in rates.items():
+                row[f"{name}_tok_s"], row[f"{name}_samples"] = statistics.median(r), r
             row["speedup"] = row["fused_tok_s"] / row["plain_tok_s"]
+            row["auto_speedup"] = row["auto_tok_s"] / row["plain_tok_s"]
             print(f"{row['row']}: plain {row['plain_tok_s']:.1f} tok/s, fused {row['fused_tok_s']:.1f} tok/s, "
-                  f"fallback {row['fallback_fraction']:.2f}", flush=True)
+                  f"auto {row['auto_tok_s']:.1f} tok/s, fallback {row['fallback_fraction']:.2f}", flush=True)
             rows.append(row)
     return rows
 
@@ -152,6 +169,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--engine", action="store_true", help="whole generations with the bundled model instead")
     ap.add_argument("--new-tokens", type=int, default=64, help="per generation, with --engine")
     ap.add_argument("--engine-batch", default="1,8", help="batch sizes, with --engine")
+    ap.add_argument("--engine-modes", default=",".join(ENGINE_MODES), help=f"with --engine: {list(ENGINE_MODES)}")
     ap.add_argument("--quick", action="store_true", help="one tiny shape, batch 1 and 4, 1 rep: a smoke test")
     args = ap.parse_args(argv)
     if args.engine:
@@ -179,12 +197,12 @@ def main(argv=None) -> dict:
                 for mode in modes:
                     r = measure(W, hs, mode, chunk, candidates)
                     r.update(row=f"{shape} B={B} {dtype} {mode}", shape=shape, hidden=C, vocab=V, batch=B,
-                             dtype=dtype, mode=mode)
+                             dtype=dtype, mode=mode, loadavg_1min=loadavg()[0])
                     rows.append(r)
                     print(f"{r['row']}: plain {r['plain_ms']:.1f} ms, fused {r['fused_ms']:.1f} ms, "
                           f"fallback {r['fallback_fraction']:.2f} ({time.perf_counter() - t_start:.0f} s)", flush=True)
             del W
-    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
+    load = loadavg()
     result = {"benchmark": "fused_head", "quick": args.quick, "reps": args.reps, "chunk": chunk,
               "candidates": candidates, "logit_std": args.logit_std, "top_p": MODES["top_p"]["top_p"],
               "loadavg_end": load, **environment(), "rows": rows}
@@ -196,15 +214,17 @@ def main(argv=None) -> dict:
 def main_engine(args) -> dict:
     batches = [1, 2] if args.quick else [int(b) for b in args.engine_batch.split(",")]
     reps, new = (1, 8) if args.quick else (args.reps, args.new_tokens)
-    rows = engine_rows(args.modes.split(","), batches, reps, new)
+    rows = engine_rows(args.engine_modes.split(","), batches, reps, new)
     result = {"benchmark": "fused_head_engine", "quick": args.quick, "reps": reps, **environment(), "rows": rows}
     print(f"\n### The engine, bundled model: decode tokens/s, median of {reps}, {new} new tokens"
           f"{' (QUICK: smoke test only)' if args.quick else ''}\n")
-    print("| row | plain tok/s | fused tok/s | fused / plain | fallback rows |")
-    print("|---|---:|---:|---:|---:|")
+    print("| row | plain tok/s | fused tok/s | fused / plain | fallback rows (fused) | auto tok/s | auto / plain "
+          "| tokens auto took fused |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for x in rows:
         print(f"| {x['row']} | {x['plain_tok_s']:.1f} | {x['fused_tok_s']:.1f} | {x['speedup']:.2f}x "
-              f"| {100 * x['fallback_fraction']:.0f}% |")
+              f"| {100 * x['fallback_fraction']:.0f}% | {x['auto_tok_s']:.1f} | {x['auto_speedup']:.2f}x "
+              f"| {100 * x['auto_fused_fraction']:.0f}% |")
     save_json(args.json, result)
     return result
 
@@ -216,16 +236,16 @@ def print_table(r: dict) -> None:
           f"{' (QUICK: smoke test only)' if r['quick'] else ''}\n")
     print(f"CPU: {cpu.get('model', '?')}, {cpu.get('torch_threads')} torch threads, AVX2: {cpu.get('avx2')}, "
           f"AVX-512 bf16: {cpu.get('avx512_bf16')}, AMX bf16: {cpu.get('amx_bf16')}; "
-          f"load average at the end {' '.join(r['loadavg_end'])}\n")
+          f"load average at the end {' '.join(map(str, r['loadavg_end']))}\n")
     print("| row | plain ms | fused ms | plain / fused | median step ratio | plain peak MiB | fused peak MiB "
-          "| fallback rows | greedy tokens equal |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| fallback rows | greedy tokens equal | load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for x in r["rows"]:
         same = {True: "yes", False: "**no**", None: "-"}[x["same_tokens"]]
         print(f"| {x['row']} | {x['plain_ms']:.1f} | {x['fused_ms']:.1f} | {x['speedup']:.2f}x "
               f"| {x['speedup_paired']:.2f}x "
               f"| {x['plain_peak_bytes'] / 2**20:.1f} | {x['fused_peak_bytes'] / 2**20:.1f} "
-              f"| {100 * x['fallback_fraction']:.0f}% | {same} |")
+              f"| {100 * x['fallback_fraction']:.0f}% | {same} | {x['loadavg_1min']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -90,7 +90,8 @@ def test_fused_head_engine_quick(tmp_path):
     out = tmp_path / "engine.json"
     _run("fused_head.py", "--engine", "--json", str(out))
     r = json.loads(out.read_text())
-    assert r["quick"] and {(x["batch"], x["mode"]) for x in r["rows"]} == {(1, "greedy"), (2, "greedy"),
-                                                                           (1, "top_p"), (2, "top_p")}
+    modes = ("greedy", "top_p", "model defaults")
+    assert r["quick"] and {(x["batch"], x["mode"]) for x in r["rows"]} == {(b, m) for b in (1, 2) for m in modes}
     for x in r["rows"]:
-        assert x["plain_tok_s"] > 0 and x["fused_tok_s"] > 0 and 0 <= x["fallback_fraction"] <= 1
+        assert x["plain_tok_s"] > 0 and x["fused_tok_s"] > 0 and x["auto_tok_s"] > 0
+        assert 0 <= x["fallback_fraction"] <= 1 and 0 <= x["auto_fused_fraction"] <= 1
