@@ -21,7 +21,7 @@ the plain path for that step: its full logits are computed and sampling._filter 
 Finding such rows is this path's one host sync. Greedy and pure-temperature rows never fall back.
 
 Numerics are the plain path's: each chunk's matmul runs in the weight dtype and is cast to fp32 as
-Transformer.logits does, then Gemma's soft-cap, then the repetition penalty. On the CPUs measured a
+Transformer.logits does, then Gemma's soft-cap, then the repetition penalty. On the CPU measured a
 chunk of F.linear is bit-identical to the same columns of the full product, so greedy picks the
 same token (the first index on ties, like argmax); tests/test_fused_head.py checks it.
 """
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .sampling import Sampler, SamplingParams, _filter, _penalize
 
-CHUNK = 32768  # head rows per step of the walk; smaller chunks are slower on CPU (docs/benchmarks.md)
+CHUNK = 32768  # head rows per step: a (32, 32768) fp32 block fits the L3 cache; few chunks, little overhead
 CANDIDATES = 1024  # the top-K kept per row with filters; raised to max(top_k) + 1 where a row needs it
 _TINY = torch.finfo(torch.float32).tiny  # an Exp(1) draw of exactly 0 would give log 0 = -inf
 

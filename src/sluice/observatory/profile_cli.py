@@ -80,6 +80,8 @@ def cmd_profile(args) -> int:
         paths = save(data, out)
     if args.json:
         print(to_json(data))
+        for note in data["notes"]:  # the tables show them; a JSON reader may not look
+            err.print(f"note: {note}")
     else:
         print_profile(data)
     if out is not None:
