@@ -23,7 +23,7 @@ def valves_table(llm, prompt: str) -> Table:
     """The four valves of the source article, measured by the observatory on one forward of `prompt`."""
     from .observatory import observe
     from .observatory.tables import valves_table as table
-    ids = torch.tensor([llm.tokenizer.encode(prompt)])
+    ids = torch.tensor([llm.tokenizer.encode(prompt)], device=llm.device)
     with observe(llm.model) as obs, torch.inference_mode():
         llm.model(ids)
     return table(obs.summary(), ids.shape[1], llm.model.config.vocab_size)

@@ -34,14 +34,14 @@ class Runner:
         """Run all prompts in one forward (right-padded); return each row's last logits (B, V)
         (or, with hidden=True, last final-normed hidden states (B, C))."""
         cfg = self.model.config
-        dtype = self.model.embed.weight.dtype
+        dtype, dev = self.model.embed.weight.dtype, self.model.embed.weight.device
         B, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(B, T, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-        lengths = torch.tensor([len(p) for p in prompts])
-        positions = torch.arange(T).expand(B, T)  # padding sits at positions no real token sees
-        self.cache = KVCache(cfg, B, num_slots, dtype)
+        ids, lengths = ids.to(dev), torch.tensor([len(p) for p in prompts], device=dev)  # one copy each
+        positions = torch.arange(T, device=dev).expand(B, T)  # padding sits at positions no real token sees
+        self.cache = KVCache(cfg, B, num_slots, dtype, dev)
         out = self.model(ids, positions, self.cache, logits_at=lengths - 1, return_hidden=hidden)  # (B, 1, V|C)
         self.pos = lengths.clone()
         return out[:, 0]

@@ -181,7 +181,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def load_weights(model: torch.nn.Module, model_dir: Path, dtype: torch.dtype) -> None:
+def load_weights(model: torch.nn.Module, model_dir: Path, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
     """Fill `model` (built on the meta device) from the checkpoint in `model_dir`, cast to `dtype`.
 
     Every expected tensor must be present with the expected shape; anything unexpected is an
@@ -223,7 +224,7 @@ def load_weights(model: torch.nn.Module, model_dir: Path, dtype: torch.dtype) ->
                     raise CheckpointError(f"tensor {hf_name!r} has dtype {t.dtype}; sluice loads "
                                           "float32, float16 and bfloat16 checkpoints only")
                 for n, piece in zip(names, _split(t, split, shapes, cfg.head_dim)):
-                    loaded[n] = piece.to(dtype).contiguous()
+                    loaded[n] = piece.to(device=device, dtype=dtype).contiguous()
     missing = sorted(set(expected) - set(loaded))
     if missing:
         shown = ", ".join(f"{sluice_to_hf(n, scheme)!r} {expected[n]}" for n in missing[:5])

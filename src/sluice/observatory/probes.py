@@ -36,6 +36,7 @@ from torch import nn
 
 from ..errors import ObservatoryError
 from ..model.layers import Transformer
+from ..model.quant import QuantizedLinear
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 LOGIT_STATS = ("max", "min", "std", "logsumexp", "entropy", "top1_prob")
@@ -74,7 +75,7 @@ def find_sites(model: Transformer) -> Sites:
     norms = [n for n in order if _is_norm(n, modules[n])]
     blocks = {f"layers.{i}" for i in range(len(model.layers))}
     tracked = [n for n in order if n in blocks or n in branches or n in norms
-               or n in ("embed", "lm_head") or isinstance(modules[n], nn.Linear)]
+               or n in ("embed", "lm_head") or isinstance(modules[n], (nn.Linear, QuantizedLinear))]
     return Sites(norms=norms, branches=branches, tracked=tracked)
 
 
@@ -127,12 +128,13 @@ class Observation:
         self._capacity = (B, T)
 
     def _zeros(self, B: int, T: int) -> dict[str, torch.Tensor]:
-        L1, k, f32 = self.num_layers + 1, self.topk, dict(dtype=torch.float32)
+        dev = next(self.model.parameters()).device  # written by hooks on the model's device
+        L1, k, f32 = self.num_layers + 1, self.topk, dict(dtype=torch.float32, device=dev)
         return {
             "resid_rms": torch.zeros(L1, B, T, **f32),
             "resid_var": torch.zeros(L1, B, T, **f32),
             "resid_absmax": torch.zeros(L1, B, T, **f32),
-            "resid_top_channels": torch.zeros(L1, B, T, k, dtype=torch.long),
+            "resid_top_channels": torch.zeros(L1, B, T, k, dtype=torch.long, device=dev),
             "resid_top_values": torch.zeros(L1, B, T, k, **f32),
             "norm_in_rms": torch.zeros(len(self.norm_names), B, T, **f32),
             "norm_out_rms": torch.zeros(len(self.norm_names), B, T, **f32),
@@ -140,10 +142,10 @@ class Observation:
             # the branch's input, needed only where no norm precedes it (OLMo 2: the raw stream)
             "branch_in_rms": torch.zeros(len(self.branch_names), B, T, **f32),
             "logits": torch.zeros(len(LOGIT_STATS), B, T, **f32),
-            "top1_id": torch.zeros(B, T, dtype=torch.long),
+            "top1_id": torch.zeros(B, T, dtype=torch.long, device=dev),
             # per module and position, the sum of its output in fp64: NaN or inf iff some element
             # is (finite fp32/bf16 values cannot overflow an fp64 sum), at the cost of one reduction
-            "nonfinite_sum": torch.zeros(len(self.sites.tracked), B, T, dtype=torch.float64),
+            "nonfinite_sum": torch.zeros(len(self.sites.tracked), B, T, dtype=torch.float64, device=dev),
         }
 
     def _begin(self, _module, args, kwargs):
@@ -161,7 +163,7 @@ class Observation:
         "nonfinite" (sites, B, T) int32 is 1 where that module's output at that token has a NaN/inf."""
         if self.shape is None:
             raise ObservatoryError("nothing observed yet: run the model inside `with observe(model)`")
-        views = self._views(*self.shape)
+        views = {name: v.cpu() for name, v in self._views(*self.shape).items()}  # the analysis runs on CPU
         views["nonfinite"] = (~torch.isfinite(views.pop("nonfinite_sum"))).to(torch.int32)
         return views
 
