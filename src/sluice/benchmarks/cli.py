@@ -1,4 +1,5 @@
-"""`sluice bench <name>`: one sub-subcommand per benchmark (norms today; decode, ... later).
+"""`sluice bench [<name>]`: the speed table against peers by default (speed.py), or a named
+benchmark as a sub-subcommand (norms today).
 
 Kept free of torch imports: the arguments are declared here, the work is imported when it runs.
 bench/<name>.py scripts reuse the same argument functions, so both accept the same flags.
@@ -36,6 +37,37 @@ def add_norms_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel grid, decode-step share only")
 
 
+def add_speed_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory or cached repo id (default: the bundled model)")
+    p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    p.add_argument("--quantize", default=None, metavar="int8|int4",
+                   help="sluice's weight-only quantization (llama.cpp then gets a q8_0 GGUF for int8)")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens of the pp test (default 512)")
+    p.add_argument("--gen", type=int, default=128, help="new tokens of the tg test (default 128)")
+    p.add_argument("--reps", type=int, default=3, help="timed rounds per engine, interleaved (default 3)")
+    p.add_argument("--vs", action="append", metavar="ENGINE",
+                   help="also time transformers or llama.cpp (repeatable)")
+    p.add_argument("--gguf", default=None, metavar="FILE",
+                   help="the checkpoint as GGUF for llama.cpp (default: exported by sluice, cached)")
+    p.add_argument("--llama-python", default=None, metavar="PATH",
+                   help="a python that can import llama_cpp (default: this one, else .peers/lcpp-venv)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads; llama.cpp gets the same count (default: torch's choice)")
+    p.add_argument("--compile", action="store_true", help="sluice with compile=True (torch.compile'd decode step)")
+    p.add_argument("--probe-mib", type=int, default=2048,
+                   help="size of the read-bandwidth probe between rounds (default 2048; 0 = none)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every sample here as JSON")
+
+
+def cmd_bench_speed(args) -> int:
+    from .common import save_json
+    from .speed import print_tables, run
+    result = run(args)
+    print_tables(result)
+    save_json(args.json, result)
+    return 0
+
+
 def cmd_bench_norms(args) -> int:
     from .common import save_json
     from .norms import print_tables, run
@@ -47,8 +79,17 @@ def cmd_bench_norms(args) -> int:
 
 def add_bench_parser(sub) -> None:
     """Add `bench` and its benchmarks to the `sluice` subcommands (`sub` from add_subparsers)."""
-    p = sub.add_parser("bench", help="measure a claim on this machine (CPU); tables, or JSON")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    p = sub.add_parser("bench", help="tokens/s against transformers and llama.cpp (pp512, tg128), or a "
+                                     "named benchmark; tables, or JSON",
+                       description="With no BENCHMARK: a llama-bench-style table of prefill (pp) and decode "
+                                   "(tg) tokens/s at batch 1, greedy, for sluice and the peers named "
+                                   "with --vs, interleaved round by round, with achieved GB/s against "
+                                   "the read bandwidth measured between rounds (docs/benchmarks.md). "
+                                   "The options below belong to this table; a BENCHMARK has its own.",
+                       epilog="exit status: 0 ok, 2 bad input (the message names it)")
+    add_speed_arguments(p)
+    p.set_defaults(func=cmd_bench_speed)
+    bench = p.add_subparsers(dest="bench", required=False, metavar="BENCHMARK")
     q = bench.add_parser("norms", help="RMSNorm versus LayerNorm: kernel time and share of a decode step",
                          description="RMSNorm versus LayerNorm (the claim: 'RMSNorm saves 10-50%'): "
                                      "forward time of sluice's norms and torch's own over a grid "

@@ -1,0 +1,215 @@
+"""`sluice bench` (no sub-benchmark): a llama-bench-style speed table, sluice against its peers.
+
+For one checkpoint and precision it times, at batch 1 and greedy, with the same random prompt
+token ids for every engine:
+  pp<P>  prefill tokens/s of a P-token prompt (the forward pass and the first token's pick);
+  tg<G>  decode tokens/s of G more tokens after that prompt (one forward + pick per token).
+Engines (sluice; transformers and llama.cpp with --vs) load once, get one untimed warmup each,
+then run round by round in rotated order, so drift and background load hit all of them alike;
+between rounds a 2-thread read of a large array measures what the memory moves at that moment.
+Each row gives the mean and standard deviation over rounds, the ratio of the peer's mean to
+sluice's, and for decode the bytes a token must read (weights + the KV cache at the mean context)
+times tokens/s, as GB/s and as a share of the read bandwidth measured between rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import BenchmarkError
+from .common import environment
+
+PEERS = ("transformers", "llama.cpp")
+DTYPES = ("float32", "bfloat16")
+QUANTS = ("int8", "int4")
+PROMPT_SEED = 0
+
+
+def settings(args) -> dict:
+    vs = []
+    for v in args.vs or []:
+        if v not in PEERS:
+            raise BenchmarkError(f"--vs {v}: unknown engine (choose from {', '.join(PEERS)})")
+        if v not in vs:
+            vs.append(v)
+    if args.dtype not in DTYPES:
+        raise BenchmarkError(f"--dtype {args.dtype}: choose float32 or bfloat16")
+    if args.quantize is not None and args.quantize not in QUANTS:
+        raise BenchmarkError(f"--quantize {args.quantize}: choose int8 or int4")
+    for name in ("prompt", "gen", "reps"):
+        if getattr(args, name) < 1:
+            raise BenchmarkError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.threads is not None and args.threads < 1:
+        raise BenchmarkError(f"--threads must be >= 1, got {args.threads}")
+    if args.probe_mib < 0:
+        raise BenchmarkError(f"--probe-mib must be >= 0, got {args.probe_mib}")
+    if args.gguf and "llama.cpp" not in vs:
+        raise BenchmarkError("--gguf is for --vs llama.cpp, which was not asked for")
+    return {"model": args.model, "dtype": args.dtype, "quantize": args.quantize, "prompt": args.prompt,
+            "gen": args.gen, "reps": args.reps, "vs": vs, "threads": args.threads, "compile": args.compile,
+            "gguf": args.gguf, "llama_python": args.llama_python, "probe_mib": args.probe_mib,
+            "prompt_seed": PROMPT_SEED}
+
+
+def read_bandwidth(nbytes: int, reps: int = 3) -> dict:
+    """What torch's threads can read from DRAM right now: sum() over an array far larger than any
+    cache (one add per 4 bytes is far below the cores' rate, so the memory sets the time)."""
+    x = torch.ones(max(nbytes // 4, 1))  # writing the ones faults every page in before timing
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return {"GB_s": x.nbytes / min(times) / 1e9, "GB_s_median": x.nbytes / statistics.median(times) / 1e9}
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return []
+
+
+def _load(s: dict, model_dir: Path) -> dict:
+    """Every engine asked for, in order (sluice first), with its load time."""
+    from .speed_engines import LlamaCppEngine, SluiceEngine, TransformersEngine, find_llama_python, gguf_for
+    engines, load_s = {}, {}
+    # Find llama.cpp and its GGUF before the minutes of loading, so a refusal comes at once.
+    if "llama.cpp" in s["vs"]:
+        llama_python = find_llama_python(s["llama_python"])
+        gguf = gguf_for(model_dir, s["quantize"] or s["dtype"], s["gguf"])
+    t0 = time.perf_counter()
+    engines["sluice"] = SluiceEngine(model_dir, s["dtype"], s["quantize"], s["compile"])
+    load_s["sluice"] = time.perf_counter() - t0
+    if "transformers" in s["vs"]:
+        t0 = time.perf_counter()
+        engines["transformers"] = TransformersEngine(model_dir, s["dtype"])
+        load_s["transformers"] = time.perf_counter() - t0
+    if "llama.cpp" in s["vs"]:
+        t0 = time.perf_counter()
+        n_ctx = s["prompt"] + s["gen"] + 8
+        engines["llama.cpp"] = LlamaCppEngine(llama_python, gguf, torch.get_num_threads(), n_ctx,
+                                              n_batch=min(s["prompt"], 2048))
+        load_s["llama.cpp"] = time.perf_counter() - t0
+    return {"engines": engines, "load_s": load_s}
+
+
+def _summary(xs: list[float]) -> dict:
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "samples": xs}
+
+
+def run(args) -> dict:
+    s = settings(args)
+    if s["threads"]:
+        torch.set_num_threads(s["threads"])
+    env = environment()
+    from ..model.hub import resolve_model_dir
+    from ..model.loading import bundled_model_dir
+    from ..observatory.costs import step_costs
+    from ..observatory.machine import stream_copy
+    model_dir = resolve_model_dir(s["model"]) if s["model"] else bundled_model_dir()
+    loaded = _load(s, model_dir)
+    engines = loaded["engines"]
+    try:
+        sl = engines["sluice"]
+        cfg = sl.llm.model.config
+        P, G = s["prompt"], s["gen"]
+        if P + G + 1 > cfg.max_position_embeddings:
+            raise BenchmarkError(f"--prompt {P} + --gen {G} does not fit the model's context of "
+                                 f"{cfg.max_position_embeddings} tokens")
+        limit = min(getattr(e, "vocab_limit", cfg.vocab_size) for e in engines.values())
+        gen_ids = torch.Generator().manual_seed(PROMPT_SEED)
+        prompt = torch.randint(0, limit, (P,), generator=gen_ids).tolist()
+        probe_bytes = s["probe_mib"] << 20
+        machine = {"stream_copy": stream_copy(min(probe_bytes, 512 << 20) or (64 << 20), reps=5), "read": []}
+        for name, e in engines.items():  # untimed: page the weights in, build kernels, compile
+            print(f"sluice bench: warmup {name}", file=sys.stderr, flush=True)
+            e.round(prompt, min(G, 4))
+        names, samples, tokens = list(engines), {n: {"pp_s": [], "tg_s": []} for n in engines}, {}
+        perf = {n: [] for n in engines}
+        for r in range(s["reps"]):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                out = engines[name].round(prompt, G)
+                samples[name]["pp_s"].append(out["pp_s"])
+                samples[name]["tg_s"].append(out["tg_s"])
+                tokens[name] = out["tokens"]
+                if out.get("perf"):
+                    perf[name].append(out["perf"])
+                print(f"sluice bench: round {r + 1}/{s['reps']} {name}: pp {P / out['pp_s']:.1f} tok/s, "
+                      f"tg {G / out['tg_s']:.2f} tok/s", file=sys.stderr, flush=True)
+            if probe_bytes:
+                machine["read"].append(read_bandwidth(probe_bytes))
+        # Bytes per decode token: weights read whole (the embedding one row unless tied to the head)
+        # and the KV cache up to the mean context of the decode steps, in each engine's storage.
+        fp32 = step_costs(cfg, 1, 1, torch.float32)
+        params_read = sum(c["read_bytes"] for k, c in fp32.items() if k not in ("attention", "sampling")) // 4
+        kv_elems_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # keys + values
+        mean_context = P + (G + 1) / 2
+        read_bw = statistics.median(p["GB_s"] for p in machine["read"]) if machine["read"] else None
+        engine_info, rows = {}, []
+        for name, e in engines.items():
+            step_bytes = params_read * e.bytes_per_param + kv_elems_per_token * e.kv_itemsize * mean_context
+            engine_info[name] = {"precision": e.precision, "load_s": loaded["load_s"][name],
+                                 "bytes_per_param": e.bytes_per_param, "kv_itemsize": e.kv_itemsize,
+                                 "decode_bytes_per_token": step_bytes,
+                                 "tokens": tokens[name][:32],
+                                 "tokens_agree_with_sluice": _agree(tokens[name], tokens["sluice"]),
+                                 **({"info": e.info, "gguf": str(e.gguf), "perf": perf[name]}
+                                    if name == "llama.cpp" else {})}
+            pp = _summary([P / t for t in samples[name]["pp_s"]])
+            tg = _summary([G / t for t in samples[name]["tg_s"]])
+            rows.append({"engine": name, "precision": e.precision, "test": f"pp{P}", "tok_s": pp})
+            gbs = step_bytes * tg["mean"] / 1e9
+            rows.append({"engine": name, "precision": e.precision, "test": f"tg{G}", "tok_s": tg,
+                         "GB_s": gbs, "bandwidth_share": gbs / read_bw if read_bw else None})
+        base = {r["test"]: r["tok_s"]["mean"] for r in rows if r["engine"] == "sluice"}
+        for r in rows:
+            r["vs_sluice"] = r["tok_s"]["mean"] / base[r["test"]]
+    finally:
+        for e in engines.values():
+            e.close()
+    return {"benchmark": "speed", "settings": s, **env, "cpu_flags": cpu_flags(),
+            "model": {"dir": str(model_dir), "params_read_per_token": params_read,
+                      "layers": cfg.num_layers, "kv_per_layer": cfg.num_kv_heads * cfg.head_dim, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
+            "prompt_head": prompt[:16], "machine": machine, "read_GB_s": read_bw, "engines": engine_info,
+            "rows": rows, "loadavg_at_end": list(os.getloadavg())}
+
+
+def _agree(a: list[int], b: list[int]) -> int:
+    """How many leading greedy tokens two engines share (random weights in bf16 may part early)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def print_tables(r: dict) -> None:
+    s, cpu = r["settings"], r["cpu"]
+    bw = f"{r['read_GB_s']:.1f} GB/s" if r["read_GB_s"] else "not measured"
+    print(f"\nmodel: {r['model']['dir']} ({r['model']['params_read_per_token'] / 1e6:.1f} M parameters read "
+          f"per token); CPU: {cpu.get('model', '?')}, {r['torch_threads']} threads; avx512_bf16 "
+          f"{cpu.get('avx512_bf16')}, amx_bf16 {cpu.get('amx_bf16')}; torch {r['versions']['torch']}; "
+          f"read bandwidth between rounds (median) {bw}; {s['reps']} rounds\n")
+    print("| engine | precision | test | t/s | vs sluice | GB/s | of read bw |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for row in r["rows"]:
+        t = row["tok_s"]
+        gb = f"{row['GB_s']:.1f}" if "GB_s" in row else ""
+        share = f"{100 * row['bandwidth_share']:.0f}%" if row.get("bandwidth_share") else ""
+        print(f"| {row['engine']} | {row['precision']} | {row['test']} | {t['mean']:.2f} ± {t['std']:.2f} "
+              f"| {row['vs_sluice']:.2f}x | {gb} | {share} |")
+    agree = {n: e["tokens_agree_with_sluice"] for n, e in r["engines"].items() if n != "sluice"}
+    if agree:
+        print("\nleading greedy tokens equal to sluice's: "
+              + ", ".join(f"{n} {k}/{s['gen'] + 1}" for n, k in agree.items()))

@@ -1,0 +1,218 @@
+"""The engines `sluice bench` times: sluice itself, transformers (same process), llama.cpp (child).
+
+Each engine loads once and then answers `round(prompt, gen)` with one timed prefill and `gen`
+timed decode steps, all greedy at batch 1, as {"pp_s", "tg_s", "tokens"}:
+  pp_s    the prompt's forward pass plus the greedy pick of the first new token;
+  tg_s    `gen` more steps, each a one-token forward plus its greedy pick;
+  tokens  the first token and the `gen` after it (to check that the engines see the same model).
+`bytes_per_param` and `kv_bytes_per_token` let the caller turn tokens/s into bytes/s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import BenchmarkError
+
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0"}
+LLAMA_INSTALL = ("install llama-cpp-python where a python can import it (`pip install llama-cpp-python`, "
+                 "or in this repository `bash ../shared/peers/build-llama-cpp.sh .peers` for a native "
+                 "build in .peers/lcpp-venv) and pass that python with --llama-python PATH")
+
+
+def _state_bytes(module: torch.nn.Module) -> int:
+    """Bytes the weights take as stored (tied tensors once): what a decode step streams."""
+    seen, total = set(), 0
+    for t in module.state_dict().values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.nbytes
+    return total
+
+
+class SluiceEngine:
+    name = "sluice"
+
+    def __init__(self, model_dir: Path, dtype: str, quantize: str | None, compile: bool):
+        from ..engine.llm import LLM
+        from ..engine.sampling import SamplingParams
+        kwargs = {"dtype": dtype, "compile": compile}
+        if quantize:
+            if "quantize" not in inspect.signature(LLM).parameters:
+                raise BenchmarkError(f"--quantize {quantize}: this sluice has no weight quantization yet")
+            kwargs["quantize"] = quantize
+        self.llm, self._params = LLM(model_dir, **kwargs), SamplingParams
+        self.precision = quantize or {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
+        n_params = sum(p.numel() for p in {id(p): p for p in self.llm.model.parameters()}.values())
+        self.bytes_per_param = _state_bytes(self.llm.model) / n_params
+        self.kv_itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        self.vocab_limit = min(self.llm.model.config.vocab_size, self.llm.tokenizer.vocab_size)
+
+    def round(self, prompt: list[int], gen: int) -> dict:
+        # One generate call gives both: prefill_seconds ends with the first token sampled, then
+        # `gen` decode steps (max_tokens counts the first token too).
+        params = self._params(max_tokens=gen + 1, temperature=0, ignore_eos=True)
+        out = self.llm.generate([prompt], params)[0]
+        s = self.llm.last_stats
+        return {"pp_s": s.prefill_seconds, "tg_s": s.decode_seconds, "tokens": out.token_ids}
+
+    def close(self) -> None:
+        self.llm = None
+
+
+class TransformersEngine:
+    """transformers' model in this process, driven by a plain greedy loop over its DynamicCache
+    (what `generate` uses by default), without generate's logits-processor machinery."""
+    name = "transformers"
+
+    def __init__(self, model_dir: Path, dtype: str):
+        try:
+            from transformers import AutoModelForCausalLM, DynamicCache
+        except ImportError as e:
+            raise BenchmarkError(f"--vs transformers needs the transformers package ({e}); "
+                                 "`pip install transformers` (sluice's test extra has it)") from None
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self._cache = DynamicCache
+        # transformers 5.x renamed the argument past_key_values -> cache (the old name warns)
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.precision = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
+        self.bytes_per_param = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        self.kv_itemsize = self.bytes_per_param
+
+    @torch.inference_mode()
+    def round(self, prompt: list[int], gen: int) -> dict:
+        m = self.model
+        cache = {self._cache_arg: self._cache(config=m.config)}  # filled in place by every forward
+        t0 = time.perf_counter()
+        out = m(torch.tensor([prompt]), use_cache=True, logits_to_keep=1, **cache)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+        pp_s = time.perf_counter() - t0
+        tokens = [tok]
+        t0 = time.perf_counter()
+        for _ in range(gen):
+            out = m(tok, use_cache=True, **cache)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(tok)
+        tg_s = time.perf_counter() - t0
+        return {"pp_s": pp_s, "tg_s": tg_s, "tokens": [int(t) for t in tokens]}
+
+    def close(self) -> None:
+        self.model = None
+
+
+def find_llama_python(explicit: str | None) -> str:
+    """--llama-python, else this interpreter if it can import llama_cpp, else .peers/lcpp-venv."""
+    if explicit:
+        if not Path(explicit).is_file():
+            raise BenchmarkError(f"--llama-python {explicit}: no such file")
+        return explicit
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return sys.executable
+    roots = [Path.cwd(), Path(__file__).resolve().parents[3]]  # the repository, for a source checkout
+    for root in roots:
+        cand = root / ".peers" / "lcpp-venv" / "bin" / "python"
+        if cand.is_file():
+            return str(cand)
+    raise BenchmarkError(f"--vs llama.cpp: llama-cpp-python is not installed; {LLAMA_INSTALL}")
+
+
+def gguf_for(model_dir: Path, precision: str, explicit: str | None) -> Path:
+    """--gguf FILE, else `sluice export-gguf`'s output for this checkpoint and precision, written
+    once into a cache folder keyed by the checkpoint's path, sizes and modification times."""
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise BenchmarkError(f"--gguf {explicit}: no such file")
+        return path
+    outtype = GGUF_TYPES.get(precision)
+    try:
+        from ..model.gguf_export import export_gguf
+    except ImportError:
+        raise BenchmarkError("--vs llama.cpp needs a GGUF file: pass --gguf FILE (this sluice cannot "
+                             "export one yet)") from None
+    if outtype is None:
+        raise BenchmarkError(f"--vs llama.cpp: no GGUF type matches {precision}; pass --gguf FILE")
+    key = hashlib.sha256(str(model_dir.resolve()).encode())
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file():
+            st = f.stat()
+            key.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    out = Path(tempfile.gettempdir()) / "sluice-bench-gguf" / f"{model_dir.name}-{key.hexdigest()[:12]}-{outtype}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".part")
+        print(f"sluice bench: exporting {model_dir} to {out} ({outtype}) for llama.cpp", file=sys.stderr)
+        export_gguf(model_dir, tmp, outtype)
+        tmp.replace(out)
+    return out
+
+
+class LlamaCppEngine:
+    """llama.cpp through llama-cpp-python in a child process (lcpp_worker.py), JSON lines both ways."""
+    name = "llama.cpp"
+
+    def __init__(self, python: str, gguf: Path, threads: int, n_ctx: int, n_batch: int):
+        worker = Path(__file__).with_name("lcpp_worker.py")
+        self._err = tempfile.TemporaryFile()  # llama.cpp's logging, shown only when something fails
+        self.proc = subprocess.Popen([python, str(worker)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._err, text=True, bufsize=1)
+        hello = self._read()
+        if not hello.get("ok"):
+            self.close()
+            raise BenchmarkError(f"--vs llama.cpp: {hello.get('error')}; {LLAMA_INSTALL}")
+        info = self._ask({"cmd": "load", "model": str(gguf), "n_threads": threads, "n_ctx": n_ctx,
+                          "n_batch": n_batch})
+        self.info, self.gguf = info, gguf
+        self.precision = self._precision(info["desc"], gguf)
+        self.bytes_per_param = info["size"] / info["n_params"]
+        self.kv_itemsize = 2  # llama.cpp's default KV cache type is f16
+        self.vocab_limit = info["n_vocab"]
+
+    @staticmethod
+    def _precision(desc: str, gguf: Path) -> str:
+        for word in reversed(desc.split()):  # "qwen3 0.6B BF16" -> bf16; "... Q8_0" -> q8_0
+            if word.upper() in {"F32", "F16", "BF16"} or word.upper().startswith(("Q", "IQ")):
+                return word.lower()
+        return gguf.stem
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self._err.seek(0)
+            tail = self._err.read().decode(errors="replace").strip().splitlines()[-3:]
+            raise BenchmarkError("--vs llama.cpp: the llama.cpp process ended unexpectedly"
+                                 + (f": {' / '.join(tail)}" if tail else ""))
+        return json.loads(line)
+
+    def _ask(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read()
+        if not reply.get("ok"):
+            raise BenchmarkError(f"--vs llama.cpp: {req['cmd']} failed: {reply.get('error')}")
+        return reply
+
+    def round(self, prompt: list[int], gen: int) -> dict:
+        r = self._ask({"cmd": "round", "prompt": prompt, "gen": gen})
+        return {"pp_s": r["pp_s"], "tg_s": r["tg_s"], "tokens": r["tokens"], "perf": r.get("perf", {})}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self._err.close()
