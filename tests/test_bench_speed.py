@@ -39,7 +39,7 @@ def check_result(r: dict, engines: list[str]) -> None:
         info = r["engines"][engine]
         assert row["precision"] == info["precision"]
         if test.startswith("tg"):
-            bytes_per_token = (r["model"]["params_read_per_token"] * info["bytes_per_param"]
+            bytes_per_token = (info["weight_bytes"]
                                + 2 * r["model"]["layers"] * r["model"]["kv_per_layer"] * info["kv_itemsize"]
                                * (P + (G + 1) / 2))
             assert math.isclose(info["decode_bytes_per_token"], bytes_per_token)
@@ -62,7 +62,9 @@ def test_cli_vs_transformers(tiny_dir, tmp_path, capsys):
     check_result(r, ["sluice", "transformers"])
     # fp32 random tiny model: both engines pick the same greedy tokens
     assert r["engines"]["transformers"]["tokens_agree_with_sluice"] == 6
-    assert r["engines"]["sluice"]["bytes_per_param"] == r["engines"]["transformers"]["bytes_per_param"] == 4
+    # sluice's weights as stored, transformers' from the config: the same bytes in fp32
+    n = r["model"]["params_read_per_token"]
+    assert r["engines"]["sluice"]["weight_bytes"] == r["engines"]["transformers"]["weight_bytes"] == 4 * n
 
 
 def test_script_bf16(tiny_dir, tmp_path):
@@ -136,4 +138,5 @@ def test_vs_llama_cpp(tiny_dir, tmp_path, capsys):
     lc = r["engines"]["llama.cpp"]
     assert lc["precision"] == "f32" and lc["kv_itemsize"] == 2 and lc["info"]["n_threads"] == r["torch_threads"]
     assert lc["tokens_agree_with_sluice"] >= 3  # the same fp32 model, greedy
+    assert lc["weight_bytes"] == r["engines"]["sluice"]["weight_bytes"]  # tied: every tensor, once
     assert len(lc["perf"]) == r["settings"]["reps"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .benchmarks.cli import add_bench_parser
 from .errors import SluiceError
+from .model.gguf_cli import add_export_gguf_parser
 from .observatory.profile_cli import add_profile_parser, add_roofline_parser
 
 
@@ -243,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint and exit after this step (resume later with --resume)")
     p.set_defaults(func=cmd_train)
     add_bench_parser(sub)
+    add_export_gguf_parser(sub)
     add_profile_parser(sub)
     add_roofline_parser(sub)
     return parser

@@ -79,7 +79,7 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def _load(s: dict, model_dir: Path) -> dict:
+def _load(s: dict, model_dir: Path, params_read: int) -> dict:
     """Every engine asked for, in order (sluice first), with its load time."""
     from .speed_engines import LlamaCppEngine, SluiceEngine, TransformersEngine, find_llama_python, gguf_for
     engines, load_s = {}, {}
@@ -92,13 +92,13 @@ def _load(s: dict, model_dir: Path) -> dict:
     load_s["sluice"] = time.perf_counter() - t0
     if "transformers" in s["vs"]:
         t0 = time.perf_counter()
-        engines["transformers"] = TransformersEngine(model_dir, s["dtype"])
+        engines["transformers"] = TransformersEngine(model_dir, s["dtype"], params_read)
         load_s["transformers"] = time.perf_counter() - t0
     if "llama.cpp" in s["vs"]:
         t0 = time.perf_counter()
         n_ctx = s["prompt"] + s["gen"] + 8
         engines["llama.cpp"] = LlamaCppEngine(llama_python, gguf, torch.get_num_threads(), n_ctx,
-                                              n_batch=min(s["prompt"], 2048))
+                                              n_batch=min(s["prompt"], 2048), params_read=params_read)
         load_s["llama.cpp"] = time.perf_counter() - t0
     return {"engines": engines, "load_s": load_s}
 
@@ -116,8 +116,12 @@ def run(args) -> dict:
     from ..model.loading import bundled_model_dir
     from ..observatory.costs import step_costs
     from ..observatory.machine import stream_copy
+    from ..model.config import ModelConfig
     model_dir = resolve_model_dir(s["model"]) if s["model"] else bundled_model_dir()
-    loaded = _load(s, model_dir)
+    # Parameters one decode step reads: every matrix whole, the embedding one row unless tied.
+    fp32 = step_costs(ModelConfig.from_hf(model_dir), 1, 1, torch.float32)
+    params_read = sum(c["read_bytes"] for k, c in fp32.items() if k not in ("attention", "sampling")) // 4
+    loaded = _load(s, model_dir, params_read)
     engines = loaded["engines"]
     try:
         sl = engines["sluice"]
@@ -148,18 +152,16 @@ def run(args) -> dict:
                       f"tg {G / out['tg_s']:.2f} tok/s", file=sys.stderr, flush=True)
             if probe_bytes:
                 machine["read"].append(read_bandwidth(probe_bytes))
-        # Bytes per decode token: weights read whole (the embedding one row unless tied to the head)
-        # and the KV cache up to the mean context of the decode steps, in each engine's storage.
-        fp32 = step_costs(cfg, 1, 1, torch.float32)
-        params_read = sum(c["read_bytes"] for k, c in fp32.items() if k not in ("attention", "sampling")) // 4
+        # Bytes per decode token: the weights it reads and the KV cache up to the mean context of
+        # the decode steps, each in the engine's own storage (llama.cpp keeps its KV cache in f16).
         kv_elems_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # keys + values
         mean_context = P + (G + 1) / 2
         read_bw = statistics.median(p["GB_s"] for p in machine["read"]) if machine["read"] else None
         engine_info, rows = {}, []
         for name, e in engines.items():
-            step_bytes = params_read * e.bytes_per_param + kv_elems_per_token * e.kv_itemsize * mean_context
+            step_bytes = e.weight_bytes + kv_elems_per_token * e.kv_itemsize * mean_context
             engine_info[name] = {"precision": e.precision, "load_s": loaded["load_s"][name],
-                                 "bytes_per_param": e.bytes_per_param, "kv_itemsize": e.kv_itemsize,
+                                 "weight_bytes": e.weight_bytes, "kv_itemsize": e.kv_itemsize,
                                  "decode_bytes_per_token": step_bytes,
                                  "tokens": tokens[name][:32],
                                  "tokens_agree_with_sluice": _agree(tokens[name], tokens["sluice"]),

@@ -5,7 +5,8 @@ timed decode steps, all greedy at batch 1, as {"pp_s", "tg_s", "tokens"}:
   pp_s    the prompt's forward pass plus the greedy pick of the first new token;
   tg_s    `gen` more steps, each a one-token forward plus its greedy pick;
   tokens  the first token and the `gen` after it (to check that the engines see the same model).
-`bytes_per_param` and `kv_bytes_per_token` let the caller turn tokens/s into bytes/s.
+`weight_bytes` (what one decode step reads of the weights) and `kv_itemsize` let the caller turn
+tokens/s into bytes/s.
 """
 
 from __future__ import annotations
@@ -30,13 +31,35 @@ LLAMA_INSTALL = ("install llama-cpp-python where a python can import it (`pip in
                  "build in .peers/lcpp-venv) and pass that python with --llama-python PATH")
 
 
-def _state_bytes(module: torch.nn.Module) -> int:
-    """Bytes the weights take as stored (tied tensors once): what a decode step streams."""
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: everything stored (tied tensors once, quantized ones
+    as stored, scales included) but the embedding table, of which a step reads one row, unless
+    the LM head reads that same storage (tied, unquantized)."""
     seen, total = set(), 0
-    for t in module.state_dict().values():
+    for t in model.state_dict().values():
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.nbytes
+    emb = model.embed.weight
+    head = getattr(model.lm_head, "weight", None)
+    if head is None or head.data_ptr() != emb.data_ptr():
+        total -= emb.nbytes - emb[0].nbytes
+    return total
+
+
+def _gguf_weight_bytes(path: Path) -> int | None:
+    """The same for a GGUF file, from its tensor table (None without the gguf package): all
+    tensors, token_embd only one row when a separate output (LM head) tensor exists."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return None
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    total = sum(int(t.n_bytes) for t in tensors.values())
+    emb = tensors.get("token_embd.weight")
+    if "output.weight" in tensors and emb is not None:
+        rows = int(emb.shape[-1])  # GGUF lists dimensions innermost first: (hidden, vocab)
+        total -= int(emb.n_bytes) - int(emb.n_bytes) // rows
     return total
 
 
@@ -53,8 +76,7 @@ class SluiceEngine:
             kwargs["quantize"] = quantize
         self.llm, self._params = LLM(model_dir, **kwargs), SamplingParams
         self.precision = quantize or {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
-        n_params = sum(p.numel() for p in {id(p): p for p in self.llm.model.parameters()}.values())
-        self.bytes_per_param = _state_bytes(self.llm.model) / n_params
+        self.weight_bytes = _weight_bytes(self.llm.model)
         self.kv_itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
         self.vocab_limit = min(self.llm.model.config.vocab_size, self.llm.tokenizer.vocab_size)
 
@@ -75,7 +97,7 @@ class TransformersEngine:
     (what `generate` uses by default), without generate's logits-processor machinery."""
     name = "transformers"
 
-    def __init__(self, model_dir: Path, dtype: str):
+    def __init__(self, model_dir: Path, dtype: str, params_read: int):
         try:
             from transformers import AutoModelForCausalLM, DynamicCache
         except ImportError as e:
@@ -87,8 +109,8 @@ class TransformersEngine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.precision = {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
-        self.bytes_per_param = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        self.kv_itemsize = self.bytes_per_param
+        self.kv_itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        self.weight_bytes = params_read * self.kv_itemsize
 
     @torch.inference_mode()
     def round(self, prompt: list[int], gen: int) -> dict:
@@ -162,7 +184,7 @@ class LlamaCppEngine:
     """llama.cpp through llama-cpp-python in a child process (lcpp_worker.py), JSON lines both ways."""
     name = "llama.cpp"
 
-    def __init__(self, python: str, gguf: Path, threads: int, n_ctx: int, n_batch: int):
+    def __init__(self, python: str, gguf: Path, threads: int, n_ctx: int, n_batch: int, params_read: int):
         worker = Path(__file__).with_name("lcpp_worker.py")
         self._err = tempfile.TemporaryFile()  # llama.cpp's logging, shown only when something fails
         self.proc = subprocess.Popen([python, str(worker)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -175,7 +197,8 @@ class LlamaCppEngine:
                           "n_batch": n_batch})
         self.info, self.gguf = info, gguf
         self.precision = self._precision(info["desc"], gguf)
-        self.bytes_per_param = info["size"] / info["n_params"]
+        # From the file's tensor table; else the mean bytes per parameter times those read.
+        self.weight_bytes = _gguf_weight_bytes(gguf) or round(params_read * info["size"] / info["n_params"])
         self.kv_itemsize = 2  # llama.cpp's default KV cache type is f16
         self.vocab_limit = info["n_vocab"]
 
