@@ -320,7 +320,10 @@ def test_llama_cpp_computes_the_same_logits(case, tmp_path):
     """llama.cpp itself runs the f32 export: its logits at every position equal sluice's to the
     rounding of its f16 KV cache, so names, q/k row order, RoPE (and its Llama 3 scaling), norms and biases all agree."""
     name, d, model = case
-    path = export_gguf(d, tmp_path / "m.gguf", "f32")["path"]
+    _assert_llama_cpp_logits(export_gguf(d, tmp_path / "m.gguf", "f32")["path"], model, tmp_path)
+
+
+def _assert_llama_cpp_logits(path, model, tmp_path):
     ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     r = subprocess.run([str(LCPP_PYTHON), "-c", _LCPP_LOGITS, path, json.dumps(ids), str(tmp_path / "l.npy")],
                        capture_output=True, text=True, timeout=300)
@@ -331,3 +334,21 @@ def test_llama_cpp_computes_the_same_logits(case, tmp_path):
     # llama.cpp keeps its KV cache in f16 by default: differences of ~1e-3 of the logit range.
     assert (theirs - ours).abs().max() < 5e-3 * ours.abs().max()
     assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+@pytest.mark.parametrize("tokenizer", ["none", "word-level"])
+def test_without_a_bpe_tokenizer_the_file_has_no_vocabulary(tmp_path, tokenizer):
+    """Random checkpoints for benchmarks carry no tokenizer or a word-level one: the weights are
+    still written, with tokenizer model "none" (llama.cpp then runs on token ids)."""
+    from tokenizers import Tokenizer, models
+    d = tmp_path / "ckpt"
+    build(d, "qwen3")
+    if tokenizer == "word-level":
+        Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t0")).save(str(d / "tokenizer.json"))
+    summary = export_gguf(d, tmp_path / "m.gguf", "f32")
+    reader = gguf.GGUFReader(summary["path"])
+    assert _field(reader, "tokenizer.ggml.model") == "none" and "tokenizer.ggml.tokens" not in reader.fields
+    assert _field(reader, "qwen3.vocab_size") == 96 and summary["tokens"] == 0
+    assert any("no tokenizer written" in n for n in summary["notes"])
+    if LCPP_PYTHON.is_file():
+        _assert_llama_cpp_logits(summary["path"], sluice.load(d), tmp_path)

@@ -23,9 +23,10 @@ def cmd_export_gguf(args) -> int:
         print(json.dumps(summary))
     else:
         types = ", ".join(f"{n} {k}" for k, n in summary["types"].items())
+        tokenizer = (f"{summary['tokens']} tokens, pre-tokenizer {summary['tokenizer_pre'] or 'default'}"
+                     if summary["tokens"] else "no tokenizer")
         print(f"wrote {summary['path']}: {summary['arch']} ({summary['architecture']}), "
-              f"{summary['tensors']} tensors ({types}), {summary['bytes'] / 2**20:.1f} MiB, "
-              f"{summary['tokens']} tokens, pre-tokenizer {summary['tokenizer_pre'] or 'default'}, "
+              f"{summary['tensors']} tensors ({types}), {summary['bytes'] / 2**20:.1f} MiB, {tokenizer}, "
               f"in {summary['seconds']:.1f} s")
     for note in summary["notes"]:
         print(f"note: {note}", file=sys.stderr)

@@ -260,7 +260,10 @@ def export_gguf(model_dir: str | Path | None, out_path: str | Path, outtype: str
         tmp.unlink(missing_ok=True)
         raise
     notes = []
-    if vocab["pre"] is None:
+    if vocab["skipped"]:
+        notes.append(f"no tokenizer written ({vocab['skipped']}): llama.cpp can run this file on token "
+                     "ids only")
+    elif vocab["pre"] is None:
         notes.append("the tokenizer's pre-tokenizer split has no llama.cpp name; llama.cpp will use its "
                      "default split, so its tokenization of some text may differ from sluice's")
     if cfg.sliding_window and cfg.sliding_window < cfg.max_position_embeddings:

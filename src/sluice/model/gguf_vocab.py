@@ -58,21 +58,24 @@ def _looks_special(token: str) -> bool:
     return token.startswith("<|") and token.endswith("|>")
 
 
-def read_tokenizer_json(model_dir: Path) -> dict:
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise ConfigError(f"{path} not found: export-gguf writes the tokenizer from tokenizer.json")
-    return _read_json(path)
+def why_not_written(tok: dict | None, path: Path) -> str | None:
+    """None if llama.cpp can run this tokenizer itself, else why its vocabulary is left out."""
+    if tok is None:
+        return f"{path} not found"
+    model = tok.get("model") or {}
+    if model.get("byte_fallback"):
+        return "its tokenizer.json is a SentencePiece-style BPE (byte_fallback), not byte-level BPE"
+    if model.get("type") != "BPE":
+        return f"its tokenizer.json model is {model.get('type')!r}, not byte-level BPE"
+    if not model.get("merges"):
+        return "its tokenizer.json has no BPE merges"
+    return None
 
 
 def read_vocab(tok: dict, vocab_size: int, path: Path) -> tuple[list[str], list[int], str | None]:
     """(tokens in id order padded to vocab_size, their types, pre-tokenizer name or None) from the
-    parsed tokenizer.json `tok` (read from `path`, named in errors)."""
-    model = tok.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        kind = model.get("type") if not model.get("byte_fallback") else "BPE with byte_fallback (SentencePiece-style)"
-        raise ConfigError(f"{path}: tokenizer model {kind!r} is not supported by export-gguf; it writes "
-                          "byte-level BPE tokenizers (GPT-2, Llama 3, Qwen style)")
+    parsed byte-level BPE tokenizer.json `tok` (read from `path`, named in errors)."""
+    model = tok["model"]
     vocab = model.get("vocab")
     if not isinstance(vocab, dict):
         raise ConfigError(f"{path}: model.vocab must map token strings to ids")
@@ -92,11 +95,20 @@ def read_vocab(tok: dict, vocab_size: int, path: Path) -> tuple[list[str], list[
 
 
 def add_tokenizer(writer, model_dir: Path, vocab_size: int) -> dict:
-    """Write the tokenizer keys (tokenizer.ggml.*, tokenizer.chat_template) into a GGUFWriter."""
+    """Write the tokenizer keys (tokenizer.ggml.*, tokenizer.chat_template) into a GGUFWriter.
+
+    A tokenizer llama.cpp cannot run (none at all, word-level, SentencePiece-style) is left out:
+    the file then says tokenizer model "none" and llama.cpp runs it on token ids only, which is
+    what benchmarks of random checkpoints need. The returned "skipped" says why."""
     import gguf
 
-    tok = read_tokenizer_json(model_dir)
-    tokens, types, pre = read_vocab(tok, vocab_size, model_dir / "tokenizer.json")
+    path = model_dir / "tokenizer.json"
+    tok = _read_json(path) if path.is_file() else None
+    why = why_not_written(tok, path)
+    if why is not None:
+        writer.add_tokenizer_model("none")
+        return {"tokens": 0, "merges": 0, "pre": None, "chat_template": False, "skipped": why}
+    tokens, types, pre = read_vocab(tok, vocab_size, path)
     writer.add_tokenizer_model("gpt2")
     if pre is not None:
         # Without the key llama.cpp falls back to its default split (and says so); an unknown name
@@ -107,8 +119,6 @@ def add_tokenizer(writer, model_dir: Path, vocab_size: int) -> dict:
     # gguf's SpecialVocab is what llama.cpp's converter uses for merges, bos/eos/pad ids, the
     # add_bos/add_eos flags and the chat template; it only parses the JSON files.
     special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
-    if not special.merges:
-        raise ConfigError(f"{model_dir / 'tokenizer.json'} has no BPE merges")
     post = tok.get("post_processor") or {}
     if any(p.get("type") == "ByteLevel" for p in post.get("processors", [post])):
         # A ByteLevel post-processor adds no tokens unless a template says so: state it, as
@@ -117,7 +127,7 @@ def add_tokenizer(writer, model_dir: Path, vocab_size: int) -> dict:
         special.add_special_token.setdefault("eos", False)
     special.add_to_gguf(writer, quiet=True)
     return {"tokens": len(tokens), "merges": len(special.merges), "pre": pre,
-            "chat_template": special.chat_template is not None}
+            "chat_template": special.chat_template is not None, "skipped": None}
 
 
 # generation_config.json key -> the GGUFWriter method llama.cpp's converter stores it with.
