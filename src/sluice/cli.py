@@ -25,6 +25,9 @@ def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="refuse requests longer than this many tokens (default: the model's context)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--quantize", default=None, metavar="{int8,int4}",
+                   help="weight-only quantization at load time, on the CPU: int8 per channel, int4 per "
+                        "group of 32 (docs/quantization.md)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +59,8 @@ def _load_llm(args):
     from .engine import LLM
     console = Console(stderr=True)
     with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype})..."):
-        return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile)
+        return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
+                   quantize=args.quantize)
 
 
 def cmd_generate(args) -> int:

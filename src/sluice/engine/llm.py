@@ -60,12 +60,13 @@ class Stats:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "float32",
-                 max_model_len: int | None = None, compile: bool = False, fused_head: bool | str = "auto"):
+                 max_model_len: int | None = None, compile: bool = False, fused_head: bool | str = "auto",
+                 quantize: str | None = None):
         if fused_head not in (True, False, "auto"):
             raise ConfigError(f"fused_head must be True, False or 'auto', got {fused_head!r}")
         self.fused_head = fused_head  # see _use_fused_head
         self.model_dir = resolve_model_dir(model) if model is not None else bundled_model_dir()
-        self.model = load(self.model_dir, dtype)
+        self.model = load(self.model_dir, dtype, quantize=quantize)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         cfg = self.model.config
         self.generation_config = self.tokenizer.generation_config  # read (and checked) once, there
@@ -122,6 +123,8 @@ class LLM:
         flat for the candidates to prove its cuts, paying for the LM head twice) returns to the
         plain path for the rest of its steps (see _run)."""
         m = self.model
+        if not isinstance(m.lm_head, torch.nn.Linear):  # a quantized head (model/quant.py) has no float weight
+            return False
         if self.fused_head is False or any(mod._forward_hooks or mod._forward_pre_hooks for mod in (m, m.lm_head)):
             return False
         return self.fused_head is True or any(

@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from .config import ModelConfig
 from .hub import resolve_model_dir
 from .layers import Transformer
+from .quant import check_quantize, quantize_
 from .weights import load_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -36,11 +37,15 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
 
-def load(path_or_repo_id: str | Path | None = None, dtype: str | torch.dtype = "float32") -> Transformer:
+def load(path_or_repo_id: str | Path | None = None, dtype: str | torch.dtype = "float32",
+         quantize: str | None = None) -> Transformer:
     """Load a Hugging Face checkpoint (local directory or cached repo id; None = the bundled model).
 
-    `model(input_ids)` with a LongTensor (B, T) returns fp32 logits (B, T, vocab)."""
+    `model(input_ids)` with a LongTensor (B, T) returns fp32 logits (B, T, vocab). quantize="int8" |
+    "int4" stores the linears' weights quantized, on the CPU (model/quant.py, docs/quantization.md)."""
     torch_dtype = parse_dtype(dtype)
+    if quantize is not None:
+        check_quantize(quantize)
     model_dir = bundled_model_dir() if path_or_repo_id is None else resolve_model_dir(path_or_repo_id)
     cfg = ModelConfig.from_hf(model_dir)
     with torch.device("meta"):
@@ -49,4 +54,5 @@ def load(path_or_repo_id: str | Path | None = None, dtype: str | torch.dtype = "
     model.tie_weights()
     model.reset_rope(torch.device("cpu"))
     model.model_dir = model_dir
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    return quantize_(model, quantize) if quantize is not None else model

@@ -42,7 +42,7 @@ def head_logits(model: Transformer, x: torch.Tensor, final_norm: bool = True) ->
 
     final_norm=False applies the LM head to the raw stream: what the final norm prevents (logits
     whose scale follows the stream's, which is what pushes exp() toward overflow)."""
-    x = x.to(model.lm_head.weight.dtype)
+    x = x.to(model.embed.weight.dtype)  # the activation dtype (a quantized lm_head has no float weight)
     if final_norm and model.final_norm is not None:
         x = model.final_norm(x)
     return model.logits(x)  # (B, T, V), with the final soft-cap where the model has one
