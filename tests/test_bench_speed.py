@@ -8,6 +8,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,22 @@ def test_llama_cpp_missing(tiny_dir, tmp_path, capsys):
     assert "cannot import llama_cpp" in err and "pip install llama-cpp-python" in err and "\n" not in err
 
 
+def test_quantize_int8(tiny_dir, tmp_path):
+    """sluice's own int8 weights: the row says int8 and the bytes per token are the stored ones."""
+    import inspect
+
+    from sluice import LLM
+    if "quantize" not in inspect.signature(LLM).parameters:
+        pytest.skip("this sluice has no LLM(quantize=...) yet")
+    out = tmp_path / "speed.json"
+    assert main(["bench", "--model", str(tiny_dir), *TINY, "--quantize", "int8", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    check_result(r, ["sluice"])
+    sl = r["engines"]["sluice"]
+    assert sl["precision"] == "int8" and r["rows"][1]["precision"] == "int8"
+    assert sl["weight_bytes"] < 2 * r["model"]["params_read_per_token"]  # int8 + scales, not fp32
+
+
 def _llama_python():
     try:
         return find_llama_python(None)
@@ -123,16 +140,26 @@ def _gguf(model_dir: Path, out: Path) -> Path | None:
     return out
 
 
-def test_vs_llama_cpp(tiny_dir, tmp_path, capsys):
+@pytest.mark.parametrize("gguf_from", ["flag", "export"])
+def test_vs_llama_cpp(tiny_dir, tmp_path, monkeypatch, gguf_from):
+    """--gguf FILE, or (no flag) the GGUF sluice exports itself into a cache under the temp dir."""
     python = _llama_python()
     if python is None:
         pytest.skip("llama-cpp-python is not installed (see ../shared/peers/README.md)")
-    gguf = os.environ.get("SLUICE_TEST_GGUF") or _gguf(tiny_dir, tmp_path / "tiny-f32.gguf")
-    if gguf is None:
-        pytest.skip("no GGUF of the tiny model: sluice.model.gguf_export is missing and SLUICE_TEST_GGUF unset")
+    args = []
+    if gguf_from == "flag":
+        gguf = os.environ.get("SLUICE_TEST_GGUF") or _gguf(tiny_dir, tmp_path / "tiny-f32.gguf")
+        if gguf is None:
+            pytest.skip("no GGUF of the tiny model: sluice.model.gguf_export is missing and SLUICE_TEST_GGUF unset")
+        args = ["--gguf", str(gguf)]
+    else:
+        pytest.importorskip("sluice.model.gguf_export")
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     out = tmp_path / "speed.json"
-    assert main(["bench", "--model", str(tiny_dir), *TINY, "--vs", "llama.cpp", "--gguf", str(gguf),
+    assert main(["bench", "--model", str(tiny_dir), *TINY, "--vs", "llama.cpp", *args,
                  "--llama-python", python, "--json", str(out)]) == 0
+    if gguf_from == "export":
+        assert [p.name[-9:] for p in (tmp_path / "sluice-bench-gguf").iterdir()] == ["-f32.gguf"]
     r = json.loads(out.read_text())
     check_result(r, ["sluice", "llama.cpp"])
     lc = r["engines"]["llama.cpp"]
