@@ -352,3 +352,10 @@ def test_without_a_bpe_tokenizer_the_file_has_no_vocabulary(tmp_path, tokenizer)
     assert any("no tokenizer written" in n for n in summary["notes"])
     if LCPP_PYTHON.is_file():
         _assert_llama_cpp_logits(summary["path"], sluice.load(d), tmp_path)
+
+
+def test_qwen3_with_attention_bias_is_refused(tmp_path):
+    build(tmp_path / "q", "qwen3", attention_bias=True)  # an o_proj bias llama.cpp's qwen3 never reads
+    with pytest.raises(sluice.errors.ConfigError, match="attention_bias"):
+        export_gguf(tmp_path / "q", tmp_path / "q.gguf")
+    assert not (tmp_path / "q.gguf").exists()

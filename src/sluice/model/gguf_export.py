@@ -73,6 +73,10 @@ def _family(cfg) -> tuple[str, bool]:
     if cfg.architecture not in ARCHITECTURES:
         raise ConfigError(f"export-gguf does not support {cfg.architecture} (its llama.cpp graph differs "
                           f"from sluice's); supported: {', '.join(ARCHITECTURES)}")
+    if cfg.architecture == "Qwen3ForCausalLM" and (cfg.o_bias or cfg.mlp_bias):
+        # llama.cpp's qwen3 graph has no output-projection or MLP biases (released Qwen3 has none).
+        raise ConfigError("export-gguf: Qwen3 with attention_bias=true has an output-projection bias "
+                          "that llama.cpp's qwen3 architecture does not read")
     return ARCHITECTURES[cfg.architecture]
 
 
@@ -84,7 +88,8 @@ def _rope_freq_factors(cfg) -> torch.Tensor:
 
 
 def plan_tensors(model, arch: str, interleave: bool) -> list[tuple[str, torch.Tensor]]:
-    """(llama.cpp name, tensor in llama.cpp's layout) for every weight, in the converter's order."""
+    """(llama.cpp name, tensor in llama.cpp's layout) for every weight: the token embedding (and
+    rope_freqs) first, then block by block, the final norm and output last."""
     import gguf
 
     cfg = model.config
