@@ -22,6 +22,8 @@ def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     if not engine:
         return
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), cuda, cuda:N or mps; an unavailable one is an error")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="refuse requests longer than this many tokens (default: the model's context)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
@@ -58,9 +60,9 @@ def _load_llm(args):
 
     from .engine import LLM
     console = Console(stderr=True)
-    with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype})..."):
+    with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype}, {args.device})..."):
         return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
-                   quantize=args.quantize)
+                   device=args.device, quantize=args.quantize)
 
 
 def cmd_generate(args) -> int:

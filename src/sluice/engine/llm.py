@@ -61,12 +61,16 @@ class Stats:
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "float32",
                  max_model_len: int | None = None, compile: bool = False, fused_head: bool | str = "auto",
-                 quantize: str | None = None):
+                 device: str | torch.device = "cpu", quantize: str | None = None, kernels: bool | str = "auto"):
         if fused_head not in (True, False, "auto"):
             raise ConfigError(f"fused_head must be True, False or 'auto', got {fused_head!r}")
+        if kernels not in (True, False, "auto"):
+            raise ConfigError(f"kernels must be True, False or 'auto', got {kernels!r}")
         self.fused_head = fused_head  # see _use_fused_head
         self.model_dir = resolve_model_dir(model) if model is not None else bundled_model_dir()
-        self.model = load(self.model_dir, dtype, quantize=quantize)
+        self.model = load(self.model_dir, dtype, device=device, quantize=quantize)  # checks the device first
+        self.device = self.model.embed.weight.device
+        self.kernels_in_use = self._use_kernels(kernels)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         cfg = self.model.config
         self.generation_config = self.tokenizer.generation_config  # read (and checked) once, there
@@ -110,6 +114,21 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   **template_kwargs)
 
+    def _use_kernels(self, kernels: bool | str) -> int:
+        """Put sluice's batch-1 CPU kernel (engine/gemv.py) under the model's float linears: decode
+        steps stream each weight once at its stored width; prefill keeps F.linear. Returns how many
+        linears use it. "auto": on the CPU when the kernel builds here; True: the same, but an
+        error where it cannot; False: plain F.linear everywhere (the reference)."""
+        if kernels is False or (kernels == "auto" and self.device.type != "cpu"):
+            return 0
+        from . import gemv
+        if self.device.type != "cpu" or not gemv.available():
+            if kernels is True:
+                why = "it runs on the CPU only" if self.device.type != "cpu" else gemv.why_unavailable()
+                raise ConfigError(f"kernels=True but sluice's CPU kernel is unavailable: {why}")
+            return 0
+        return gemv.use_fast_linears(self.model)
+
     # ------------------------------------------------------------------ the loop
     def _use_fused_head(self, params: list[SamplingParams]) -> bool:
         """Sample through the fused LM head (fused_head.py) or the plain one (logits, Sampler)?
@@ -141,7 +160,7 @@ class LLM:
         vocab = self.model.config.vocab_size
         params = [p.with_defaults(self.generation_config) for p in params]
         outputs = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             p.validate(vocab)
             text = prompt if isinstance(prompt, str) else None
             ids = self.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
@@ -164,7 +183,7 @@ class LLM:
         Yields (row, text delta) as text becomes final. One host sync per step (the sampled ids,
         needed to detokenize and check stops); the model step and the sampler have none."""
         B = len(outputs)
-        sampler = Sampler(params, self.model.config.vocab_size)
+        sampler = Sampler(params, self.model.config.vocab_size, self.device)
         for b, out in enumerate(outputs):
             sampler.add_context(b, out.prompt_token_ids)
         # The Sampler keeps the rows' params, generators and penalty masks, so the two paths can
@@ -176,7 +195,7 @@ class LLM:
         streams = [TextStream(self.tokenizer.decode, p.stop) for p in params]
         stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) for p in params]
         stats = self.last_stats = Stats(prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs))
-        needed = max(len(o.prompt_token_ids) + p.max_tokens for o, p in zip(outputs, params))
+        needed = max(len(o.prompt_token_ids) + p.max_tokens for o, p in zip(outputs, params, strict=True))
         t0 = time.perf_counter()
         active = list(range(B))
         try:

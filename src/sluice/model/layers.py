@@ -132,6 +132,23 @@ def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tenso
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
+def decode_attention(q, k, v, mask, scale: float) -> torch.Tensor:
+    """One new token per row against the whole cache, in fp32: q (B, H, 1, D), k/v (B, K, S, D) with
+    H = K * G, mask (B, 1, 1, S) bool -> (B, H, 1, D) in q's dtype.
+
+    The G query heads that share a KV head are one (G, D) @ (D, S) product, so each head's cache is
+    read in place, once (SDPA's GQA path repeats it G times). In fp32 because on CPUs without bf16
+    instructions a bf16 matmul is slower than casting the cache up and multiplying in fp32
+    (docs/benchmarks.md, "Fast decode"); the softmax is fp32 as everywhere in sluice."""
+    B, H, _, D = q.shape
+    K = k.shape[1]
+    qg = q.reshape(B, K, H // K, D).float()  # (B, K, G, D)
+    scores = (qg @ k.float().transpose(-1, -2)) * scale  # (B, K, G, S)
+    scores = scores.masked_fill(~mask.view(B, 1, 1, -1), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v.float()  # (B, K, G, D)
+    return out.reshape(B, H, 1, D).to(q.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -163,16 +180,21 @@ class Attention(nn.Module):
         if cos is not None:  # None: positions are learned embeddings (GPT-2), no rotation
             # (.to: OLMo 2's tables are fp32, so the rotation is fp32 and rounds once, here)
             q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        q = q.transpose(1, 2)  # (B, H, T, D)
         if kv is not None:
-            # Static cache (B, S, K, D): write the new keys at their positions, attend over all slots;
-            # the mask hides slots that are empty or in the future.
+            # Static cache (B, K, S, D), each head's slots contiguous: write the new keys at their
+            # positions (through a (B, S, K, D) view), attend over all slots; the mask hides slots
+            # that are empty or in the future.
             k_cache, v_cache = kv
             rows = torch.arange(B, device=x.device)[:, None]
-            k_cache[rows, positions] = k.to(k_cache.dtype)
-            v_cache[rows, positions] = v.to(v_cache.dtype)
+            k_cache.transpose(1, 2)[rows, positions] = k.to(k_cache.dtype)
+            v_cache.transpose(1, 2)[rows, positions] = v.to(v_cache.dtype)
             k, v = k_cache, v_cache
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T|S, D)
-        if self.softcap is not None:
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, K, T, D)
+        if self.softcap is None and T == 1 and kv is not None:  # a decode step
+            out = decode_attention(q, k, v, mask, self.scale)
+        elif self.softcap is not None:
             out = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,

@@ -37,22 +37,45 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """"cpu", "cuda", "cuda:N" or "mps", checked against what this machine and this torch build have."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device must be cpu, cuda, cuda:N or mps, got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ConfigError(f"device {str(dev)!r} is not available: {why} (torch {torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {str(dev)!r} is not available: {torch.cuda.device_count()} CUDA "
+                              "device(s) visible")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigError("device 'mps' is not available: it needs Apple silicon and a torch build with MPS")
+    elif dev.type != "cpu":
+        raise ConfigError(f"device must be cpu, cuda, cuda:N or mps, got {device!r}")
+    return dev
+
+
 def load(path_or_repo_id: str | Path | None = None, dtype: str | torch.dtype = "float32",
-         quantize: str | None = None) -> Transformer:
+         device: str | torch.device = "cpu", quantize: str | None = None) -> Transformer:
     """Load a Hugging Face checkpoint (local directory or cached repo id; None = the bundled model).
 
-    `model(input_ids)` with a LongTensor (B, T) returns fp32 logits (B, T, vocab). quantize="int8" |
-    "int4" stores the linears' weights quantized, on the CPU (model/quant.py, docs/quantization.md)."""
+    `model(input_ids)` with a LongTensor (B, T) returns fp32 logits (B, T, vocab). Weights go
+    straight from the mmap'd file to `device`, one tensor at a time. quantize="int8" | "int4"
+    stores the linears' weights quantized, on the CPU (model/quant.py, docs/quantization.md)."""
     torch_dtype = parse_dtype(dtype)
+    dev = parse_device(device)
     if quantize is not None:
-        check_quantize(quantize)
+        check_quantize(quantize, dev)
     model_dir = bundled_model_dir() if path_or_repo_id is None else resolve_model_dir(path_or_repo_id)
     cfg = ModelConfig.from_hf(model_dir)
     with torch.device("meta"):
         model = Transformer(cfg)
-    load_weights(model, model_dir, torch_dtype)
+    load_weights(model, model_dir, torch_dtype, dev)
     model.tie_weights()
-    model.reset_rope(torch.device("cpu"))
+    model.reset_rope(dev)
     model.model_dir = model_dir
     model.eval().requires_grad_(False)
     return quantize_(model, quantize) if quantize is not None else model

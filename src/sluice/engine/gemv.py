@@ -1,0 +1,135 @@
+"""sluice's own batch-1 linear for decode on CPU (gemv.cpp), and the switch that puts it in a model.
+
+Why: a decode step multiplies 1..8 token rows by every weight matrix, so it is a stream over the
+weights. torch's F.linear at batch 1 reads a weight from DRAM at well under this machine's
+bandwidth (docs/benchmarks.md, "Fast decode"), and for bf16 weights on a CPU without AVX-512-bf16
+it converts through a slow path. gemv.cpp reads W once at its stored width (fp32, bf16, int8),
+widens in registers and accumulates in fp32.
+
+How it is used: `use_fast_linears(model)` swaps each nn.Linear's class for FastLinear, a subclass
+with the same parameters, names and hooks, whose forward sends inputs of a few rows (ROWS) to the
+kernel and anything else (one row; prefill) to F.linear. The model code is unchanged; `sluice.load()`
+models stay plain (the reference); the engine (LLM) opts in with kernels="auto".
+
+The extension is compiled on first use with the compiler torch's cpp_extension finds, for this
+machine (-march=native; the build directory's name carries a hash of the source and the CPU's
+flags, so a cache shared between different CPUs never runs a foreign build) and cached across runs
+in torch's extension directory. Without a compiler, or on a CPU without AVX2 + FMA, or off the CPU,
+`available()` is False and every linear stays F.linear.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Rows of x sent to the kernel, by weight dtype, from the measurement in docs/benchmarks.md ("Fast
+# decode", AVX2 EPYC): there torch's F.linear streams a single row faster (11-12.5 GB/s against
+# 9-9.5), but falls to 4-5.5 GB/s from 2 rows on, where the kernel keeps 6.6-9.2; at 8 rows the
+# kernel still wins for bf16 and no longer for fp32. More rows than this is prefill (F.linear's GEMM).
+ROWS = {torch.float32: (2, 4), torch.bfloat16: (2, 8)}
+MAX_ROWS = 8  # what the kernel itself accepts
+_SOURCE = Path(__file__).with_name("gemv.cpp")
+_lock = threading.Lock()
+_module = None
+_failure: str | None = None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build():
+    global _module, _failure
+    from torch.utils.cpp_extension import load
+    src = _SOURCE.read_bytes()
+    tag = hashlib.sha256(src + " ".join(sorted(cpu_flags())).encode() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"sluice_gemv_{tag}"
+    from torch.utils.cpp_extension import _get_build_directory
+    if not any(Path(_get_build_directory(name, verbose=False)).glob("*.so")):
+        print("sluice: building its small-batch CPU kernel (once per machine, about a minute)...",
+              file=sys.stderr, flush=True)
+    _module = load(name=name, sources=[str(_SOURCE)],
+                   extra_cflags=["-O3", "-march=native"], verbose=False)
+
+
+def kernel():
+    """The compiled extension, building it on first call; None where it cannot be had (see _failure)."""
+    global _failure
+    if _module is not None or _failure is not None:
+        return _module
+    with _lock:
+        if _module is None and _failure is None:
+            if os.environ.get("SLUICE_NO_KERNELS"):
+                _failure = "disabled by SLUICE_NO_KERNELS"
+            elif not {"avx2", "fma"} <= cpu_flags():
+                _failure = "this CPU has no AVX2 + FMA"
+            else:
+                try:
+                    _build()
+                except Exception as e:  # no compiler, no headers: the plain path stays
+                    _failure = f"could not build the kernel: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            if _module is not None and not _module.has_avx2():
+                _failure = "the kernel was built without AVX2 + FMA"
+    return _module if _failure is None else None
+
+
+def available() -> bool:
+    return kernel() is not None
+
+
+def why_unavailable() -> str | None:
+    kernel()
+    return _failure
+
+
+@torch.library.custom_op("sluice::gemv", mutates_args=())
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M <= 8, K) @ weight (N, K)^T [* scale (N,)] [+ bias] -> (M, N) in x's dtype, fp32 accumulation."""
+    return kernel().gemv(x, weight, scale, bias)
+
+
+@gemv.register_fake
+def _(x, weight, scale=None, bias=None):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+class FastLinear(nn.Linear):
+    """nn.Linear whose few-row (decode) calls go to sluice's gemv; same parameters and state_dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        lo, hi = ROWS.get(self.weight.dtype, (1, 0))
+        if not lo <= rows <= hi or x.device.type != "cpu" or torch.is_grad_enabled() and self.weight.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        y = gemv(x.reshape(rows, x.shape[-1]), self.weight, None, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def use_fast_linears(model: nn.Module) -> int:
+    """Turn every plain nn.Linear of `model` with an fp32 / bf16 weight into a FastLinear, in place.
+    Returns how many; 0 (and nothing changed) when the kernel is unavailable."""
+    if not available():
+        return 0
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear and m.weight.dtype in (torch.float32, torch.bfloat16) and m.weight.is_contiguous():
+            m.__class__ = FastLinear  # same object: parameters, names, hooks and ties stay as they were
+            n += 1
+    return n

@@ -1,0 +1,77 @@
+"""sluice's batch-1 CPU kernel (engine/gemv.cpp) against F.linear, and the engine path that uses it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sluice
+from sluice.engine import gemv
+
+pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"kernel unavailable: {gemv.why_unavailable()}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("N,K", [(1, 16), (777, 1000), (64, 4099), (130, 7)])
+def test_gemv_matches_fp32_reference(dtype, rows, N, K):
+    g = torch.Generator().manual_seed(N * K + rows)
+    x = torch.randn(rows, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    ref = F.linear(x.double(), w.double(), b.double())  # exact products of the stored values
+    y = gemv.gemv(x, w, None, b)
+    assert y.dtype == dtype and y.shape == (rows, N)
+    # fp32 accumulation over K terms; bf16 output rounds to 8 bits of mantissa
+    tol = 2e-4 * K ** 0.5 if dtype == torch.float32 else 1e-2 * ref.abs().max().item() + 1e-3 * K ** 0.5
+    assert (y.double() - ref).abs().max().item() < tol
+    y0 = gemv.gemv(x, w, None, None)
+    assert torch.allclose(y0.double(), F.linear(x.double(), w.double()), atol=tol, rtol=0)
+
+
+def test_gemv_int8_with_row_scales():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (300, 517), generator=g, dtype=torch.int8)
+    s = torch.rand(300, generator=g) / 100
+    x = torch.randn(2, 517, generator=g)
+    ref = F.linear(x.double(), q.double() * s.double()[:, None])
+    assert (gemv.gemv(x, q, s, None).double() - ref).abs().max().item() < 1e-4
+
+
+def test_gemv_rejects_misuse():
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        gemv.gemv(torch.randn(9, 16), torch.randn(4, 16), None, None)
+    with pytest.raises(RuntimeError, match="per-row scale"):
+        gemv.gemv(torch.randn(1, 16), torch.zeros(4, 16, dtype=torch.int8), None, None)
+
+
+def test_fast_linear_keeps_module_and_sends_prefill_to_f_linear(tiny_dir):
+    model = sluice.load(tiny_dir)
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4, 6, 8, 10]])  # 11 tokens: prefill rows > MAX_ROWS
+    with torch.inference_mode():
+        before, before1 = model(ids), model(ids[:, :1])
+    q = model.layers[0].attn.q
+    n = gemv.use_fast_linears(model)
+    assert n == sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear)) and n > 0
+    assert model.layers[0].attn.q is q and isinstance(q, gemv.FastLinear)
+    with torch.inference_mode():
+        assert torch.equal(model(ids), before)  # prefill: still F.linear, bit-identical
+        assert torch.equal(model(ids[:, :1]), before1)  # one row: F.linear too
+        with torch.profiler.profile() as prof:
+            two = model(ids[0, :2].reshape(2, 1))  # a decode step of 2 rows: the kernel
+        calls = [e for e in prof.events() if e.name == "sluice::gemv"]
+    assert len(calls) == n
+    ref = sluice.load(tiny_dir)
+    with torch.inference_mode():
+        assert torch.allclose(two, ref(ids[0, :2].reshape(2, 1)), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_llm_with_kernels_matches_plain_greedy(tiny_dir, compile):
+    """The engine's decode with the kernel (eager and torch.compile'd) picks the plain engine's tokens."""
+    params = sluice.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    plain = sluice.LLM(tiny_dir, kernels=False).generate(prompts, params)
+    fast_llm = sluice.LLM(tiny_dir, kernels=True, compile=compile)
+    fast = fast_llm.generate(prompts, params)
+    assert fast_llm.kernels_in_use > 0
+    assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
