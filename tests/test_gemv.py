@@ -75,3 +75,22 @@ def test_llm_with_kernels_matches_plain_greedy(tiny_dir, compile):
     fast = fast_llm.generate(prompts, params)
     assert fast_llm.kernels_in_use > 0
     assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
+
+
+def test_decode_kernels_bench_quick(tmp_path):
+    """bench/decode_kernels.py --quick runs end to end; its attention variants agree (no timing asserts)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "bench" / "decode_kernels.py"
+    out = tmp_path / "k.json"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    kernels = {(x["kernel"], x["dtype"], x["rows"]) for x in r["linear"]}
+    assert ("gemv", "int8", 2) in kernels and ("F.linear", "bfloat16", 1) in kernels
+    assert all(x["GB_s"] > 0 for x in r["linear"])
+    for x in r["attention"]:  # same answer as SDPA on the old layout, to bf16 / fp32 rounding
+        assert x["max_abs_diff"] < (2e-2 if x["dtype"] == "bfloat16" else 1e-5)

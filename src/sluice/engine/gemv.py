@@ -133,3 +133,4 @@ def use_fast_linears(model: nn.Module) -> int:
             m.__class__ = FastLinear  # same object: parameters, names, hooks and ties stay as they were
             n += 1
     return n
+
