@@ -10,27 +10,13 @@ sluice runs the same thing as `sluice bench norms`. Flags: see --help.
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 from sluice.benchmarks.cli import add_norms_arguments
-from sluice.benchmarks.common import save_json
+from sluice.benchmarks.common import script_main
 from sluice.benchmarks.norms import print_tables, run
-from sluice.errors import SluiceError
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_norms_arguments(ap)
-    args = ap.parse_args(argv)
-    try:
-        result = run(args)
-    except SluiceError as e:
-        print(f"bench/norms.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print_tables(result)
-    save_json(args.json, result)
-    return result
+    return script_main("bench/norms.py", __doc__, add_norms_arguments, run, print_tables, argv)
 
 
 if __name__ == "__main__":

@@ -101,3 +101,24 @@ def save_json(path: str | Path | None, result: dict) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))
+
+
+def script_main(prog: str, doc: str, add_arguments: Callable, run: Callable, print_tables: Callable,
+                argv=None) -> dict:
+    """What each bench/<name>.py script does: the package's arguments, run, tables, optional JSON;
+    a bad input is one line on stderr and exit status 2, as `sluice bench` gives it."""
+    import argparse
+    import sys
+
+    from ..errors import SluiceError
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    try:
+        result = run(args)
+    except SluiceError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print_tables(result)
+    save_json(args.json, result)
+    return result
