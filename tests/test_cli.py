@@ -70,7 +70,10 @@ def test_chat_ctrl_c_stops_the_reply_not_the_session(tmp_path):
     from ckpt import build_with_tokenizer
     build_with_tokenizer(tmp_path, "qwen3", max_position_embeddings=8192)
     pid, fd = pty.fork()
-    if pid == 0:  # child: the real CLI on the pty
+    if pid == 0:  # child: the real CLI on the pty, with the signal state a shell would give it
+        import signal  # (a fork inherits pytest's blocked / ignored signals across exec)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execv(sys.executable, [sys.executable, "-m", "sluice", "chat", "--model", str(tmp_path),
                                   "--max-tokens", "8000", "--temperature", "1", "--seed", "0",
                                   "--ignore-eos"])
