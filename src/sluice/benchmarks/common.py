@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..engine.gemv import cpu_flags
+
 
 def cpu_info() -> dict:
     """What decides the bf16 story: AVX-512 / AMX have bf16 dot-product instructions, AVX2 has not."""
@@ -24,7 +26,7 @@ def cpu_info() -> dict:
         return {"model": platform.processor() or "?"}
     lines = text.splitlines()
     name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    flags = cpu_flags()
     return {"model": name, "logical_cpus": sum(ln.startswith("processor") for ln in lines),
             "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
             "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags}

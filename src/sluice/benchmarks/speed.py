@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.gemv import cpu_flags
 from ..errors import BenchmarkError
 from .common import environment
 
@@ -67,16 +68,6 @@ def read_bandwidth(nbytes: int, reps: int = 3) -> dict:
         x.sum()
         times.append(time.perf_counter() - t0)
     return {"GB_s": x.nbytes / min(times) / 1e9, "GB_s_median": x.nbytes / statistics.median(times) / 1e9}
-
-
-def cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return []
 
 
 def _load(s: dict, model_dir: Path, params_read: int) -> dict:
@@ -180,7 +171,7 @@ def run(args) -> dict:
     finally:
         for e in engines.values():
             e.close()
-    return {"benchmark": "speed", "settings": s, **env, "cpu_flags": cpu_flags(),
+    return {"benchmark": "speed", "settings": s, **env, "cpu_flags": sorted(cpu_flags()),
             "model": {"dir": str(model_dir), "params_read_per_token": params_read,
                       "layers": cfg.num_layers, "kv_per_layer": cfg.num_kv_heads * cfg.head_dim, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
             "prompt_head": prompt[:16], "machine": machine, "read_GB_s": read_bw, "engines": engine_info,

@@ -55,12 +55,11 @@ def cpu_flags() -> set[str]:
 
 
 def _build():
-    global _module, _failure
-    from torch.utils.cpp_extension import load
+    global _module
+    from torch.utils.cpp_extension import _get_build_directory, load
     src = _SOURCE.read_bytes()
     tag = hashlib.sha256(src + " ".join(sorted(cpu_flags())).encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"sluice_gemv_{tag}"
-    from torch.utils.cpp_extension import _get_build_directory
     if not any(Path(_get_build_directory(name, verbose=False)).glob("*.so")):
         print("sluice: building its small-batch CPU kernel (once per machine, about a minute)...",
               file=sys.stderr, flush=True)

@@ -115,8 +115,8 @@ class LLM:
                                                   **template_kwargs)
 
     def _use_kernels(self, kernels: bool | str) -> int:
-        """Put sluice's batch-1 CPU kernel (engine/gemv.py) under the model's float linears: decode
-        steps stream each weight once at its stored width; prefill keeps F.linear. Returns how many
+        """Put sluice's small-batch CPU kernel (engine/gemv.py) under the model's float linears:
+        2-8-row decode steps go to it (gemv.ROWS); one row and prefill keep F.linear. Returns how many
         linears use it. "auto": on the CPU when the kernel builds here; True: the same, but an
         error where it cannot; False: plain F.linear everywhere (the reference)."""
         if kernels is False or (kernels == "auto" and self.device.type != "cpu"):

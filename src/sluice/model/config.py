@@ -182,6 +182,11 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json in {model_dir}")
+        return cls.from_json_file(path)
+
+    @classmethod
+    def from_json_file(cls, path: Path) -> "ModelConfig":
+        """A config.json file by its own path (`sluice roofline --config FILE`); no weights needed."""
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -7,7 +7,6 @@ never argparse's usage dump or a traceback.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -97,13 +96,7 @@ def read_config(path: str):
         return ModelConfig.from_hf(p)
     if not p.is_file():
         raise ObservatoryError(f"--config {path}: no such file (give a config.json or a directory holding one)")
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ObservatoryError(f"--config {path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ObservatoryError(f"--config {path} must hold a JSON object")
-    return ModelConfig.from_hf_dict(raw, source=str(p))
+    return ModelConfig.from_json_file(p)  # a bad file is a ConfigError naming it
 
 
 def cmd_roofline(args) -> int:
