@@ -77,6 +77,19 @@ def test_llm_with_kernels_matches_plain_greedy(tiny_dir, compile):
     assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
 
 
+def test_auto_kernels_wait_for_a_batch(tiny_dir):
+    """kernels="auto": batch-1 generation never swaps the linears (nothing built or loaded for it);
+    the first batch of 2 rows does, and its tokens are the plain engine's."""
+    params = sluice.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm = sluice.LLM(tiny_dir)
+    llm.generate([[1, 2, 3]], params)
+    assert llm.kernels_in_use == 0 and type(llm.model.lm_head) is torch.nn.Linear
+    out = llm.generate([[1, 2, 3], [4, 5]], params)
+    assert llm.kernels_in_use > 0 and isinstance(llm.model.lm_head, gemv.FastLinear)
+    plain = sluice.LLM(tiny_dir, kernels=False).generate([[1, 2, 3], [4, 5]], params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+
+
 def test_decode_kernels_bench_quick(tmp_path):
     """bench/decode_kernels.py --quick runs end to end; its attention variants agree (no timing asserts)."""
     import json

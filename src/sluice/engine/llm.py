@@ -70,7 +70,11 @@ class LLM:
         self.model_dir = resolve_model_dir(model) if model is not None else bundled_model_dir()
         self.model = load(self.model_dir, dtype, device=device, quantize=quantize)  # checks the device first
         self.device = self.model.embed.weight.device
-        self.kernels_in_use = self._use_kernels(kernels)
+        # "auto" waits for the first batch of 2+ rows: the kernel serves only those decode steps, so
+        # a batch-1 user (the CLI) never pays for building or loading it. True decides now, loudly.
+        self._kernels_pending, self.kernels_in_use = kernels == "auto", 0
+        if kernels is True:
+            self.kernels_in_use = self._use_kernels(required=True)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         cfg = self.model.config
         self.generation_config = self.tokenizer.generation_config  # read (and checked) once, there
@@ -114,20 +118,21 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   **template_kwargs)
 
-    def _use_kernels(self, kernels: bool | str) -> int:
+    def _use_kernels(self, required: bool) -> int:
         """Put sluice's small-batch CPU kernel (engine/gemv.py) under the model's float linears:
         2-8-row decode steps go to it (gemv.ROWS); one row and prefill keep F.linear. Returns how many
-        linears use it. "auto": on the CPU when the kernel builds here; True: the same, but an
-        error where it cannot; False: plain F.linear everywhere (the reference)."""
-        if kernels is False or (kernels == "auto" and self.device.type != "cpu"):
-            return 0
-        from . import gemv
-        if self.device.type != "cpu" or not gemv.available():
-            if kernels is True:
-                why = "it runs on the CPU only" if self.device.type != "cpu" else gemv.why_unavailable()
-                raise ConfigError(f"kernels=True but sluice's CPU kernel is unavailable: {why}")
-            return 0
-        return gemv.use_fast_linears(self.model)
+        linears use it. kernels="auto" calls this at the first batch of 2+ rows and takes no for an
+        answer; kernels=True calls it at load, where an unavailable kernel is an error."""
+        if self.device.type == "cpu":
+            from . import gemv
+            if gemv.available():
+                return gemv.use_fast_linears(self.model)
+            why = gemv.why_unavailable()
+        else:
+            why = "it runs on the CPU only"
+        if required:
+            raise ConfigError(f"kernels=True but sluice's CPU kernel is unavailable: {why}")
+        return 0
 
     # ------------------------------------------------------------------ the loop
     def _use_fused_head(self, params: list[SamplingParams]) -> bool:
@@ -183,6 +188,9 @@ class LLM:
         Yields (row, text delta) as text becomes final. One host sync per step (the sampled ids,
         needed to detokenize and check stops); the model step and the sampler have none."""
         B = len(outputs)
+        if self._kernels_pending and B >= 2:
+            self._kernels_pending = False  # swapped (or not) once, for good
+            self.kernels_in_use = self._use_kernels(required=False)
         sampler = Sampler(params, self.model.config.vocab_size, self.device)
         for b, out in enumerate(outputs):
             sampler.add_context(b, out.prompt_token_ids)
