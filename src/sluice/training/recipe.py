@@ -11,61 +11,63 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from ..errors import SluiceError
+from .fields import (Betas, Bool, Float, Int, RecipeError, RelativeGlob, Str, StrList, read_value,
+                     spec)
 
+MAX_RECIPE_BYTES = 1 << 20
 
-class RecipeError(SluiceError, ValueError):
-    """The recipe file is missing, malformed, or has unknown or invalid keys."""
+__all__ = ["CorpusSpec", "ModelSpec", "Recipe", "RecipeError", "TokenizerSpec", "TrainSpec"]
 
 
 @dataclass(frozen=True)
 class CorpusSpec:
-    source: str = "stdlib"
-    glob: str = "**/*.py"
-    exclude_parts: tuple = ("test", "tests", "idle_test", "site-packages", "__pycache__")
-    heldout_percent: float = 3
+    source: str = spec("stdlib", Str())
+    glob: str = spec("**/*.py", RelativeGlob())
+    exclude_parts: tuple = spec(("test", "tests", "idle_test", "site-packages", "__pycache__"), StrList())
+    # 0 would leave nothing to evaluate on; 100 nothing to train on.
+    heldout_percent: float = spec(3, Float(0, 100))
 
 
 @dataclass(frozen=True)
 class TokenizerSpec:
-    vocab_size: int = 8192
-    special_tokens: tuple = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+    vocab_size: int = spec(8192, Int())
+    special_tokens: tuple = spec(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), StrList(min_len=1))
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    hidden_size: int = 256
-    num_layers: int = 6
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 768
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
+    hidden_size: int = spec(256, Int())
+    num_layers: int = spec(6, Int())
+    num_heads: int = spec(4, Int())
+    num_kv_heads: int = spec(2, Int())
+    head_dim: int = spec(64, Int(2))
+    intermediate_size: int = spec(768, Int())
+    max_position_embeddings: int = spec(2048, Int())
+    rope_theta: float = spec(10000.0, Float())
+    norm_eps: float = spec(1e-6, Float(0, 1, hi_open=False))
+    tie_word_embeddings: bool = spec(True, Bool())
 
 
 @dataclass(frozen=True)
 class TrainSpec:
-    seed: int = 1234
-    seq_len: int = 512
-    micro_batch: int = 8
-    grad_accum: int = 2
-    steps: int = 2000
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    betas: tuple = (0.9, 0.95)
-    grad_clip: float = 1.0
-    init_std: float = 0.02
-    eval_every: int = 250
-    eval_tokens: int = 200_000
-    checkpoint_every: int = 100
-    autocast_bf16: bool = True
-    compile: bool = True
-    max_minutes: float = 0  # 0 = no wall-clock limit
+    seed: int = spec(1234, Int(0, 2**63 - 1))
+    seq_len: int = spec(512, Int())
+    micro_batch: int = spec(8, Int())
+    grad_accum: int = spec(2, Int())
+    steps: int = spec(2000, Int())
+    lr: float = spec(2e-3, Float())
+    min_lr_ratio: float = spec(0.1, Float(0, 1, lo_open=False, hi_open=False))
+    warmup_steps: int = spec(100, Int(0))
+    weight_decay: float = spec(0.1, Float(0, lo_open=False))
+    betas: tuple = spec((0.9, 0.95), Betas())
+    grad_clip: float = spec(1.0, Float())
+    init_std: float = spec(0.02, Float())
+    eval_every: int = spec(250, Int())
+    eval_tokens: int = spec(200_000, Int())
+    checkpoint_every: int = spec(100, Int())
+    autocast_bf16: bool = spec(True, Bool())
+    compile: bool = spec(True, Bool())
+    max_minutes: float = spec(0, Float(0, lo_open=False))  # 0 = no wall-clock limit
 
 
 @dataclass(frozen=True)
@@ -81,66 +83,60 @@ class Recipe:
         path = Path(path)
         if not path.is_file():
             raise RecipeError(f"recipe file {path} does not exist")
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise RecipeError(f"recipe {path} is {path.stat().st_size:,} bytes; a recipe is a few dozen lines "
+                              f"(at most {MAX_RECIPE_BYTES:,} bytes)")
         try:
             raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise RecipeError(f"recipe {path} is not valid TOML: {e}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise RecipeError(f"recipe {path} is not valid UTF-8 TOML: {e}") from None
+        except OSError as e:
+            raise RecipeError(f"recipe {path} cannot be read: {e.strerror or e}") from None
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "recipe") -> "Recipe":
         sections = {"corpus": CorpusSpec, "tokenizer": TokenizerSpec, "model": ModelSpec, "train": TrainSpec}
+        if not isinstance(raw, dict):
+            raise RecipeError(f"{source}: a recipe must be a table of sections, got {type(raw).__name__}")
         unknown = sorted(set(raw) - set(sections))
         if unknown:
             raise RecipeError(f"{source}: unknown section(s) {unknown}; expected {sorted(sections)}")
-        parts = {name: _section(spec, raw.get(name, {}), f"{source} [{name}]")
-                 for name, spec in sections.items()}
+        parts = {name: _section(cls_, raw.get(name, {}), f"{source}: {name}")
+                 for name, cls_ in sections.items()}
         recipe = cls(**parts, path=source)
         recipe.check()
         return recipe
 
     def check(self):
-        t, m = self.train, self.model
-        positive = {"seq_len": t.seq_len, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
-                    "steps": t.steps, "lr": t.lr, "eval_every": t.eval_every,
-                    "checkpoint_every": t.checkpoint_every, "hidden_size": m.hidden_size,
-                    "num_layers": m.num_layers, "vocab_size": self.tokenizer.vocab_size}
-        for k, v in positive.items():
-            if v <= 0:
-                raise RecipeError(f"{self.path}: {k} must be > 0, got {v}")
+        """What no single field can say alone: the fields' rules already held on the way in."""
+        t, m, tok = self.train, self.model, self.tokenizer
+
+        def bad(key, value, why):
+            raise RecipeError(f"{self.path}: {key} {why}, got {value!r}")
+
         if m.num_heads % m.num_kv_heads:
-            raise RecipeError(f"{self.path}: num_heads ({m.num_heads}) must be a multiple of "
-                              f"num_kv_heads ({m.num_kv_heads})")
+            bad("model.num_heads", m.num_heads, f"must be a multiple of model.num_kv_heads ({m.num_kv_heads})")
+        if m.head_dim % 2:  # RoPE rotates pairs of channels
+            bad("model.head_dim", m.head_dim, "must be even (RoPE rotates channel pairs)")
         if t.seq_len > m.max_position_embeddings:
-            raise RecipeError(f"{self.path}: seq_len {t.seq_len} exceeds max_position_embeddings "
-                              f"{m.max_position_embeddings}")
-        if not 0 <= self.corpus.heldout_percent < 100:
-            raise RecipeError(f"{self.path}: heldout_percent must be in [0, 100), got "
-                              f"{self.corpus.heldout_percent}")
+            bad("train.seq_len", t.seq_len, f"must be <= model.max_position_embeddings ({m.max_position_embeddings})")
+        if t.warmup_steps > t.steps:
+            bad("train.warmup_steps", t.warmup_steps, f"must be <= train.steps ({t.steps})")
+        if t.eval_tokens < t.seq_len:  # fewer than one window: the held-out loss would measure nothing
+            bad("train.eval_tokens", t.eval_tokens, f"must be >= train.seq_len ({t.seq_len}), one evaluation window")
+        # A byte-level BPE starts from all 256 bytes, then the special tokens; merges come after.
+        least = 256 + len(tok.special_tokens)
+        if tok.vocab_size < least:
+            bad("tokenizer.vocab_size", tok.vocab_size,
+                f"must be >= {least} (256 byte tokens + {len(tok.special_tokens)} special tokens)")
 
 
-def _section(spec, values: dict, where: str):
+def _section(spec_cls, values, where: str):
     if not isinstance(values, dict):
-        raise RecipeError(f"{where} must be a table")
-    known = {f.name: f for f in fields(spec)}
+        raise RecipeError(f"{where} must be a table, got {values!r}")
+    known = {f.name: f for f in fields(spec_cls)}
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise RecipeError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(known)}")
-    out = {}
-    for k, v in values.items():
-        default = known[k].default
-        if isinstance(default, tuple):
-            if not isinstance(v, list):
-                raise RecipeError(f"{where}: {k} must be a list, got {v!r}")
-            v = tuple(v)
-        elif isinstance(default, bool):
-            if not isinstance(v, bool):
-                raise RecipeError(f"{where}: {k} must be true or false, got {v!r}")
-        elif isinstance(default, (int, float)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (
-                    isinstance(default, int) and not isinstance(default, bool) and not isinstance(v, int)):
-                raise RecipeError(f"{where}: {k} must be a {type(default).__name__}, got {v!r}")
-        elif not isinstance(v, type(default)):
-            raise RecipeError(f"{where}: {k} must be a {type(default).__name__}, got {v!r}")
-        out[k] = v
-    return spec(**out)
+    return spec_cls(**{k: read_value(known[k].metadata["rule"], v, where, k) for k, v in values.items()})
