@@ -35,3 +35,7 @@ class SurgeryError(SluiceError, ValueError):
 
 class BenchmarkError(SluiceError, ValueError):
     """A benchmark was asked for something it cannot measure: an unknown dtype or model, a size <= 0."""
+
+
+class NumericsError(SluiceError):
+    """The model computed NaN or inf where a number was needed (its weights or config are broken)."""
