@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .hf_attention import read_rope, read_window
+from .hf_fields import ABSENT, MAX_LAYERS, Fields, shown
+
+MAX_CONFIG_BYTES = 16 << 20
 
 # Family -> how its config.json spells things and which valves its transformers code fixes.
 # "valves": ModelConfig fields that are constant for the family. "keys": where a field's value is
@@ -25,18 +29,25 @@ _LLAMA_KEYS = dict(hidden_size="hidden_size", num_layers="num_hidden_layers",
                    max_position_embeddings="max_position_embeddings", norm_eps="rms_norm_eps",
                    hidden_act="hidden_act", num_kv_heads="num_key_value_heads")
 _GEMMA = dict(norm_offset=1.0, norm_gain_fp32=True, norm_placement="sandwich", embed_scaled=True)
+# What transformers' config class assumes when config.json omits a field ("defaults" in a row
+# overrides these). Only absence gets a default: a value that is present is checked, never replaced.
+_DEFAULTS = dict(norm_eps=1e-6, max_position_embeddings=2048, hidden_act="silu", rope_theta=10000.0)
+_GEMMA_DEFAULTS = dict(hidden_act="gelu_pytorch_tanh", head_dim=256, query_pre_attn_scalar=256.0,
+                       sliding_window=4096)
 _FAMILIES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": dict(bias=("attention_bias", "attention_bias", "mlp_bias")),
-    "MistralForCausalLM": dict(bias=(False, False, False), window="all"),
+    "MistralForCausalLM": dict(bias=(False, False, False), window="all",
+                               defaults=dict(max_position_embeddings=131072, sliding_window=4096)),
     # Qwen2 always has q/k/v biases and never an o_proj bias.
-    "Qwen2ForCausalLM": dict(bias=(True, False, False), window="refuse"),
+    "Qwen2ForCausalLM": dict(bias=(True, False, False), window="refuse", defaults=dict(max_position_embeddings=32768)),
     # Qwen3: RMSNorm over each head's q and k before RoPE; head_dim is its own field.
     "Qwen3ForCausalLM": dict(valves=dict(qk_norm="head"), bias=("attention_bias", "attention_bias", False),
-                             window="refuse"),
+                             window="refuse", defaults=dict(max_position_embeddings=32768)),
     # GPT-2: LayerNorm with bias, learned positions, a plain (ungated) GELU MLP, biases everywhere.
     "GPT2LMHeadModel": dict(valves=dict(norm_kind="layer", norm_bias=True, pos_embedding="learned",
                                         mlp_gated=False),
-                            bias=(True, True, True), tie_default=True,
+                            bias=(True, True, True), tie_default=True, inner_default=4,
+                            defaults=dict(norm_eps=1e-5, max_position_embeddings=1024, hidden_act="gelu_new"),
                             keys=dict(hidden_size="n_embd", num_layers="n_layer", num_heads="n_head",
                                       intermediate_size="n_inner", max_position_embeddings="n_positions",
                                       norm_eps="layer_norm_epsilon", hidden_act="activation_function",
@@ -47,27 +58,31 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "GPTNeoXForCausalLM": dict(valves=dict(norm_kind="layer", norm_bias=True, mlp_gated=False),
                                bias=("attention_bias", "attention_bias", True), bias_default=True,
                                keys=dict(norm_eps="layer_norm_eps", num_kv_heads=None),
-                               parallel="use_parallel_residual"),
+                               parallel="use_parallel_residual",
+                               defaults=dict(norm_eps=1e-5, hidden_act="gelu", partial_rotary_factor=0.25)),
     # Gemma 2: (1 + w) RMSNorm in fp32, norms before and after each branch, scaled embeddings,
     # tanh soft-caps on attention scores and on the final logits, every other layer windowed.
     "Gemma2ForCausalLM": dict(valves=_GEMMA, bias=("attention_bias", "attention_bias", False),
                               tie_default=True, window="layer_types", window_period=2,
-                              keys=dict(hidden_act="hidden_activation")),
+                              keys=dict(hidden_act="hidden_activation"),
+                              defaults=dict(_GEMMA_DEFAULTS, max_position_embeddings=8192, attn_softcap=50.0,
+                                            final_softcap=30.0)),
     # Gemma 3 (text): Gemma 2 plus per-head q/k norms, 5 local : 1 global layers, two RoPE bases.
     "Gemma3ForCausalLM": dict(valves=dict(_GEMMA, qk_norm="head"),
                               bias=("attention_bias", "attention_bias", False),
                               tie_default=True, window="layer_types", window_period=6,
                               keys=dict(hidden_act="hidden_activation"),
-                              refuse=("use_bidirectional_attention", "vision_config", "text_config")),
+                              refuse=("use_bidirectional_attention", "vision_config", "text_config"),
+                              defaults=dict(_GEMMA_DEFAULTS, max_position_embeddings=131072, rope_theta=1e6,
+                                            rope_theta_local=10000.0)),
     # OLMo 2: no input norms; the norm sits on each branch's output (x + norm(f(x))), q/k norms
     # span the full projection width, and the norm gain and RoPE rotation are applied in fp32.
     "Olmo2ForCausalLM": dict(valves=dict(norm_placement="post", qk_norm="full", norm_gain_fp32=True,
                                          rope_fp32=True),
-                             bias=("attention_bias", "attention_bias", False)),
+                             bias=("attention_bias", "attention_bias", False), defaults=dict(norm_eps=1e-5)),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
-_ROPE_TYPES = ("default", "linear", "llama3")
 # HF activation names -> the functions sluice implements. "gelu_new" (GPT-2) and
 # "gelu_pytorch_tanh" (Gemma) are the same tanh approximation, but the first is written out op by op
 # (each rounded to the dtype) and the second is torch's fused kernel: in bf16 they differ, so both.
@@ -180,7 +195,11 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
-        if not path.is_file():
+        try:
+            found = path.is_file()
+        except OSError as e:  # an unreadable directory, a name too long
+            raise ConfigError(f"cannot look for config.json in {model_dir}: {e.strerror or e}") from None
+        if not found:
             raise ConfigError(f"no config.json in {model_dir}")
         return cls.from_json_file(path)
 
@@ -188,90 +207,103 @@ class ModelConfig:
     def from_json_file(cls, path: Path) -> "ModelConfig":
         """A config.json file by its own path (`sluice roofline --config FILE`); no weights needed."""
         try:
+            if path.stat().st_size > MAX_CONFIG_BYTES:  # real ones are a few KiB
+                raise ConfigError(f"{path} is {path.stat().st_size:,} bytes; a config.json over "
+                                  f"{MAX_CONFIG_BYTES:,} bytes is not a model config")
             raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8; nesting deeper than Python's stack
+            raise ConfigError(f"{path} is not valid JSON: {str(e)[:200]}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a JSON object")
         return cls.from_hf_dict(raw, source=str(path))
 
     @classmethod
     def from_hf_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
-        archs = raw.get("architectures") or []
-        arch = archs[0] if archs else None
+        f = Fields(raw, source)
+        archs = raw.get("architectures")
+        if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
+            raise f.fail("architectures", "a non-empty list of architecture names", archs)
+        arch = archs[0]
         if arch in _NEAR_MISSES:
             raise ConfigError(f"{source}: architecture {arch!r}: {_NEAR_MISSES[arch]}")
         if arch not in _FAMILIES:
-            raise ConfigError(f"{source}: architecture {arch!r} is not supported by sluice "
+            raise ConfigError(f"{source}: architecture {shown(arch)} is not supported by sluice "
                               f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         fam = _FAMILIES[arch]
         keys = {**_LLAMA_KEYS, **fam.get("keys", {})}
-
-        def need(key):
-            if key not in raw or raw[key] is None:
-                raise ConfigError(f"{source}: required field {key!r} is missing")
-            return raw[key]
-
-        def flag(key) -> bool:
-            if isinstance(key, bool):
-                return key
-            return bool(raw.get(key, fam.get("bias_default", False)))
-
+        d = {**_DEFAULTS, **fam.get("defaults", {})}
         for key in fam.get("refuse", ()):
             if raw.get(key):
-                raise ConfigError(f"{source}: {key}={raw[key]!r} is set; sluice does not implement "
+                raise ConfigError(f"{source}: {key}={shown(raw[key])} is set; sluice does not implement "
                                   f"that for {arch}")
-        act_name = raw.get(keys["hidden_act"]) or raw.get("hidden_act") or "silu"
+        # Gemma spells it hidden_activation; older Gemma files have only hidden_act.
+        act_key = keys["hidden_act"] if f.has(keys["hidden_act"]) or not f.has("hidden_act") else "hidden_act"
+        act_name = f.text(act_key, d["hidden_act"])
         if act_name not in _ACTIVATIONS:
-            raise ConfigError(f"{source}: {keys['hidden_act']} {act_name!r} is not supported "
+            raise ConfigError(f"{source}: {act_key} {shown(act_name)} is not supported "
                               f"(supported: {', '.join(_ACTIVATIONS)})")
 
-        num_heads = int(need(keys["num_heads"]))
-        hidden = int(need(keys["hidden_size"]))
-        num_layers = int(need(keys["num_layers"]))
-        head_dim = int(raw.get("head_dim") or hidden // num_heads)
-        inter = raw.get(keys["intermediate_size"]) if arch == "GPT2LMHeadModel" else need(keys["intermediate_size"])
-        sliding_window, layer_types = _read_window(raw, fam, arch, num_layers, source)
-        rope_theta, rope_scaling, partial, theta_local = _read_rope(raw, source)
-        rotary_dim = None if partial == 1.0 else int(head_dim * partial)
+        num_heads = f.int(keys["num_heads"])
+        hidden = f.int(keys["hidden_size"])
+        num_layers = f.int(keys["num_layers"], hi=MAX_LAYERS)
+        if not f.has("head_dim") and "head_dim" not in d and hidden < num_heads:
+            raise ConfigError(f"{source}: {keys['hidden_size']} ({hidden}) is smaller than {keys['num_heads']} "
+                              f"({num_heads}), so head_dim = hidden // heads would be 0")
+        head_dim = f.int("head_dim", d.get("head_dim", hidden // num_heads))
+        # Families without grouped-query attention (GPT-2, NeoX) have no such key to read.
+        kv_key = keys["num_kv_heads"]
+        num_kv_heads = f.int(kv_key, num_heads) if kv_key else num_heads
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"{source}: {keys['num_heads']} ({num_heads}) must be a multiple of "
+                              f"{kv_key} ({num_kv_heads})")
+        inner = fam.get("inner_default")
+        inter = f.int(keys["intermediate_size"], inner * hidden if inner else ABSENT)
+        sliding_window, layer_types = read_window(f, fam, d, arch, num_layers)
+        rope_theta, rope_scaling, partial, theta_local = read_rope(f, d)
         valves = dict(fam.get("valves", {}))
         if valves.pop("embed_scaled", False):
             valves["embed_scale"] = hidden ** 0.5
         if arch.startswith("Gemma"):
-            valves["attn_scale"] = float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5
-            valves["attn_softcap"] = raw.get("attn_logit_softcapping")
-            valves["final_softcap"] = raw.get("final_logit_softcapping")
-        if arch == "GPT2LMHeadModel" and raw.get("scale_attn_weights") is False:
+            valves["attn_scale"] = f.number("query_pre_attn_scalar", d["query_pre_attn_scalar"]) ** -0.5
+            # Absent: the family's cap (Gemma 2 caps by default); null: no cap.
+            valves["attn_softcap"] = f.number("attn_logit_softcapping", d.get("attn_softcap"), null=None)
+            valves["final_softcap"] = f.number("final_logit_softcapping", d.get("final_softcap"), null=None)
+        if arch == "GPT2LMHeadModel" and not f.flag("scale_attn_weights", True):
             valves["attn_scale"] = 1.0
         if "parallel" in fam:
-            valves["parallel_residual"] = bool(raw.get(fam["parallel"], True))
+            valves["parallel_residual"] = f.flag(fam["parallel"], True)
+
+        def bias(key) -> bool:
+            return key if isinstance(key, bool) else f.flag(key, fam.get("bias_default", False))
+
         qkv_b, o_b, mlp_b = fam["bias"]
         return cls(
-            vocab_size=int(need("vocab_size")),
+            vocab_size=f.int("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(inter or 4 * hidden),
+            intermediate_size=inter,
             num_layers=num_layers,
             num_heads=num_heads,
-            # Families without grouped-query attention (GPT-2, NeoX) have no such key to read.
-            num_kv_heads=int((keys["num_kv_heads"] and raw.get(keys["num_kv_heads"])) or num_heads),
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=int(raw.get(keys["max_position_embeddings"]) or 2048),
-            norm_eps=float(raw.get(keys["norm_eps"], 1e-6)),
-            qkv_bias=flag(qkv_b),
-            o_bias=flag(o_b),
-            mlp_bias=flag(mlp_b),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", fam.get("tie_default", False))),
+            max_position_embeddings=f.int(keys["max_position_embeddings"], d["max_position_embeddings"]),
+            norm_eps=f.number(keys["norm_eps"], d["norm_eps"]),
+            qkv_bias=bias(qkv_b),
+            o_bias=bias(o_b),
+            mlp_bias=bias(mlp_b),
+            tie_word_embeddings=f.flag("tie_word_embeddings", fam.get("tie_default", False)),
             hidden_act=_ACTIVATIONS[act_name],
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            rotary_dim=rotary_dim,
+            rotary_dim=None if partial == 1.0 else int(head_dim * partial),
             sliding_window=sliding_window,
             layer_types=layer_types,
             rope_theta_local=theta_local if layer_types and "sliding" in layer_types else None,
             architecture=arch,
-            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=raw.get("eos_token_id"),
+            torch_dtype=f.text("dtype", None) or f.text("torch_dtype", None),
+            bos_token_id=f.token_ids("bos_token_id"),
+            eos_token_id=f.token_ids("eos_token_id"),
             **valves,
         )
 
@@ -300,76 +332,3 @@ class ModelConfig:
         kwargs.update(changes)
         return ModelConfig(**kwargs)
 
-
-def _read_window(raw: dict, fam: dict, arch: str, num_layers: int, source: str):
-    """(sliding_window, layer_types) from the family's convention."""
-    mode = fam.get("window")
-    layer_types = raw.get("layer_types")
-    if mode == "all":  # Mistral: one window for every layer
-        return (int(raw["sliding_window"]) if raw.get("sliding_window") else None), None
-    if mode == "layer_types":  # Gemma: a list, or a period (every n-th layer global)
-        window = raw.get("sliding_window")
-        if layer_types is None:
-            period = int(raw.get("sliding_window_pattern") or fam["window_period"])
-            layer_types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
-                           for i in range(num_layers)]
-        names = {"full_attention": "full", "sliding_attention": "sliding"}
-        if not isinstance(layer_types, list) or len(layer_types) != num_layers or \
-                any(t not in names for t in layer_types):
-            raise ConfigError(f"{source}: layer_types must list 'full_attention' or "
-                              f"'sliding_attention' for each of the {num_layers} layers")
-        return (int(window) if window else None), tuple(names[t] for t in layer_types)
-    if mode == "refuse" and raw.get("use_sliding_window"):
-        raise ConfigError(f"{source}: use_sliding_window=true (sliding-window attention on some layers "
-                          f"of {arch}) is not supported by sluice")
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        raise ConfigError(f"{source}: layer_types {sorted(set(layer_types))} is not supported; "
-                          "sluice implements full attention on every layer for this family")
-    return None, None
-
-
-def _read_rope(raw: dict, source: str) -> tuple[float, dict | None, float, float | None]:
-    """(theta, scaling, partial rotary fraction, sliding layers' theta) from both spellings: old
-    (rope_theta + rope_scaling, NeoX's rotary_pct/rotary_emb_base, Gemma 3's rope_local_base_freq)
-    and new (rope_parameters, possibly one dict per layer type)."""
-    params = raw.get("rope_parameters")
-    local = None
-    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
-        local = params.get("sliding_attention")
-        params = params["full_attention"]
-    if isinstance(local, dict):
-        if (local.get("rope_type") or "default") != "default":
-            raise ConfigError(f"{source}: RoPE scaling on sliding-window layers "
-                              f"({local.get('rope_type')!r}) is not supported")
-        local = local.get("rope_theta")
-    local = local or raw.get("rope_local_base_freq")
-    scaling = raw.get("rope_scaling")
-    merged: dict = {}
-    if isinstance(scaling, dict):
-        merged.update(scaling)
-    if isinstance(params, dict):
-        merged.update(params)
-    theta = merged.pop("rope_theta", None) or raw.get("rope_theta") or raw.get("rotary_emb_base") or 10000.0
-    rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
-    merged.pop("type", None)
-    if rope_type not in _ROPE_TYPES:
-        raise ConfigError(f"{source}: RoPE scaling type {rope_type!r} is not supported "
-                          f"(supported: {', '.join(_ROPE_TYPES)})")
-    partial = merged.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") \
-        or raw.get("rotary_pct") or 1.0
-    if not (isinstance(partial, (int, float)) and 0 < partial <= 1):
-        raise ConfigError(f"{source}: partial_rotary_factor must be in (0, 1], got {partial!r}")
-    for name, value in (("rope_theta", theta), ("sliding-layer rope_theta", local)):
-        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ConfigError(f"{source}: {name} must be a positive number, got {value!r}")
-    local = float(local) if local is not None else None
-    if rope_type == "default":
-        return float(theta), None, float(partial), local
-    required = {"linear": ("factor",),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                           "original_max_position_embeddings")}[rope_type]
-    missing = [k for k in required if merged.get(k) is None]
-    if missing:
-        raise ConfigError(f"{source}: RoPE type {rope_type!r} needs {', '.join(missing)}")
-    return float(theta), {"rope_type": rope_type, **{k: float(merged[k]) for k in required}}, \
-        float(partial), local
