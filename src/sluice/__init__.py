@@ -1,15 +1,53 @@
-"""sluice: a readable, fast, from-scratch decoder-LLM engine with an observatory for its numerics."""
+"""sluice: a readable, fast, from-scratch decoder-LLM engine with an observatory for its numerics.
 
-from .engine import LLM, RequestOutput
-from .engine.sampling import SamplingParams
+The public names below load on first use (PEP 562), so `import sluice` and the `sluice` command
+start without importing torch: a Ctrl-C or a usage error during start-up never meets a half-imported
+torch, and `sluice --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from .errors import (CheckpointError, ConfigError, ModelNotFoundError, RequestError, SluiceError,
                      TemplateError)
-from .model import ModelConfig, Transformer, load
-from .observatory import observe, surgery
-from .tokenizer import Tokenizer
-
-Model = Transformer
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "load", "observe", "Model", "ModelConfig", "Tokenizer", "Transformer", "SluiceError", "ConfigError",
-           "CheckpointError", "ModelNotFoundError", "TemplateError", "RequestError", "surgery"]
+
+# public name -> (module, attribute)
+_LAZY = {
+    "LLM": (".engine", "LLM"), "RequestOutput": (".engine", "RequestOutput"),
+    "SamplingParams": (".engine.sampling", "SamplingParams"),
+    "ModelConfig": (".model", "ModelConfig"), "Transformer": (".model", "Transformer"),
+    "Model": (".model", "Transformer"), "load": (".model", "load"),
+    "observe": (".observatory", "observe"), "surgery": (".observatory.surgery", None),
+    "Tokenizer": (".tokenizer", "Tokenizer"),
+}
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "load", "observe", "Model", "ModelConfig", "Tokenizer",
+           "Transformer", "SluiceError", "ConfigError", "CheckpointError", "ModelNotFoundError", "TemplateError",
+           "RequestError", "surgery"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'sluice' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module, __name__)
+    value = value if attr is None else getattr(value, attr)  # attr None: the name is a module
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # what editors and type checkers see
+    from .engine import LLM, RequestOutput
+    from .engine.sampling import SamplingParams
+    from .model import ModelConfig, Transformer, load
+    from .model import Transformer as Model
+    from .observatory import observe, surgery
+    from .tokenizer import Tokenizer

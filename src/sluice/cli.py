@@ -1,17 +1,21 @@
-"""The `sluice` command line: demo, generate, chat, inspect, train."""
+"""The `sluice` command line: demo, generate, chat, inspect, train, bench, profile, export-gguf.
+
+Every failure reaches the user as one line on stderr, never a traceback: a SluiceError (bad input,
+named) or an OSError (the file system said no) exits 2; Ctrl-C, even during start-up while torch
+is still importing, exits 130; a closed stdout pipe (`sluice generate ... | head`) ends quietly;
+anything else is a bug in sluice and says so (SLUICE_TRACEBACK=1 shows the traceback).
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
-from .benchmarks.cli import add_bench_parser
-from .errors import SluiceError
-from .model.gguf_cli import add_export_gguf_parser
-from .observatory.profile_cli import add_profile_parser, add_roofline_parser
+from .errors import RequestError, SluiceError
 
 
 def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
@@ -54,6 +58,24 @@ def _params(args):
                           stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
 
 
+def _utf8(text: str, what: str) -> str:
+    """`text` as given (argv and stdin decode bad bytes to lone surrogates), refused by name if it was
+    not valid UTF-8: a model sees text, and guessing what broken bytes meant would change the prompt."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise RequestError(f"{what} is not valid UTF-8: byte {bad!r} at character {e.start}") from None
+    return text
+
+
+def _stdin_lines():
+    """Lines of stdin with undecodable bytes kept (as surrogates) so one bad line is refused, not the session."""
+    with contextlib.suppress(AttributeError, ValueError):  # not a TextIOWrapper (e.g. replaced in a test)
+        sys.stdin.reconfigure(errors="surrogateescape")
+    return sys.stdin
+
+
 def _load_llm(args):
     """Load with a spinner on stderr, so a slow load never looks like a hang."""
     from rich.console import Console
@@ -67,6 +89,7 @@ def _load_llm(args):
 
 def cmd_generate(args) -> int:
     params = _params(args)  # validate before the (slow) load
+    _utf8(args.prompt, "the prompt")
     llm = _load_llm(args)
     prompt = args.prompt
     if args.chat:
@@ -92,8 +115,10 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     params = _params(args)
+    _utf8(args.system or "", "--system")
     llm = _load_llm(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
+    _stdin_lines()
     history = list(system)
     print("sluice chat: /reset clears the conversation, /exit or Ctrl-D quits, "
           "Ctrl-C stops a reply.", file=sys.stderr)
@@ -108,6 +133,11 @@ def cmd_chat(args) -> int:
             continue
         line = line.strip()
         if not line:
+            continue
+        try:
+            _utf8(line, "that line")
+        except RequestError as e:
+            print(f"error: {e}; nothing was sent", file=sys.stderr)
             continue
         if line == "/exit":
             return 0
@@ -156,7 +186,7 @@ def cmd_inspect(args) -> int:
     from .observatory.report import prepare_out_dir, save
     from .observatory.tables import print_all
     from .tokenizer import Tokenizer
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _utf8(_stdin_lines().read() if args.prompt == "-" else args.prompt, "the prompt")
     if not prompt:  # refused before the (slow) load; too long is checked once the tokenizer is here
         raise ObservatoryError("the prompt is empty: give some text to inspect, e.g. "
                                "sluice inspect \"def read_config(path):\"")
@@ -195,6 +225,11 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Imported here, not at the top: these pull in torch, and main() catches a Ctrl-C only from here on.
+    from .benchmarks.cli import add_bench_parser
+    from .model.gguf_cli import add_export_gguf_parser
+    from .observatory.profile_cli import add_profile_parser, add_roofline_parser
+
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -257,16 +292,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    command = "sluice"
     try:
+        args = build_parser().parse_args(argv)
+        command = f"sluice {args.command}"
         return args.func(args)
     except SluiceError as e:
-        print(f"sluice {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"{command}: error: {e}", 2)
     except KeyboardInterrupt:
-        with contextlib.suppress(Exception):
-            print("\ninterrupted", file=sys.stderr)
-        return 130
+        return _fail("\ninterrupted", 130)
+    except BrokenPipeError:
+        # The reader went away (`| head`): like other Unix tools, stop quietly. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise again.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
+    except MemoryError:
+        return _fail(f"{command}: error: out of memory (a smaller model, batch, --max-tokens or "
+                     "--dtype bfloat16 needs less)", 2)
+    except OSError as e:  # a full disk, a permission, a vanished file: the system's words, one line
+        return _fail(f"{command}: error: {e}", 2)
+    except Exception as e:  # noqa: BLE001 -- a bug in sluice: one line, the traceback on request
+        if os.environ.get("SLUICE_TRACEBACK"):
+            raise
+        return _fail(f"{command}: internal error (a bug in sluice, please report it): "
+                     f"{type(e).__name__}: {e} (set SLUICE_TRACEBACK=1 to see where)", 1)
+
+
+def _fail(message: str, code: int) -> int:
+    with contextlib.suppress(Exception):  # stderr itself may be a closed pipe
+        print(message, file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
