@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .sampling import Sampler, SamplingParams, _filter, _penalize
+from .sampling import NONFINITE, Sampler, SamplingParams, _filter, _penalize
 
 CHUNK = 32768  # head rows per step: a (32, 32768) fp32 block fits the L3 cache; few chunks, little overhead
 CANDIDATES = 1024  # the top-K kept per row with filters; raised to max(top_k) + 1 where a row needs it
@@ -43,7 +43,7 @@ _TINY = torch.finfo(torch.float32).tiny  # an Exp(1) draw of exactly 0 would giv
 
 @dataclass
 class HeadOut:
-    tokens: torch.Tensor  # (B,) int64 next tokens
+    tokens: torch.Tensor  # (B,) int64 next tokens; NONFINITE where a row's logits were not all finite
     fallback: torch.Tensor  # (B,) bool: rows sampled by the plain path this step
     log_z: torch.Tensor | None = None  # (B,) fp32 logsumexp of the model's logits (soft-capped, T 1, no penalty)
     logprobs: torch.Tensor | None = None  # (B,) fp32 log p of each token under that distribution
@@ -105,6 +105,7 @@ class FusedHead:
 
         best = torch.full((B,), -math.inf, device=dev)  # (B,) running best key
         best_id = torch.zeros(B, dtype=torch.int64, device=dev)
+        broken = torch.zeros(B, dtype=torch.bool, device=dev)  # a NaN or inf logit in any chunk, as the plain Sampler
         m_raw, s_raw = torch.full((B,), -math.inf, device=dev), torch.zeros(B, device=dev)
         m_t, s_t = torch.full((len(filt),), -math.inf, device=dev), torch.zeros(len(filt), device=dev)
         cand_v, cand_i = [], []  # per chunk (Bf, <=K): penalised logits and token ids
@@ -114,6 +115,7 @@ class FusedHead:
             c = z.shape[1]
             if softcap is not None:
                 z = torch.tanh(z / softcap) * softcap
+            broken |= ~z.isfinite().all(-1)
             if logprobs:
                 m_raw, s_raw = _online(m_raw, s_raw, z)
             if smp._use_penalty:
@@ -154,6 +156,7 @@ class FusedHead:
         if logprobs:
             out.log_z = m_raw + s_raw.log()
             out.logprobs = self._logits_of(hidden, weight, softcap, tokens) - out.log_z
+        out.tokens = tokens.masked_fill(broken, NONFINITE)  # after the uses above, which index with it
         return out
 
     def _resolve(self, cand_v, cand_i, K: int, V: int, fr, s_t):

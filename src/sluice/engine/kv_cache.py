@@ -9,9 +9,87 @@ attention mask is a pure function of positions (see Transformer.attention_mask).
 
 from __future__ import annotations
 
+import os
+import re
+
 import torch
 
+from ..errors import ConfigError, RequestError
 from ..model.config import ModelConfig
+
+# A request's batch state may take this fraction of the memory free when it starts: the rest is
+# left for prefill activations (runner.PREFILL_BYTES), the tokenizer and everything else running.
+DEFAULT_BUDGET_FRACTION = 0.5
+# Per (row, vocabulary entry), what one sampling step holds at most besides the KV cache: the fp32
+# logits, the sampler's noise and penalty mask, and _filter's sort (values, int64 order, probs,
+# cumsum, masks). Counted with the cache because it scales with the batch too.
+STEP_BYTES_PER_LOGIT = 48
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(value, name: str = "kv_cache_memory") -> int:
+    """A memory size in bytes, from an int or a string such as "4GiB", "512MiB", "2GB" or "1.5GB".
+
+    Binary (KiB, MiB, GiB, TiB) and decimal (KB, MB, GB, TB) units, case-insensitive; no unit = bytes."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{name} must be a number of bytes or a size such as '4GiB', got {value!r}")
+    if isinstance(value, str):
+        m = _SIZE.fullmatch(value)
+        unit = m and _UNITS.get(m.group(2).lower())
+        if not unit:
+            raise ConfigError(f"{name} must be a size such as '4GiB', '512MiB' or '2GB' "
+                              f"(units: {', '.join(u for u in _UNITS if u)}), got {value!r}")
+        value = int(float(m.group(1)) * unit)
+    if value <= 0:
+        raise ConfigError(f"{name} must be a positive size, got {value!r}")
+    return value
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on `device` now, or None where the platform does not say."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:  # CPU (and MPS, whose memory is the system's): Linux says what it could give without swapping
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_budget(device: torch.device) -> int | None:
+    free = available_memory(device)
+    return None if free is None else int(free * DEFAULT_BUDGET_FRACTION)
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_budget(cfg: ModelConfig, batch_size: int, num_slots: int, dtype: torch.dtype,
+                 budget: int | None, given: bool) -> int:
+    """Refuse (RequestError, with the numbers) a batch whose KV cache and sampling buffers exceed
+    `budget` bytes; return the bytes it needs. `given`: the budget came from kv_cache_memory=."""
+    kv = KVCache.nbytes_for(cfg, batch_size, num_slots, dtype)
+    step = batch_size * cfg.vocab_size * STEP_BYTES_PER_LOGIT
+    if budget is None or kv + step <= budget:
+        return kv + step
+    where = ("kv_cache_memory" if given else
+             f"the default, {DEFAULT_BUDGET_FRACTION:g} of the memory available now")
+    fits = budget // (KVCache.nbytes_for(cfg, 1, num_slots, dtype) + cfg.vocab_size * STEP_BYTES_PER_LOGIT)
+    raise RequestError(
+        f"this request needs {_fmt(kv + step)} ({kv} bytes of KV cache for {batch_size} prompts x "
+        f"{num_slots} slots, plus {step} bytes of sampling buffers), over the budget of {_fmt(budget)} "
+        f"({where}); send fewer prompts at once (about {fits} fit), lower max_tokens or shorten "
+        f"the prompts, or raise LLM(kv_cache_memory=...) / --kv-cache-memory if the memory is there")
 
 
 class KVCache:

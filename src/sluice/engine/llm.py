@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,13 +10,15 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..errors import ConfigError, RequestError
+from ..errors import ConfigError, NumericsError, RequestError
 from ..model.hub import resolve_model_dir
 from ..model.loading import bundled_model_dir, load
 from ..tokenizer import Tokenizer
 from .fused_head import FusedHead
+from .kv_cache import check_budget, default_budget, parse_size
+from .requests import as_prompt_list, token_ids
 from .runner import Runner
-from .sampling import Sampler, SamplingParams
+from .sampling import NONFINITE, Sampler, SamplingParams
 from .streaming import TextStream
 
 # "auto" steps taken on the fused head before its fallback rate may send a batch back to the plain one.
@@ -61,7 +64,13 @@ class Stats:
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "float32",
                  max_model_len: int | None = None, compile: bool = False, fused_head: bool | str = "auto",
-                 device: str | torch.device = "cpu", quantize: str | None = None, kernels: bool | str = "auto"):
+                 device: str | torch.device = "cpu", quantize: str | None = None, kernels: bool | str = "auto",
+                 kv_cache_memory: int | str | None = None):
+        """kv_cache_memory: the most a request's batch state (KV cache plus per-row sampling buffers)
+        may take, as bytes or a size such as "4GiB"; None = half of the memory available when each
+        request starts. A request over it is refused before any compute, with its numbers."""
+        # The default is read per request, not here: what is free changes while the process runs.
+        self.kv_cache_memory = None if kv_cache_memory is None else parse_size(kv_cache_memory)
         if fused_head not in (True, False, "auto"):
             raise ConfigError(f"fused_head must be True, False or 'auto', got {fused_head!r}")
         if kernels not in (True, False, "auto"):
@@ -91,23 +100,33 @@ class LLM:
             self.eos_token_ids |= {eos} if isinstance(eos, int) else set(eos or [])
         self.runner = Runner(self.model, compile=compile)
         self.last_stats = Stats()
+        # One request at a time: the runner holds a single KV cache. Taken without waiting, so a
+        # second caller (another thread, a generate() inside an open stream()) hears so at once.
+        self._busy = threading.Lock()
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists), decoding them as one batch."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        outputs, params = self._start(list(prompts), params)
+        outputs, params = self._start(as_prompt_list(prompts), params)
         for _ in self._run(outputs, params):
             pass
         return outputs
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one completion; concatenated they equal the final text."""
+        if not isinstance(prompt, str):
+            prompt = as_prompt_list(prompt)
+            if len(prompt) != 1:
+                raise RequestError(f"stream() takes one prompt, got {len(prompt)}")
+            prompt = prompt[0]
         outputs, params = self._start([prompt], params)
-        for _, delta in self._run(outputs, params):
-            yield delta
+        run = self._run(outputs, params)
+        try:
+            for _, delta in run:
+                yield delta
+        finally:
+            run.close()  # frees the LLM now if this stream was closed early, not when run is collected
         self.last_output = outputs[0]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
@@ -115,8 +134,9 @@ class LLM:
         return self.generate([self.chat_prompt(messages, **template_kwargs)], params)[0]
 
     def chat_prompt(self, messages: list[dict], **template_kwargs) -> list[int]:
+        # max_tokens: a conversation that cannot fit the context is refused before it is tokenized
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  **template_kwargs)
+                                                  max_tokens=self.max_model_len, **template_kwargs)
 
     def _use_kernels(self, required: bool) -> int:
         """Put sluice's small-batch CPU kernel (engine/gemv.py) under the model's float linears:
@@ -155,30 +175,53 @@ class LLM:
             p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params)
 
     def _start(self, prompts: list, params) -> tuple[list[RequestOutput], list[SamplingParams]]:
-        """Validate the request and resolve its params, before any compute."""
+        """Validate the request and resolve its params, before any compute. Every check comes
+        before the work it guards: the memory budget (a lower bound) before tokenizing, a text's
+        byte count before tokenizing it, a token list's length before reading its elements."""
         if not prompts:
             raise RequestError("no prompts given")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        if isinstance(params, (str, bytes)) or not hasattr(params, "__len__"):
+            raise RequestError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
         if len(params) != len(prompts):
             raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        vocab = self.model.config.vocab_size
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise RequestError(f"params {i} must be a SamplingParams, got {type(p).__name__}")
+        cfg, limit = self.model.config, self.max_model_len
+        vocab = cfg.vocab_size
         params = [p.with_defaults(self.generation_config) for p in params]
+        for i, p in enumerate(params):
+            p.validate(vocab)
+            if p.max_tokens >= limit:
+                raise RequestError(f"prompt {i} asks for max_tokens={p.max_tokens}, which leaves no room for a "
+                                   f"prompt in the context of {limit} tokens (lower max_tokens)")
+        budget = self.kv_cache_memory or default_budget(self.device)
+        dtype = self.model.embed.weight.dtype
+        # Every row needs at least one prompt token: refuse a hopeless batch before tokenizing it.
+        check_budget(cfg, len(prompts), Runner.slots_for(1 + min(p.max_tokens for p in params)), dtype,
+                     budget, self.kv_cache_memory is not None)
         outputs = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            p.validate(vocab)
             text = prompt if isinstance(prompt, str) else None
-            ids = self.tokenizer.encode(prompt) if text is not None else [int(t) for t in prompt]
+            if text is not None:
+                try:  # refused from its length alone when it cannot fit, before tokenizing
+                    ids = self.tokenizer.encode(text, max_tokens=limit)
+                except RequestError as e:
+                    raise RequestError(f"prompt {i}: {e}") from None
+            else:
+                ids = token_ids(i, prompt, vocab, limit)
             if not ids:
                 raise RequestError(f"prompt {i} is empty: at least one token is needed to condition on")
-            if any(t < 0 or t >= vocab for t in ids):
-                raise RequestError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
-            if len(ids) + p.max_tokens > self.max_model_len:
+            if len(ids) + p.max_tokens > limit:
                 raise RequestError(
                     f"prompt {i} has {len(ids)} tokens and asks for max_tokens={p.max_tokens}: "
-                    f"{len(ids) + p.max_tokens} tokens do not fit the context of {self.max_model_len} "
+                    f"{len(ids) + p.max_tokens} tokens do not fit the context of {limit} "
                     f"tokens (shorten the prompt or lower max_tokens)")
             outputs.append(RequestOutput(prompt_token_ids=ids, prompt=text))
+        needed = max(len(o.prompt_token_ids) + p.max_tokens for o, p in zip(outputs, params, strict=True))
+        check_budget(cfg, len(outputs), Runner.slots_for(needed), dtype, budget, self.kv_cache_memory is not None)
         return outputs, params
 
     def _run(self, outputs: list[RequestOutput],
@@ -186,7 +229,18 @@ class LLM:
         """Prefill all rows together, then decode until every row has finished.
 
         Yields (row, text delta) as text becomes final. One host sync per step (the sampled ids,
-        needed to detokenize and check stops); the model step and the sampler have none."""
+        needed to detokenize and check stops); the model step and the sampler have none. Holds the
+        LLM for its whole life: a stream() closed early (close(), break, garbage collection) runs
+        the finally clause below and frees it."""
+        if not self._busy.acquire(blocking=False):
+            raise RequestError("this LLM is already running a request (a stream() that is still open, or "
+                               "another thread?); finish or close it first, or use one LLM per thread")
+        try:
+            yield from self._decode(outputs, params)
+        finally:
+            self._busy.release()
+
+    def _decode(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[tuple[int, str]]:
         B = len(outputs)
         if self._kernels_pending and B >= 2:
             self._kernels_pending = False  # swapped (or not) once, for good
@@ -215,6 +269,11 @@ class LLM:
                 ids = tokens.tolist()
                 for b in list(active):
                     out, tok = outputs[b], ids[b]
+                    if tok == NONFINITE:  # the sampler found NaN or inf in this row's logits
+                        raise NumericsError(
+                            f"the model produced non-finite logits (NaN or inf) at step {len(out.token_ids)} of "
+                            f"prompt {b} (NaN or inf in the weights or the config?); `sluice inspect` shows "
+                            "the layer where it starts")
                     out.token_ids.append(tok)
                     stats.generated_tokens += 1
                     if tok in stop_ids[b]:
@@ -236,7 +295,8 @@ class LLM:
                     break
                 if fused and self.fused_head == "auto" and head.calls >= AUTO_PROBATION and head.fallback_rate > 0.25:
                     fused = False  # the candidates rarely prove this batch's cuts (a flat model): plain from here
-                tokens = sample(self.runner.step(tokens, hidden=fused))
+                # A finished row may have gone non-finite; it keeps stepping (static shapes) on a real id.
+                tokens = sample(self.runner.step(tokens.clamp_min(0), hidden=fused))
         finally:
             stats.decode_seconds = time.perf_counter() - t0
             stats.fused_head_steps, stats.fallback_rate = head.calls, head.fallback_rate

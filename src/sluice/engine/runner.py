@@ -5,6 +5,11 @@ The decode step has fixed shapes for a given batch: tokens (B, 1), positions (B,
 change mid-batch; with compile=True the step is traced once per (B, S) by torch.compile.
 With hidden=True prefill and step return the final-normed hidden states (B, C) instead of the
 logits, for the fused LM head + sampler (fused_head.py), which applies the head itself.
+
+Prefill's activations grow with rows x tokens x slots (the attention mask and scores are (T, S)
+per row and head), so a big batch or a long prompt is run in several forwards over slices of rows
+and, for one long row, of positions: each writes its keys into the shared cache, which is all a
+later slice needs to see them. Small requests take a single forward, as before.
 """
 
 from __future__ import annotations
@@ -15,6 +20,16 @@ from ..model.layers import Transformer
 from .kv_cache import KVCache
 
 SLOT_BUCKET = 64  # cache sizes are rounded up to this, so nearby request sizes share a compiled step
+PREFILL_BYTES = 1 << 30  # activations one prefill forward may hold; more rows/tokens go in another forward
+
+
+def prefill_tokens_per_forward(cfg, num_slots: int, itemsize: int) -> int:
+    """How many (row, position) tokens one prefill forward may take within PREFILL_BYTES: per token
+    a bool mask row and fp32 attention scores over the slots (the worst case of SDPA with a mask),
+    plus the MLP's and the attention's activations in the model dtype."""
+    per_token = num_slots * (2 + 4 * cfg.num_heads) + itemsize * (
+        3 * cfg.intermediate_size + 8 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+    return max(1, PREFILL_BYTES // per_token)
 
 
 class Runner:
@@ -31,20 +46,38 @@ class Runner:
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], num_slots: int, hidden: bool = False) -> torch.Tensor:
-        """Run all prompts in one forward (right-padded); return each row's last logits (B, V)
+        """Run all prompts (right-padded) into a new cache; return each row's last logits (B, V)
         (or, with hidden=True, last final-normed hidden states (B, C))."""
         cfg = self.model.config
         dtype, dev = self.model.embed.weight.dtype, self.model.embed.weight.device
         B, T = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros(B, T, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-        ids, lengths = ids.to(dev), torch.tensor([len(p) for p in prompts], device=dev)  # one copy each
-        positions = torch.arange(T, device=dev).expand(B, T)  # padding sits at positions no real token sees
         self.cache = KVCache(cfg, B, num_slots, dtype, dev)
-        out = self.model(ids, positions, self.cache, logits_at=lengths - 1, return_hidden=hidden)  # (B, 1, V|C)
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        budget = prefill_tokens_per_forward(cfg, num_slots, dtype.itemsize)
+        rows_per = max(1, budget // T)  # whole prompts per forward; one row's positions split if need be
+        span = T if rows_per > 1 else min(T, budget)
+        out = None
+        for b0 in range(0, B, rows_per):
+            b1 = min(B, b0 + rows_per)
+            part = prompts[b0:b1]
+            Tp = max(len(p) for p in part)
+            ids = torch.zeros(b1 - b0, Tp, dtype=torch.long)
+            for b, p in enumerate(part):
+                ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+            ids, last = ids.to(dev), lengths[b0:b1] - 1  # one copy
+            cache = KVCache.wrap(self.cache.k[:, b0:b1], self.cache.v[:, b0:b1])  # views: writes land in self.cache
+            for t0 in range(0, Tp, span):
+                t1 = min(Tp, t0 + span)
+                # padding sits at positions no real token sees
+                positions = torch.arange(t0, t1, device=dev).expand(b1 - b0, t1 - t0)
+                at = (last - t0).clamp(0, t1 - t0 - 1)  # rows whose last token is elsewhere read a stand-in
+                o = self.model(ids[:, t0:t1], positions, cache, logits_at=at, return_hidden=hidden)[:, 0]
+                if out is None:
+                    out = o.new_zeros(B, o.shape[1])
+                mine = ((last >= t0) & (last < t1))[:, None]
+                out[b0:b1] = torch.where(mine, o, out[b0:b1])
         self.pos = lengths.clone()
-        return out[:, 0]
+        return out
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, hidden: bool = False) -> torch.Tensor:

@@ -34,6 +34,9 @@ import torch.nn.functional as F
 from ..errors import RequestError
 
 DEFAULT_MAX_TOKENS = 256
+# The token a sampler returns for a row whose logits hold a NaN or an inf: no token can be drawn
+# from them, and finding out here costs no host sync; the caller sees it when it reads the ids.
+NONFINITE = -1
 
 # Our field name -> key in HF's generation_config.json.
 _HF_KEYS = {
@@ -181,8 +184,8 @@ _COLUMNS = (
 
 
 def _row_tensors(params: list[SamplingParams], vocab_size: int, device) -> dict[str, torch.Tensor]:
-    columns = list(zip(*(_row_values(p, vocab_size) for p in params))) or [()] * len(_COLUMNS)
-    return {name: torch.tensor(col, dtype=dt, device=device) for (name, dt), col in zip(_COLUMNS, columns)}
+    columns = list(zip(*(_row_values(p, vocab_size) for p in params), strict=True)) or [()] * len(_COLUMNS)
+    return {name: torch.tensor(col, dtype=dt, device=device) for (name, dt), col in zip(_COLUMNS, columns, strict=True)}
 
 
 def _penalize(x: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -292,7 +295,7 @@ class Sampler:
         p = params.with_defaults(None)
         p.validate(self.vocab_size)
         self.params[row] = p
-        for (name, _), value in zip(_COLUMNS, _row_values(p, self.vocab_size)):
+        for (name, _), value in zip(_COLUMNS, _row_values(p, self.vocab_size), strict=True):
             self.rows[name][row] = value
         self._generators[row] = _generator(p.seed, self.device)
         self.seen[row] = False
@@ -305,9 +308,11 @@ class Sampler:
         self.seen[row, ids] = True
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """(B, V) logits of any float dtype -> (B,) int64 next tokens."""
+        """(B, V) logits of any float dtype -> (B,) int64 next tokens, NONFINITE for a row whose
+        logits are not all finite."""
         assert logits.shape == self.seen.shape, f"logits {tuple(logits.shape)} != {tuple(self.seen.shape)}"
         x = logits.float()
+        broken = ~x.isfinite().all(-1)  # (B,)
         if self._use_penalty:
             x = _penalize(x, self.seen, self.rows["penalty"])
         tokens = None
@@ -325,4 +330,4 @@ class Sampler:
             tokens = greedy if tokens is None else torch.where(self.rows["greedy"], greedy, tokens)
         if self._use_penalty:
             self.seen.scatter_(1, tokens[:, None], True)
-        return tokens
+        return tokens.masked_fill(broken, NONFINITE)
