@@ -70,8 +70,9 @@ def test_resume_follows_the_same_loss_curve(tmp_path, corpus):
     run(r, tmp_path / "straight", log=lambda m: None, progress=False)
     run(r, tmp_path / "split", stop_at=4, log=lambda m: None, progress=False)
     assert not (tmp_path / "split" / "model").exists()  # interrupted: nothing exported yet
-    state = json.loads((tmp_path / "split" / "state" / "resume.json").read_text())
-    assert state["step"] == 4
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "split" / "state" / "resume.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["sluice.resume"])["step"] == 4
     summary = run(r, tmp_path / "split", resume=True, log=lambda m: None, progress=False)
     assert summary["step"] == 8
     assert losses(tmp_path / "split") == losses(tmp_path / "straight")
@@ -91,7 +92,7 @@ def test_cli_train_and_errors(tmp_path, corpus):
 def test_unknown_section_and_bad_type():
     with pytest.raises(RecipeError, match=r"unknown section\(s\) \['optimiser'\]"):
         Recipe.from_dict({"optimiser": {}})
-    with pytest.raises(RecipeError, match="steps must be a int, got 'ten'"):
+    with pytest.raises(RecipeError, match=r"recipe: train\.steps must be an integer in \[1, \d+\], got 'ten'"):
         Recipe.from_dict({"train": {"steps": "ten"}})
 
 

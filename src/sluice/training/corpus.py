@@ -46,10 +46,22 @@ def load_corpus(spec: CorpusSpec) -> Corpus:
     root = corpus_root(spec)
     if not root.is_dir():
         raise CorpusError(f"corpus directory {root} does not exist")
+    inside = root.resolve()
     excluded = set(spec.exclude_parts)
-    files = sorted(p for p in root.glob(spec.glob)
-                   if p.is_file() and not excluded & set(p.relative_to(root).parts[:-1])
-                   and p.stat().st_size > 0)
+    try:  # the recipe already refused absolute and '..' patterns; this catches malformed ones
+        matches = sorted(root.glob(spec.glob))
+    except (ValueError, NotImplementedError, OSError) as e:
+        raise CorpusError(f"corpus.glob {spec.glob!r} cannot be matched in {root}: {e}") from None
+    files = []
+    for p in matches:
+        if excluded & set(p.relative_to(root).parts[:-1]):
+            continue
+        # A symlink can point anywhere: only what resolves inside the corpus directory is corpus.
+        if not p.resolve().is_relative_to(inside):
+            raise CorpusError(f"corpus file {p} resolves to {p.resolve()}, outside the corpus directory "
+                              f"{inside}; remove the link or narrow corpus.glob")
+        if p.is_file() and p.stat().st_size > 0:
+            files.append(p)
     if not files:
         raise CorpusError(f"corpus {root} has no non-empty files matching {spec.glob!r} "
                           f"(excluding path parts {sorted(excluded)})")
@@ -75,12 +87,36 @@ def train_tokenizer(corpus: Corpus, spec: TokenizerSpec) -> HFTokenizer:
 
 
 def encode_files(tok: HFTokenizer, texts: list[str], sep_id: int) -> np.ndarray:
-    """All texts as one uint16 stream, each followed by the end-of-text separator."""
-    out: list[int] = []
-    for enc in tok.encode_batch(texts, add_special_tokens=False):
-        out.extend(enc.ids)
-        out.append(sep_id)
-    return np.asarray(out, dtype=np.uint16 if tok.get_vocab_size() < 65536 else np.int32)
+    """All texts as one token stream, each followed by the end-of-text separator."""
+    return encode_paths(tok, texts, sep_id)[0]
+
+
+# Text encoded per call: an Encoding keeps ids, offsets, masks and token strings (~100 bytes a token),
+# so encoding a whole corpus at once costs tens of times its size; a chunk bounds that.
+CHUNK_CHARS = 4 << 20
+
+
+def encode_paths(tok: HFTokenizer, items, sep_id: int) -> tuple[np.ndarray, int]:
+    """Files (paths, read one at a time) or texts as one token stream, each followed by the separator,
+    in chunks of about CHUNK_CHARS characters; also the UTF-8 bytes of the text encoded."""
+    dtype = np.uint16 if tok.get_vocab_size() < 65536 else np.int32
+    parts, chunk, size, nbytes = [], [], 0, 0
+
+    def flush():
+        for enc in tok.encode_batch(chunk, add_special_tokens=False):
+            parts.append(np.asarray([*enc.ids, sep_id], dtype=dtype))
+        chunk.clear()
+
+    for item in items:
+        text = item if isinstance(item, str) else Corpus.read(item)
+        nbytes += len(text.encode("utf-8"))
+        chunk.append(text)
+        size += len(text)
+        if size >= CHUNK_CHARS:
+            flush()
+            size = 0
+    flush()
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)), nbytes
 
 
 def token_byte_lengths(tok: HFTokenizer) -> np.ndarray:

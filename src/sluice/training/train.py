@@ -2,12 +2,14 @@
 
 Run directory layout:
   data/      tokenizer.json, train.npy, heldout.npy, data.json   (made once, reused on --resume)
-  state/     resume.safetensors (weights + AdamW moments), resume.json (step, history)
+  state/     resume.safetensors (weights, AdamW moments; step, history and recipe in its metadata)
   model/     the exported Hugging Face checkpoint (sluice and transformers both load it)
   log.jsonl  one line per logged step; at evaluations also held-out loss and the valve summary
 
 Batches are a pure function of (seed, step), and the optimizer state is saved exactly, so a run
-resumed from a checkpoint follows the same loss curve as one that never stopped.
+resumed from a checkpoint follows the same loss curve as one that never stopped. Nothing here
+trusts the recipe's sizes (budget.py checks them against free memory before any allocation) or
+the loss (the first non-finite one stops the run before it reaches the weights or a checkpoint).
 """
 
 from __future__ import annotations
@@ -15,55 +17,29 @@ from __future__ import annotations
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import SluiceError
 from ..model.config import ModelConfig
 from ..model.layers import Transformer
 from ..observatory.training import valve_summary
-from .corpus import (compression_baselines, encode_files, load_corpus, token_byte_lengths,
-                     train_tokenizer)
+from . import budget
+from .corpus import token_byte_lengths
+from .data import load_data, prepare_data
 from .export import export_hf
 from .recipe import Recipe
+from .state import STATE_FILE, load_state, save_state
 
 
-def prepare_data(recipe: Recipe, data_dir: Path, log) -> dict:
-    """Tokenizer + token streams, built once per run directory."""
-    meta_path = data_dir / "data.json"
-    if meta_path.is_file():
-        return json.loads(meta_path.read_text())
-    data_dir.mkdir(parents=True, exist_ok=True)
-    corpus = load_corpus(recipe.corpus)
-    log(f"corpus {corpus.root}: {len(corpus.train)} train files, {len(corpus.heldout)} held-out files")
-    t0 = time.perf_counter()
-    tok = train_tokenizer(corpus, recipe.tokenizer)
-    tok.save(str(data_dir / "tokenizer.json"))
-    sep = tok.token_to_id(recipe.tokenizer.special_tokens[0])
-    train_texts, held_texts = corpus.texts("train"), corpus.texts("heldout")
-    train_ids = encode_files(tok, train_texts, sep)
-    held_ids = encode_files(tok, held_texts, sep)
-    np.save(data_dir / "train.npy", train_ids)
-    np.save(data_dir / "heldout.npy", held_ids)
-    meta = {"root": str(corpus.root), "train_files": len(corpus.train),
-            "heldout_files": len(corpus.heldout),
-            "train_bytes": sum(len(t.encode()) for t in train_texts),
-            "heldout_bytes": sum(len(t.encode()) for t in held_texts),
-            "train_tokens": int(train_ids.size), "heldout_tokens": int(held_ids.size),
-            "vocab_size": tok.get_vocab_size(), "sep_id": sep,
-            "baselines": compression_baselines(held_texts) if held_texts else {},
-            "tokenizer_seconds": round(time.perf_counter() - t0, 1)}
-    meta_path.write_text(json.dumps(meta, indent=1))
-    log(f"tokenizer + encoding: {meta['train_tokens']:,} train tokens "
-        f"({meta['train_bytes'] / max(meta['train_tokens'], 1):.2f} bytes/token), "
-        f"{meta['heldout_tokens']:,} held-out tokens")
-    return meta
+class TrainingError(SluiceError):
+    """Training cannot go on: the loss diverged, the run directory is unusable, the disk is full."""
 
 
 def model_config(recipe: Recipe, vocab_size: int, sep_id: int) -> ModelConfig:
@@ -78,7 +54,9 @@ def model_config(recipe: Recipe, vocab_size: int, sep_id: int) -> ModelConfig:
 
 
 def lr_at(step: int, t) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
+    """Linear warmup from lr / warmup_steps at step 0 to lr, then a cosine from lr down to
+    min_lr_ratio * lr, which it reaches at step `steps`, one past the last step trained (kept so:
+    the bundled model was trained with exactly this schedule)."""
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
     progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
@@ -111,59 +89,58 @@ def evaluate(model, tokens: np.ndarray, byte_len: np.ndarray, seq_len: int, max_
         nbytes += int(byte_len[y.numpy()].sum())
         count += y.numel()
     model.train(was_training)
+    if not count:  # a loss of 0.0 over nothing would read as a perfect model
+        raise TrainingError(f"evaluation measured nothing: {tokens.size} held-out tokens, max_tokens "
+                            f"{max_tokens}, fewer than one window of seq_len + 1 = {seq_len + 1}")
     return {"loss": nats / max(count, 1), "bpb": nats / math.log(2) / max(nbytes, 1),
             "tokens": count, "bytes": nbytes}
-
-
-def save_state(state_dir: Path, model, opt, step: int, history: list) -> None:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()
-               if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for k, v in opt.state.get(p, {}).items():
-                if k != "step":
-                    tensors[f"opt.{names[id(p)]}.{k}"] = v.contiguous()
-    adam_step = next((float(s["step"]) for s in opt.state.values()), 0.0)
-    tmp = state_dir / "resume.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(state_dir / "resume.safetensors")  # atomic: an interrupted save keeps the old one
-    (state_dir / "resume.json").write_text(json.dumps({"step": step, "adam_step": adam_step,
-                                                       "history": history}))
-
-
-def load_state(state_dir: Path, model, opt) -> tuple[int, list]:
-    meta = json.loads((state_dir / "resume.json").read_text())
-    tensors = load_file(str(state_dir / "resume.safetensors"))
-    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
-    model.tie_weights()
-    for name, p in model.named_parameters():
-        if f"opt.{name}.exp_avg" in tensors:
-            opt.state[p] = {"step": torch.tensor(meta["adam_step"]),
-                            "exp_avg": tensors[f"opt.{name}.exp_avg"],
-                            "exp_avg_sq": tensors[f"opt.{name}.exp_avg_sq"]}
-    return meta["step"], meta["history"]
 
 
 def run(recipe: Recipe, out_dir: str | Path, resume: bool = False, stop_at: int | None = None,
         log=None, progress: bool | None = None) -> dict:
     """Train per `recipe` into `out_dir`; returns the summary also written to summary.json."""
-    out = Path(out_dir)
+    try:
+        return _run(recipe, Path(out_dir), resume, stop_at, log, progress)
+    except OSError as e:  # a full disk or a vanished directory mid-run: say which file, not a traceback
+        raise TrainingError(f"training into {out_dir} failed on {e.filename or 'a file'}: "
+                            f"{e.strerror or e}") from None
+
+
+def check_out_dir(out: Path, resume: bool) -> None:
+    """--out must be (or become) a writable directory, checked before any time is spent."""
+    state = out / "state"
+    if out.exists() and not out.is_dir():
+        raise TrainingError(f"--out {out} is a file, not a directory")
+    if resume and not (state / STATE_FILE).is_file():
+        raise TrainingError(f"--resume: no checkpoint in {state} to resume from")
+    if not resume and state.exists():
+        raise TrainingError(f"{out} already holds a run; pass --resume to continue it or pick a new --out")
+    for sub in ("data", "state", "model"):
+        if (out / sub).exists() and not (out / sub).is_dir():
+            raise TrainingError(f"--out {out}: {out / sub} is a file where the run keeps a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise TrainingError(f"--out {out} is not a writable directory: {e.strerror or e}") from None
+
+
+def _run(recipe: Recipe, out: Path, resume: bool, stop_at: int | None, log, progress) -> dict:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    state_dir = out / "state"
-    if resume and not (state_dir / "resume.json").is_file():
-        raise SluiceError(f"--resume: no checkpoint in {state_dir} to resume from")
-    if not resume and state_dir.exists():
-        raise SluiceError(f"{out} already holds a run; pass --resume to continue it or pick a new --out")
-    out.mkdir(parents=True, exist_ok=True)
-    meta = prepare_data(recipe, out / "data", log)
+    if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
+        raise TrainingError(f"--stop-at must be a step >= 1, got {stop_at!r}")
     t = recipe.train
-    train_ids = np.load(out / "data" / "train.npy")
-    held_ids = np.load(out / "data" / "heldout.npy")
-    if train_ids.size <= t.seq_len + 1:
-        raise SluiceError(f"corpus too small: {train_ids.size} training tokens for seq_len {t.seq_len}")
-    tok = HFTokenizer.from_file(str(out / "data" / "tokenizer.json"))
+    # Sized with the recipe's vocab_size, the most the tokenizer can have: before any allocation.
+    upper = model_config(recipe, recipe.tokenizer.vocab_size, 0)
+    budget.check(budget.training_bytes(recipe, upper.num_params),
+                 f"{recipe.path}: training {upper.num_params:,} parameters on train.micro_batch "
+                 f"{t.micro_batch} x train.seq_len {t.seq_len} tokens",
+                 "lower train.micro_batch or train.seq_len (raise train.grad_accum to keep the batch), "
+                 "or the model's sizes")
+    check_out_dir(out, resume)
+    state_dir = out / "state"
+    meta = prepare_data(recipe, out / "data", log)
+    train_ids, held_ids, tok = load_data(recipe, out / "data", meta)
     byte_len = token_byte_lengths(tok)
     # The window whose valves are recorded at each evaluation: fixed, so the series compare.
     probe = torch.from_numpy(held_ids[:t.seq_len].astype(np.int64))[None]  # (1, T)
@@ -177,7 +154,7 @@ def run(recipe: Recipe, out_dir: str | Path, resume: bool = False, stop_at: int 
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=t.lr, betas=tuple(t.betas), fused=True)
-    start, history = (load_state(state_dir, model, opt) if resume else (0, []))
+    start, history = (load_state(state_dir, model, opt, recipe) if resume else (0, []))
     if resume:
         log(f"resumed at step {start} from {state_dir}")
     step_fn = torch.compile(model) if t.compile else model
@@ -189,46 +166,54 @@ def run(recipe: Recipe, out_dir: str | Path, resume: bool = False, stop_at: int 
     bar = _Progress(last - start, enabled=sys.stderr.isatty() if progress is None else progress)
     t_run = time.perf_counter()
     step = start
-    while step < min(last, t.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, t)
-        total = 0.0
-        for micro in range(t.grad_accum):
-            x, y = batch(train_ids, t, step, micro)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
-                logits = step_fn(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / t.grad_accum
-            loss.backward()
-            total += loss.item()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip).item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        elapsed = time.perf_counter() - t_run
-        rate = (step - start) * tokens_per_step / elapsed
-        history.append(round(total, 6))
-        rec = {"step": step, "loss": total, "lr": lr_at(step - 1, t), "grad_norm": gnorm,
-               "tok_s": rate, "elapsed": elapsed}
-        bar.update(step, total, rate, (min(last, t.steps) - step) * tokens_per_step / max(rate, 1e-9))
-        if step % t.eval_every == 0 or step == t.steps:
-            ev = evaluate(model, held_ids, byte_len, t.seq_len, t.eval_tokens, t.autocast_bf16)
-            rec.update(heldout_loss=ev["loss"], heldout_bpb=ev["bpb"])
-            if probe.numel():  # the eager model, not step_fn: see valve_summary on recompiles
-                rec["valves"] = valve_summary(model, probe, t.autocast_bf16)
-            bar.note(f"step {step}: train loss {total:.3f}, held-out loss {ev['loss']:.3f}, "
-                     f"{ev['bpb']:.3f} bits/byte", log)
-        log_file.write(json.dumps(rec) + "\n")
-        log_file.flush()
-        if not bar.enabled and step % 10 == 0:
-            log(f"step {step}/{t.steps} loss {total:.4f} {rate:,.0f} tok/s")
-        if step % t.checkpoint_every == 0:
-            save_state(state_dir, model, opt, step, history)
-        if time.time() > deadline:
-            log(f"max_minutes={t.max_minutes} reached at step {step}: stopping and exporting")
-            break
-    bar.close()
-    log_file.close()
-    save_state(state_dir, model, opt, step, history)
+    try:
+        while step < min(last, t.steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, t)
+            total = 0.0
+            for micro in range(t.grad_accum):
+                x, y = batch(train_ids, t, step, micro)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
+                    logits = step_fn(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / t.grad_accum
+                loss.backward()
+                total += loss.item()  # the loop syncs here anyway (for the log): checking it is free
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip).item()
+            if not (math.isfinite(total) and math.isfinite(gnorm)):  # before it reaches the weights
+                raise TrainingError(_diverged(step + 1, f"loss {total}, gradient norm {gnorm}", t, state_dir))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            elapsed = time.perf_counter() - t_run
+            rate = (step - start) * tokens_per_step / elapsed
+            history.append(round(total, 6))
+            rec = {"step": step, "loss": total, "lr": lr_at(step - 1, t), "grad_norm": gnorm,
+                   "tok_s": rate, "elapsed": elapsed}
+            bar.update(step, total, rate, (min(last, t.steps) - step) * tokens_per_step / max(rate, 1e-9))
+            if step % t.eval_every == 0 or step == t.steps:
+                ev = evaluate(model, held_ids, byte_len, t.seq_len, t.eval_tokens, t.autocast_bf16)
+                if not math.isfinite(ev["loss"]):
+                    raise TrainingError(_diverged(step, f"held-out loss {ev['loss']}", t, state_dir))
+                rec.update(heldout_loss=ev["loss"], heldout_bpb=ev["bpb"])
+                if probe.numel():  # the eager model, not step_fn: see valve_summary on recompiles
+                    rec["valves"] = valve_summary(model, probe, t.autocast_bf16)
+                bar.note(f"step {step}: train loss {total:.3f}, held-out loss {ev['loss']:.3f}, "
+                         f"{ev['bpb']:.3f} bits/byte", log)
+            log_file.write(json.dumps(rec) + "\n")
+            log_file.flush()
+            if not bar.enabled and step % 10 == 0:
+                log(f"step {step}/{t.steps} loss {total:.4f} {rate:,.0f} tok/s")
+            if step % t.checkpoint_every == 0:
+                _check_finite(model, step, t, state_dir)
+                save_state(state_dir, model, opt, step, history, recipe)
+            if time.time() > deadline:
+                log(f"max_minutes={t.max_minutes} reached at step {step}: stopping and exporting")
+                break
+    finally:  # a divergence still leaves the log complete up to its last step
+        bar.close()
+        log_file.close()
+    _check_finite(model, step, t, state_dir)
+    save_state(state_dir, model, opt, step, history, recipe)
     summary = {"step": step, "steps_planned": t.steps, "tokens_seen": step * tokens_per_step,
                "train_seconds_this_session": round(time.perf_counter() - t_run, 1),
                "tokens_per_second": round((step - start) * tokens_per_step
@@ -242,6 +227,19 @@ def run(recipe: Recipe, out_dir: str | Path, resume: bool = False, stop_at: int 
     if "export" in summary:
         write_card(out, t.seq_len)
     return summary
+
+
+def _diverged(step: int, what: str, t, state_dir: Path) -> str:
+    return (f"training diverged at step {step}: {what} (train.lr {t.lr}, lr at this step "
+            f"{lr_at(step - 1, t):.3g}, train.grad_clip {t.grad_clip}, train.init_std {t.init_std}); "
+            f"nothing was exported and {state_dir} keeps the last finite checkpoint. "
+            f"Lower train.lr or train.init_std, or lengthen train.warmup_steps")
+
+
+def _check_finite(model, step: int, t, state_dir: Path) -> None:
+    """Weights go to a checkpoint or an export only if finite: one host sync per save, not per step."""
+    if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():
+        raise TrainingError(_diverged(step, "the weights hold NaN or infinite values", t, state_dir))
 
 
 def write_card(out: Path, seq_len: int) -> dict:
