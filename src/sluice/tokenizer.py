@@ -10,19 +10,17 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
+from .chat_template import TemplateRaised, compile_template, plain, render
 from .errors import CheckpointError, RequestError, TemplateError
 from .model.hub import resolve_model_dir
+from .token_bound import check_fits, check_max_tokens, max_token_bytes, utf8_bytes
 
 # The named special tokens transformers passes to every chat template (when set).
 _NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -55,6 +53,8 @@ class Tokenizer:
         self.generation_config = dict(generation_config or {})  # also the engine's sampling defaults
         self.eos_token_ids = _eos_ids(self.generation_config.get("eos_token_id"), self._id_or_none(self.eos_token))
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        # The most input bytes one token stands for: encode(max_tokens=) refuses longer texts before tokenizing.
+        self.max_token_bytes, self.max_token_bytes_exact = max_token_bytes(backend)
         self.all_special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         self.all_special_ids |= {i for i in map(self._id_or_none, [*names.values(), *extra]) if i is not None}
         # transformers ignores clean_up_tokenization_spaces for BPE models (it would delete real spaces before
@@ -90,9 +90,16 @@ class Tokenizer:
 
     # -- text <-> ids ---------------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, *, max_tokens: int | None = None,
+               what: str = "the prompt") -> list[int]:
+        """Token ids of `text`. With max_tokens, a text that cannot possibly fit in that many tokens is refused
+        (RequestError) before tokenizing, from its byte count alone; the exact count check is the caller's."""
         if not isinstance(text, str):
             raise RequestError(f"encode expects a str, got {type(text).__name__}")
+        check_max_tokens(max_tokens)
+        n_bytes = utf8_bytes(text, what)  # also refuses lone surrogates, which the Rust side can't take
+        if max_tokens is not None:
+            check_fits(n_bytes, max_tokens, self.max_token_bytes, what)
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -116,32 +123,52 @@ class Tokenizer:
     # -- chat -----------------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = False, tools=None, **kwargs) -> str | list[int]:
+                            tokenize: bool = False, tools=None, *, max_tokens: int | None = None,
+                            **kwargs) -> str | list[int]:
         """Render `messages` with the model's chat template, as transformers' apply_chat_template does.
 
         Extra kwargs (enable_thinking=False, date_string=..., documents=...) become template variables.
         With tokenize=True the rendered text is encoded without adding special tokens, because templates
         write their own (a Llama 3 template starts with bos_token; adding it again would double it).
+        With max_tokens, any one input string, and the rendered text, that cannot fit in that many tokens
+        is refused (RequestError) before it is rendered or tokenized; see `encode`.
         """
+        check_max_tokens(max_tokens)
         name = "tool_use" if tools is not None and "tool_use" in self._templates else "default"
         template = self._compile(name)
         if not messages:
             raise RequestError("apply_chat_template needs at least one message")
         if tools is not None and not all(isinstance(t, Mapping) for t in tools):
             raise RequestError("tools must be a list of JSON-schema dicts")
-        variables = _plain({"documents": None, **self._template_specials, **kwargs,
-                            "messages": _prepare_messages(messages), "tools": tools,
-                            "add_generation_prompt": add_generation_prompt})
+
+        def check(text: str, where: str) -> None:
+            n_bytes = utf8_bytes(text, where)
+            if max_tokens is not None:
+                check_fits(n_bytes, max_tokens, self.max_token_bytes, where)
+
+        given = {"documents": None, **self._template_specials, **kwargs, "messages": _prepare_messages(messages),
+                 "tools": tools, "add_generation_prompt": add_generation_prompt}
+        variables = {key: plain(value, check, key) for key, value in given.items()}
+        bound = None if max_tokens is None else max_tokens * self.max_token_bytes
         try:
-            rendered = template.render(**variables)
-        except _TemplateRaised as err:
+            rendered = render(template, variables, bound, lambda chars: RequestError(
+                f"the rendered chat prompt passed {chars:,} characters; at most {max_tokens:,} tokens x "
+                f"{self.max_token_bytes:,} bytes per token = {bound:,} bytes fit the context of {max_tokens:,} "
+                "tokens"))
+        except (TemplateError, RequestError):
+            raise
+        except TemplateRaised as err:
             raise TemplateError(f"the chat template refused this conversation: {err}") from None
         except jinja2.exceptions.SecurityError as err:
             raise TemplateError(
                 f"the chat template tried to access an unsafe attribute and the sandbox refused it: {err}") from err
         except Exception as err:  # a template is untrusted code: any failure inside it is the template's failure
             raise TemplateError(f"the chat template failed to render: {type(err).__name__}: {err}") from err
-        return self.encode(rendered, add_special_tokens=False) if tokenize else rendered
+        if tokenize:
+            return self.encode(rendered, add_special_tokens=False, max_tokens=max_tokens,
+                               what="the rendered chat prompt")
+        check(rendered, "the rendered chat prompt")
+        return rendered
 
     def _compile(self, name: str) -> jinja2.Template:
         if name not in self._compiled:
@@ -151,7 +178,7 @@ class Tokenizer:
                 raise TemplateError(f"this model has no chat template{known}: pass a model with a chat_template "
                                     "in tokenizer_config.json or a chat_template.jinja file, or use plain prompts")
             try:
-                self._compiled[name] = _environment().from_string(source)
+                self._compiled[name] = compile_template(source)
             except jinja2.TemplateSyntaxError as err:
                 raise TemplateError(f"the chat template has a syntax error at line {err.lineno}: {err}") from err
         return self._compiled[name]
@@ -226,84 +253,3 @@ def _prepare_messages(messages: list) -> list[dict]:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         prepared.append(message)
     return prepared
-
-
-def _plain(value: Any) -> Any:
-    """Rebuild template inputs from plain JSON types: arbitrary objects would hand the template their methods."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    for base in (bool, int, float, str):  # enums and numpy scalars become their base type
-        if isinstance(value, base):
-            return base(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value] if isinstance(value, list) else tuple(_plain(v) for v in value)
-    if callable(getattr(value, "model_dump", None)):  # pydantic models (OpenAI SDK messages)
-        return _plain(value.model_dump())
-    return f"<{type(value).__name__}>"
-
-
-class _TemplateRaised(Exception):
-    """Raised by a template's own raise_exception(), to tell it apart from a template that is broken."""
-
-
-def _raise_exception(message: str):
-    raise _TemplateRaised(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # jinja's own tojson HTML-escapes (<, >, &, ') and takes no separators; templates expect json.dumps.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """namespace() that refuses "_"-prefixed names, so `{% set ns.__x = ... %}` can't plant dunders."""
-
-    def __init__(*args, **kwargs):  # jinja's own signature trick, so namespace(self=...) keeps working
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"templates may not set underscore-prefixed attribute {name!r}")
-
-
-class _Dict:
-    """Stands in for the `dict` global: templates can build dicts, but get no handle on the dict type itself."""
-
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """Accept transformers' {% generation %}...{% endgeneration %} (marks assistant text for training masks)."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body, lineno=lineno)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    # Chat templates come from the hub, i.e. untrusted code: the immutable sandbox blocks dunder access and
-    # mutation of the caller's messages. trim/lstrip_blocks are the whitespace rules templates are written for.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, namespace=_Namespace, dict=_Dict(),
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env
