@@ -221,3 +221,23 @@ def test_auto_returns_to_the_plain_head_when_rows_keep_falling_back(tiny_dir, mo
     assert heads[-1].fallback_rate > 0.25 and heads[-1].calls == llm_module.AUTO_PROBATION
     sluice.LLM(str(tiny_dir), fused_head=True).generate([[5, 6, 7]], p)
     assert heads[-1].calls == 30  # forced: every token through the fused head
+
+
+def test_top_p_one_row_keeps_far_tail_next_to_a_filtered_row(monkeypatch):
+    """As tests/test_sampling.py's test of the same name, on the fused head's candidate filter: a row
+    with top_p = 1 (and a min_p that keeps its tail) shares the batch with a top_p = 0.5 row. The race
+    is replaced by "pick the lowest-ranked kept candidate", so the pick shows whether the tail survived."""
+    import sluice.engine.fused_head as fh
+
+    def last_kept(x, rows, generators):
+        return x.isfinite().sum(-1) - 1  # candidates are sorted by value, so this is the lowest kept
+    monkeypatch.setattr(fh, "_race", last_kept)
+    n = 64
+    z = torch.full((2, n), -30.0)
+    z[:, 5] = 0.0  # the top token
+    z[:, 40] = -29.0  # the best of the tail: the last kept candidate is among the -30s after it
+    params = [SamplingParams(top_p=0.5, seed=1), SamplingParams(top_p=1.0, min_p=1e-30, seed=2)]
+    out = FusedHead(Sampler(params, n), chunk=16, candidates=n)(z, torch.eye(n))
+    assert not out.fallback.any()
+    assert out.tokens[0] == 5  # top_p 0.5 keeps only the top token
+    assert out.tokens[1] not in (5, 40) and z[1, out.tokens[1]] == -30.0  # the far tail was kept

@@ -283,9 +283,21 @@ def test_generation_config_sampling_values():
     assert isinstance(SamplingParams(temperature=1).with_defaults({}).temperature, float)
 
 
-def test_bad_generation_config_value_is_reported_as_such():
-    with pytest.raises(RequestError, match=r"^generation_config: temperature must be .*got 5.0$"):
-        SamplingParams().with_defaults({"temperature": 5.0})
+@pytest.mark.parametrize("cfg, shown", [
+    ({"temperature": 5.0}, r"^generation_config.json: temperature must be .*got 5.0$"),
+    ({"max_new_tokens": "16"}, r"^generation_config.json: max_new_tokens must be an integer >= 1, got '16'$"),
+    ({"max_new_tokens": True}, r"max_new_tokens must be .*got True$"),
+    ({"top_k": 2.5}, r"top_k must be an integer .*got 2.5$"),
+    ({"top_p": [0.9]}, r"top_p must be .*got \[0.9\]$"),
+    ({"repetition_penalty": float("nan")}, r"repetition_penalty must be .*got nan$"),
+    ({"do_sample": "false"}, r"^generation_config.json: do_sample must be true or false, got 'false'$"),
+])
+def test_bad_generation_config_value_is_reported_as_such(cfg, shown):
+    # named by the file and its own key, even when the request overrides that field
+    with pytest.raises(RequestError, match=shown):
+        SamplingParams(max_tokens=3, temperature=1.0, top_k=1, top_p=1.0).with_defaults(cfg)
+    with pytest.raises(RequestError, match="generation_config.json must hold a JSON object"):
+        SamplingParams().with_defaults([cfg])
 
 
 def test_with_defaults_revalidates_mutated_fields():
@@ -293,3 +305,16 @@ def test_with_defaults_revalidates_mutated_fields():
     p.temperature = 3.0
     with pytest.raises(RequestError, match="temperature must be .*got 3.0"):
         p.with_defaults({})
+
+
+def test_top_p_one_row_keeps_far_tail_next_to_a_filtered_row():
+    # Row 1's tail is so light (e^-30 each) that its fp32 cumulative mass reaches exactly 1 after the
+    # top token: only the explicit "top_p == 1 is off" rule keeps it. Row 0 turns top_p on for the batch.
+    V = 1001
+    logits = torch.full((2, V), -30.0)
+    logits[:, 0] = 0.0
+    assert logits[1].softmax(-1).cumsum(-1)[0] == 1.0  # the premise: rounding would drop the tail
+    probs = filtered_probs(logits, [SamplingParams(top_p=0.5), SamplingParams(top_p=1.0)])
+    assert probs[0, 1:].sum() == 0 and probs[0, 0] == 1  # the filtered row did cut
+    assert (probs[1] > 0).all()  # the top_p = 1 row kept every far-tail token
+    torch.testing.assert_close(probs[1], logits[1].softmax(-1), rtol=1e-5, atol=0)

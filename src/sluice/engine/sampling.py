@@ -140,13 +140,19 @@ class SamplingParams:
         the request sets a temperature itself. eos ids are the engine's business, not ours.
         """
         cfg = generation_config or {}
+        if not isinstance(cfg, dict):
+            raise RequestError(f"generation_config.json must hold a JSON object, got {type(cfg).__name__}")
         from_cfg = {ours: cfg[hf] for ours, hf in _HF_KEYS.items() if cfg.get(hf) is not None}
-        if cfg.get("do_sample") is False:
+        # A bad value in the model's file must not read as a bad request field: name the file and its key.
+        for ours, value in from_cfg.items():
+            rule, ok = _RULES[ours]
+            if not ok(value):
+                _fail(f"generation_config.json: {_HF_KEYS[ours]}", rule, value)
+        do_sample = cfg.get("do_sample")
+        if do_sample is not None and not isinstance(do_sample, bool):
+            _fail("generation_config.json: do_sample", "true or false", do_sample)  # "false" would read as true
+        if do_sample is False:
             from_cfg["temperature"] = 0.0
-        try:  # a bad value in the model's config should not read as a bad request field
-            SamplingParams(**from_cfg)
-        except RequestError as e:
-            raise RequestError(f"generation_config: {e}") from None
         filled = {
             name: getattr(self, name) if getattr(self, name) is not None else from_cfg.get(name, default)
             for name, default in _LIBRARY_DEFAULTS.items()
