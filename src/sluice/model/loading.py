@@ -11,7 +11,7 @@ from .config import ModelConfig
 from .hub import resolve_model_dir
 from .layers import Transformer
 from .quant import check_quantize, quantize_
-from .weights import load_weights
+from .weights import load_weights, plan_checkpoint
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16}
@@ -71,9 +71,12 @@ def load(path_or_repo_id: str | Path | None = None, dtype: str | torch.dtype = "
         check_quantize(quantize, dev)
     model_dir = bundled_model_dir() if path_or_repo_id is None else resolve_model_dir(path_or_repo_id)
     cfg = ModelConfig.from_hf(model_dir)
+    # The config against the files' headers before anything is built: a config.json whose sizes the
+    # weights do not have fails here, not after building a model of 10^9 layers.
+    plan = plan_checkpoint(cfg, model_dir)
     with torch.device("meta"):
         model = Transformer(cfg)
-    load_weights(model, model_dir, torch_dtype, dev)
+    load_weights(model, model_dir, torch_dtype, dev, plan)
     model.tie_weights()
     model.reset_rope(dev)
     model.model_dir = model_dir

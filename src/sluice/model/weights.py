@@ -7,14 +7,18 @@ memory is one copy of the weights plus one tensor.
 
 from __future__ import annotations
 
-import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
+from .hf_fields import shown
+from .safetensors_files import checkpoint_files, read_headers
+
+__all__ = ["checkpoint_files", "hf_to_sluice", "load_weights", "plan_checkpoint", "sluice_to_hf"]
 
 # HF name (with {i} for the layer) -> sluice name, one literal table per naming scheme. A value
 # that is a tuple is a fused HF tensor: (how it is split, the sluice names it becomes).
@@ -153,81 +157,115 @@ def _split(t: torch.Tensor, split: str | None, shapes: list[tuple[int, ...]], he
     return list(t.split([s[0] for s in shapes], dim=0))
 
 
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint (single file or shards listed in the index)."""
-    single = model_dir / "model.safetensors"
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is malformed ({e}); expected a JSON object with a "
-                                  "'weight_map' of tensor name -> shard file") from None
-        files = [model_dir / f for f in dict.fromkeys(weight_map.values())]
-        missing = [str(f.name) for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{index} lists shard files that do not exist: {', '.join(missing)}")
-        return files
-    if single.is_file():
-        return [single]
-    pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
-    if pickles:
-        raise CheckpointError(
-            f"{model_dir} holds only pickle weights ({', '.join(pickles)}). sluice refuses them: "
-            "unpickling runs arbitrary code from the file. Convert them once, on a machine where you "
-            "trust the file, to safetensors, e.g. python -c \"from transformers import "
-            "AutoModelForCausalLM as M; M.from_pretrained('DIR').save_pretrained('OUT')\" "
-            "(save_pretrained writes model.safetensors), then load OUT.")
-    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+_DTYPE_NAMES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One HF tensor to read: which file, how to split it, the sluice tensors it becomes."""
+    file: Path
+    split: str | None
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def _expected_shapes(cfg) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(shapes outside the layers, shapes of layer {i}) of the model `cfg` describes, from a one-layer
+    model on the meta device: the shapes come from layers.py itself, and nothing is allocated."""
+    from .layers import Transformer  # imported here: layers imports config, not weights
+    one = cfg.replace(num_layers=1, layer_types=cfg.layer_types[:1] if cfg.layer_types else None)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Transformer(one).state_dict().items()}
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    layer = {k.replace("layers.0.", "layers.{i}.", 1): v for k, v in shapes.items() if k.startswith("layers.0.")}
+    return {k: v for k, v in shapes.items() if not k.startswith("layers.")}, layer
+
+
+def _layers_in(names, scheme: str) -> int:
+    """How many layers the checkpoint's tensors describe (1 + the largest layer index)."""
+    top = -1
+    for name in names:
+        _, out = hf_to_sluice(name, scheme)
+        if out and out[0].startswith("layers."):
+            top = max(top, int(out[0].split(".")[1]))
+    return top + 1
+
+
+def plan_checkpoint(cfg, model_dir: Path) -> dict[str, Planned]:
+    """Check the config against the checkpoint's headers, reading no tensor data and building no
+    model: every tensor the config implies must exist with the implied shape and a loadable dtype,
+    and every tensor the files hold must be one the config implies. So a config.json claiming 10^9
+    layers, or a hidden size the files do not have, fails here, in milliseconds. Returns
+    {HF name: what to read} for load_weights."""
+    scheme = scheme_of(cfg.architecture)
+    found = {}
+    for hf_name, info in read_headers(checkpoint_files(model_dir)).items():
+        name = hf_name
+        if scheme == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
+            name = "transformer." + name  # the original GPT-2 files lack the prefix
+        if not _IGNORED.fullmatch(name):
+            found[name] = (hf_name, info)
+    layers = _layers_in(found, scheme)
+    if layers != cfg.num_layers:
+        raise CheckpointError(f"config.json in {model_dir} says {cfg.num_layers:,} layers, but the checkpoint "
+                              f"holds tensors for {layers}")
+    top, layer = _expected_shapes(cfg)
+    expected = dict(top)
+    for i in range(cfg.num_layers):
+        expected.update({k.replace("{i}", str(i)): v for k, v in layer.items()})
+    plan: dict[str, Planned] = {}
+    provided: set[str] = set()
+    for name, (hf_name, info) in found.items():
+        split, names = hf_to_sluice(name, scheme)
+        if names == ("lm_head.weight",) and "lm_head.weight" not in expected:
+            continue  # tied model whose file also stores the (identical) head
+        where = f"{shown(hf_name)} in {info.file.name}"
+        if not names or any(n not in expected for n in names):
+            raise CheckpointError(f"unexpected tensor {where}: this {cfg.architecture} config has no such "
+                                  "parameter")
+        shapes = tuple(expected[n] for n in names)
+        want = _source_shape(split, list(shapes))
+        if info.shape != want:
+            raise CheckpointError(f"tensor {where} has shape {info.shape}, but the config implies {want}")
+        if _DTYPE_NAMES.get(info.dtype) not in _LOADABLE_DTYPES:
+            raise CheckpointError(f"tensor {where} has dtype {_DTYPE_NAMES.get(info.dtype, info.dtype)}; "
+                                  "sluice loads float32, float16 and bfloat16 checkpoints only")
+        plan[hf_name] = Planned(info.file, split, names, shapes)
+        provided.update(names)
+    missing = sorted(set(expected) - provided)
+    if missing:
+        shown_ = ", ".join(f"{sluice_to_hf(n, scheme)!r} {expected[n]}" for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint in {model_dir} is missing tensors: {shown_}{more}")
+    return plan
 
 
 def load_weights(model: torch.nn.Module, model_dir: Path, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", plan: dict[str, Planned] | None = None) -> None:
     """Fill `model` (built on the meta device) from the checkpoint in `model_dir`, cast to `dtype`.
 
-    Every expected tensor must be present with the expected shape; anything unexpected is an
-    error too, because a silently ignored tensor means silently wrong numbers. Fused HF tensors
-    (GPT-2's c_attn, NeoX's query_key_value) are split into q, k, v and Conv1D weights transposed,
-    so inside sluice every family has the same named parameters."""
-    cfg = model.config
-    scheme = scheme_of(cfg.architecture)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if getattr(cfg, "tie_word_embeddings", False):
-        expected.pop("lm_head.weight", None)
+    `plan` is plan_checkpoint's answer (made here when not given): every expected tensor is present
+    with the expected shape, and anything unexpected was an error, because a silently ignored
+    tensor means silently wrong numbers. Fused HF tensors (GPT-2's c_attn, NeoX's query_key_value)
+    are split into q, k, v and Conv1D weights transposed, so inside sluice every family has the
+    same named parameters."""
+    plan = plan_checkpoint(model.config, Path(model_dir)) if plan is None else plan
+    by_file: dict[Path, list[tuple[str, Planned]]] = {}
+    for hf_name, p in plan.items():
+        by_file.setdefault(p.file, []).append((hf_name, p))
     loaded: dict[str, torch.Tensor] = {}
-    for path in checkpoint_files(model_dir):
+    for path, tensors in by_file.items():
         try:
             f = safe_open(str(path), framework="pt")
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
+        except Exception as e:  # safetensors raises its own error types for corrupt files
             raise CheckpointError(f"cannot read {path.name}: {e}") from None
         with f:
-            for hf_name in f.keys():
-                name = hf_name
-                if scheme == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
-                    name = "transformer." + name  # the original GPT-2 files lack the prefix
-                if _IGNORED.fullmatch(name):
-                    continue
-                split, names = hf_to_sluice(name, scheme)
-                if names == ("lm_head.weight",) and "lm_head.weight" not in expected:
-                    continue  # tied model whose file also stores the (identical) head
-                if not names or any(n not in expected for n in names):
-                    raise CheckpointError(f"unexpected tensor {hf_name!r} in {path.name}: this "
-                                          f"{cfg.architecture} config has no such parameter")
-                shapes = [expected[n] for n in names]
-                want = _source_shape(split, shapes)
-                shape = tuple(f.get_slice(hf_name).get_shape())
-                if shape != want:
-                    raise CheckpointError(f"tensor {hf_name!r} in {path.name} has shape {shape}, "
-                                          f"but the config implies {want}")
+            for hf_name, p in tensors:
                 t = f.get_tensor(hf_name)
-                if t.dtype not in _LOADABLE_DTYPES:
-                    raise CheckpointError(f"tensor {hf_name!r} has dtype {t.dtype}; sluice loads "
-                                          "float32, float16 and bfloat16 checkpoints only")
-                for n, piece in zip(names, _split(t, split, shapes, cfg.head_dim)):
+                pieces = _split(t, p.split, list(p.shapes), model.config.head_dim)
+                for n, piece in zip(p.names, pieces, strict=True):
                     loaded[n] = piece.to(device=device, dtype=dtype).contiguous()
-    missing = sorted(set(expected) - set(loaded))
-    if missing:
-        shown = ", ".join(f"{sluice_to_hf(n, scheme)!r} {expected[n]}" for n in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"checkpoint in {model_dir} is missing tensors: {shown}{more}")
     model.load_state_dict(loaded, strict=False, assign=True)
