@@ -11,8 +11,9 @@ every place where a template can make something big checks the size *before* mak
 - loop iterations, calls, operators and filters count as steps: at most MAX_STEPS, and MAX_SECONDS of wall time;
 - integers have at most MAX_INT_BITS bits (no real template needs more than 64).
 
-Real templates (Qwen3, Llama 3.x, Mistral, Gemma, with tools) render a conversation in a few thousand steps and
-a few copies of its text, so the limits leave them a margin of more than 100x.
+Measured: the Qwen3 template (with 20 tools) and the Llama 3 one render a 1000-message conversation in about 8
+steps per message and 3-4 characters of work per output character, so MAX_STEPS fits ~250,000 messages and
+MAX_WORK a prompt far over MAX_VALUE_CHARS; a hostile double loop is stopped by MAX_STEPS in about 2 s.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .errors import TemplateError
 
 MAX_VALUE_CHARS = 16 * 2**20
 MAX_WORK = 256 * 2**20
-MAX_STEPS = 5_000_000
+MAX_STEPS = 2_000_000
 MAX_SECONDS = 10.0
 MAX_INT_BITS = 4096
 

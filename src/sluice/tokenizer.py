@@ -7,11 +7,9 @@ and chat templates run in jinja2's immutable sandbox with the same globals and f
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import jinja2
 from tokenizers import AddedToken
@@ -21,9 +19,9 @@ from .chat_template import TemplateRaised, compile_template, plain, render
 from .errors import CheckpointError, RequestError, TemplateError
 from .model.hub import resolve_model_dir
 from .token_bound import check_fits, check_max_tokens, max_token_bytes, utf8_bytes
+from .tokenizer_files import (MAX_TOKENIZER_JSON_BYTES, NAMED_SPECIALS, checked_size, chat_templates, eos_ids,
+                              generation_config, inside, read_json, special_tokens)
 
-# The named special tokens transformers passes to every chat template (when set).
-_NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # A message's reasoning arrives under any of these names; templates read the first (Qwen3, DeepSeek) or "thinking".
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -33,14 +31,13 @@ class Tokenizer:
 
     def __init__(self, backend: _Backend, config: Mapping | None = None,
                  generation_config: Mapping | None = None, chat_templates: str | Mapping | None = None):
-        config = dict(config or {})
+        config = special_tokens(Path("the tokenizer config"), config or {})
         self._backend = backend
-        names = {name: _token_content(config.get(name)) for name in _NAMED_SPECIALS}
+        names = {name: config.get(name) for name in NAMED_SPECIALS}
         self.bos_token, self.eos_token, self.pad_token = names["bos_token"], names["eos_token"], names["pad_token"]
         self._template_specials = {name: value for name, value in names.items() if value is not None}
 
         extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
-        extra = [_token_content(t) for t in (extra.values() if isinstance(extra, Mapping) else extra)]
         # transformers registers every named special token with the backend, so a token that is only in the
         # base vocabulary (or nowhere) still encodes atomically and is skipped on decode; do the same.
         already_added = {t.content for t in backend.get_added_tokens_decoder().values()}
@@ -51,7 +48,7 @@ class Tokenizer:
         self.bos_token_id = self._id_or_none(self.bos_token)
         self.pad_token_id = self._id_or_none(self.pad_token)
         self.generation_config = dict(generation_config or {})  # also the engine's sampling defaults
-        self.eos_token_ids = _eos_ids(self.generation_config.get("eos_token_id"), self._id_or_none(self.eos_token))
+        self.eos_token_ids = eos_ids(self.generation_config.get("eos_token_id"), self._id_or_none(self.eos_token))
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         # The most input bytes one token stands for: encode(max_tokens=) refuses longer texts before tokenizing.
         self.max_token_bytes, self.max_token_bytes_exact = max_token_bytes(backend)
@@ -77,16 +74,21 @@ class Tokenizer:
                 f"{tokenizer_file} not found: sluice needs the fast-tokenizer file tokenizer.json. For a checkpoint "
                 "that only has a slow tokenizer, run transformers' AutoTokenizer.from_pretrained(dir)"
                 ".save_pretrained(dir) once to write it.")
+        checked_size(inside(model_dir, tokenizer_file), MAX_TOKENIZER_JSON_BYTES)
         try:
             backend = _Backend.from_file(str(tokenizer_file))
         except Exception as err:  # the Rust side raises a bare Exception for any parse failure
             raise CheckpointError(f"{tokenizer_file} could not be loaded by the tokenizers library: {err}") from err
-        config = _read_json(model_dir / "tokenizer_config.json")
+        raw = read_json(model_dir, "tokenizer_config.json")
+        config = special_tokens(model_dir / "tokenizer_config.json", raw)
         # Old checkpoints keep their special tokens only in special_tokens_map.json.
-        for key, value in _read_json(model_dir / "special_tokens_map.json").items():
+        legacy = model_dir / "special_tokens_map.json"
+        for key, value in special_tokens(legacy, read_json(model_dir, legacy.name)).items():
             config.setdefault(key, value)
-        return cls(backend, config, _read_json(model_dir / "generation_config.json"),
-                   _chat_templates(model_dir, config))
+        generation = generation_config(model_dir / "generation_config.json",
+                                       read_json(model_dir, "generation_config.json"),
+                                       backend.get_vocab_size(with_added_tokens=True))
+        return cls(backend, config, generation, chat_templates(model_dir, model_dir / "tokenizer_config.json", raw))
 
     # -- text <-> ids ---------------------------------------------------------------------------------------
 
@@ -184,51 +186,7 @@ class Tokenizer:
         return self._compiled[name]
 
 
-# -- loading helpers ------------------------------------------------------------------------------------------
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} should hold a JSON object, found {type(data).__name__}")
-    return data
-
-
-def _token_content(value: Any) -> str | None:
-    """Special tokens are saved as plain strings or as AddedToken dicts ({"content": ..., "lstrip": ...})."""
-    if isinstance(value, Mapping):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _eos_ids(from_generation_config: Any, from_tokenizer: int | None) -> list[int]:
-    # generation_config.json is what transformers' generate() stops on, and instruct models list several ids
-    # there (Llama 3: <|end_of_text|>, <|eom_id|>, <|eot_id|>), so it wins over the tokenizer's single eos_token.
-    if isinstance(from_generation_config, int):
-        return [from_generation_config]
-    if isinstance(from_generation_config, list) and from_generation_config:
-        return list(dict.fromkeys(int(i) for i in from_generation_config))
-    return [] if from_tokenizer is None else [from_tokenizer]
-
-
-def _chat_templates(model_dir: Path, config: Mapping) -> dict[str, str]:
-    # Same precedence as transformers: template files (newer layout) override the tokenizer_config entry.
-    files = {"default": model_dir / "chat_template.jinja"}
-    files.update({p.stem: p for p in sorted((model_dir / "chat_templates").glob("*.jinja"))})
-    from_files = {name: p.read_text(encoding="utf-8") for name, p in files.items() if p.is_file()}
-    if from_files:
-        return from_files
-    entry = config.get("chat_template")
-    if isinstance(entry, str):
-        return {"default": entry}
-    if isinstance(entry, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        return {t["name"]: t["template"] for t in entry if isinstance(t, Mapping) and "name" in t and "template" in t}
-    return {}
-
+# -- helpers -------------------------------------------------------------------------------------------------
 
 def _clean_up_spaces(text: str) -> str:
     # transformers' clean_up_tokenization, for the WordPiece-style models that still ask for it.
