@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from ..errors import ModelNotFoundError
+from .hf_fields import shown
 
 
 def hf_cache_dir() -> Path:
@@ -31,13 +32,26 @@ def resolve_model_dir(path_or_repo_id: str | os.PathLike) -> Path:
 
     A local directory wins; anything else is a repo id looked up in the local HF cache (offline).
     """
-    text = os.fspath(path_or_repo_id)
-    local = Path(text).expanduser()
-    if local.is_dir():
+    try:
+        text = os.fsdecode(path_or_repo_id)
+    except TypeError:
+        raise ModelNotFoundError(f"a model is a directory path or a repo id (a string), got "
+                                 f"{shown(path_or_repo_id)}") from None
+    if not text or "\0" in text:
+        raise ModelNotFoundError(f"model path {shown(text)} is empty or contains a NUL byte")
+    try:
+        local = Path(text).expanduser()
+        is_dir, exists = local.is_dir(), local.exists()
+    except (OSError, RuntimeError) as e:  # ENAMETOOLONG, EACCES on a parent; RuntimeError: ~nosuchuser
+        raise ModelNotFoundError(f"model path {shown(text)} cannot be used: {getattr(e, 'strerror', None) or e}"
+                                 ) from None
+    if is_dir:
+        if not os.access(local, os.R_OK | os.X_OK):
+            raise ModelNotFoundError(f"model directory {shown(text)} is not readable (permission denied)")
         return local.resolve()
-    if _looks_like_path(text) or local.exists():
-        what = "is a file, not a directory" if local.exists() else "does not exist"
-        raise ModelNotFoundError(f"model path {text!r} {what}; pass a directory holding config.json")
+    if _looks_like_path(text) or exists:
+        what = "is a file, not a directory" if exists else "does not exist"
+        raise ModelNotFoundError(f"model path {shown(text)} {what}; pass a directory holding config.json")
 
     # Imported here so that loading a local directory never pays for importing huggingface_hub.
     from huggingface_hub import snapshot_download
@@ -47,11 +61,12 @@ def resolve_model_dir(path_or_repo_id: str | os.PathLike) -> Path:
         # local_files_only makes huggingface_hub read refs/ and snapshots/ only, with no HTTP at all.
         snapshot = snapshot_download(text, cache_dir=str(cache), local_files_only=True)
     except (OSError, ValueError) as err:  # LocalEntryNotFoundError is an OSError, HFValidationError a ValueError
-        invalid = f" It is not a valid repo id either: {err}" if isinstance(err, ValueError) else ""
+        invalid = f" It is not a valid repo id either: {str(err)[:300]}" if isinstance(err, ValueError) else ""
+        name = shown(text)
         raise ModelNotFoundError(
-            f"{text!r} is not a local directory, and the repo id {text!r} is not in the Hugging Face cache "
+            f"{name} is not a local directory, and the repo id {name} is not in the Hugging Face cache "
             f"at {cache} (set by HF_HUB_CACHE, else HF_HOME/hub).{invalid} sluice never downloads: run "
-            f"`huggingface-cli download {text}` (or `hf download {text}`) on a machine with network access "
-            f"and copy the cache over, or pass the path of a local model directory."
+            f"`huggingface-cli download {text[:200]}` (or `hf download {text[:200]}`) on a machine with "
+            f"network access and copy the cache over, or pass the path of a local model directory."
         ) from err
     return Path(snapshot).resolve()

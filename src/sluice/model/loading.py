@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from .hf_fields import shown
 from .config import ModelConfig
 from .hub import resolve_model_dir
 from .layers import Transformer
@@ -34,15 +35,18 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return dtype
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {shown(dtype)}")
 
 
 def parse_device(device: str | torch.device) -> torch.device:
     """"cpu", "cuda", "cuda:N" or "mps", checked against what this machine and this torch build have."""
+    bad = ConfigError(f"device must be cpu, cuda, cuda:N or mps, got {shown(device)}")
+    if isinstance(device, bool):  # torch.device(True) would be cuda:1
+        raise bad
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"device must be cpu, cuda, cuda:N or mps, got {device!r}") from None
+    except (RuntimeError, TypeError, ValueError, OverflowError):
+        raise bad from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
@@ -53,8 +57,8 @@ def parse_device(device: str | torch.device) -> torch.device:
     elif dev.type == "mps":
         if not torch.backends.mps.is_available():
             raise ConfigError("device 'mps' is not available: it needs Apple silicon and a torch build with MPS")
-    elif dev.type != "cpu":
-        raise ConfigError(f"device must be cpu, cuda, cuda:N or mps, got {device!r}")
+    elif dev.type != "cpu" or dev.index not in (None, 0):
+        raise bad
     return dev
 
 

@@ -210,8 +210,9 @@ def plan_checkpoint(cfg, model_dir: Path) -> dict[str, Planned]:
             found[name] = (hf_name, info)
     layers = _layers_in(found, scheme)
     if layers != cfg.num_layers:
-        raise CheckpointError(f"config.json in {model_dir} says {cfg.num_layers:,} layers, but the checkpoint "
-                              f"holds tensors for {layers}")
+        raise CheckpointError(f"{Path(model_dir) / 'config.json'}: the number of layers (num_hidden_layers; "
+                              f"n_layer for GPT-2) is {cfg.num_layers:,}, but the checkpoint holds tensors "
+                              f"for {layers}")
     top, layer = _expected_shapes(cfg)
     expected = dict(top)
     for i in range(cfg.num_layers):
