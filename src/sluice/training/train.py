@@ -157,6 +157,7 @@ def _run(recipe: Recipe, out: Path, resume: bool, stop_at: int | None, log, prog
     start, history = (load_state(state_dir, model, opt, recipe) if resume else (0, []))
     if resume:
         log(f"resumed at step {start} from {state_dir}")
+        _trim_log(out / "log.jsonl", start)
     step_fn = torch.compile(model) if t.compile else model
     model.train()
     log_file = (out / "log.jsonl").open("a")
@@ -234,6 +235,24 @@ def _diverged(step: int, what: str, t, state_dir: Path) -> str:
             f"{lr_at(step - 1, t):.3g}, train.grad_clip {t.grad_clip}, train.init_std {t.init_std}); "
             f"nothing was exported and {state_dir} keeps the last finite checkpoint. "
             f"Lower train.lr or train.init_std, or lengthen train.warmup_steps")
+
+
+def _trim_log(path: Path, start: int) -> None:
+    """Drop the log lines past the resumed step (steps done again after a crash, or a line cut off
+    mid-write), so log.jsonl has each step once, as a run that never stopped."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= start:
+            keep.append(line + "\n")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
 
 
 def _check_finite(model, step: int, t, state_dir: Path) -> None:
