@@ -30,8 +30,12 @@ ARCHS = {
 
 
 def build(out: Path, arch: str = "qwen3", *, seed: int = 0, save_dtype=torch.float32,
-          max_shard_size=None, **overrides):
-    """Save a random `arch` checkpoint to `out`; return the transformers model (fp32, eval)."""
+          max_shard_size=None, random_norms: bool | None = None, **overrides):
+    """Save a random `arch` checkpoint to `out`; return the transformers model (fp32, eval).
+
+    random_norms: norm gains drawn around 1 instead of ones, so a norm applied wrongly shows in the
+    logits. None (the default) means yes unless rms_norm_eps is overridden (what older tests expect);
+    parity tests of a non-default eps pass True, so the eps is tested with live norms."""
     cfg_cls, model_cls, extra = ARCHS[arch]
     kwargs = {**_SMALL, **extra, **overrides}
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in _SMALL}
@@ -39,8 +43,7 @@ def build(out: Path, arch: str = "qwen3", *, seed: int = 0, save_dtype=torch.flo
     cfg.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
-    if "rms_norm_eps" not in overrides:
-        # Random norm weights instead of ones, so a norm applied wrongly shows up in the logits.
+    if random_norms if random_norms is not None else "rms_norm_eps" not in overrides:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -77,3 +80,11 @@ def hf_greedy(ref, prompt: torch.Tensor, n: int) -> list[int]:
     out = ref.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
                        pad_token_id=0)
     return out[0, prompt.shape[1]:].tolist()
+
+
+def add_tensors(d: Path, extra: dict[str, torch.Tensor]) -> None:
+    """Add tensors to a single-file checkpoint in `d` (legacy buffers, unexpected weights)."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(Path(d) / "model.safetensors")
+    tensors.update(extra)
+    save_file(tensors, Path(d) / "model.safetensors", metadata={"format": "pt"})

@@ -38,6 +38,9 @@ CASES = {
     "olmo2-untied-gqa": ("olmo2", {}),
     "olmo2-tied-mha-bias": ("olmo2", {"tie_word_embeddings": True, "num_key_value_heads": 4,
                                       "attention_bias": True}),
+    # eps away from each family's default, with live norm gains (see ckpt.build's random_norms)
+    "gemma2-eps-erf-gelu": ("gemma2", {"rms_norm_eps": 1e-5, "random_norms": True, "hidden_activation": "gelu"}),
+    "olmo2-eps": ("olmo2", {"rms_norm_eps": 1e-6, "random_norms": True}),
 }
 
 
@@ -105,7 +108,7 @@ def test_cached_greedy_decoding_matches_transformers(tmp_path, case):
 # the final soft-cap (transformers caps bf16 logits, sluice caps them in fp32), and Gemma 2 without
 # soft-caps, where transformers still runs its eager attention (bf16 probabilities) and sluice SDPA.
 # GPT-2 with scale_attn_weights=false goes through a different transformers attention path.
-BF16_BOUND = {"gpt2-untied-erf-gelu-unscaled": 0.01, "gemma2-softcaps-active": 0.01,
+BF16_BOUND = {"gpt2-untied-erf-gelu-unscaled": 0.01, "gemma2-softcaps-active": 0.01, "gemma2-eps-erf-gelu": 0.01,
               "gemma2-untied-no-caps-biases": 0.05, "gemma3-linear-rope-final-cap-mqa": 0.01}
 
 

@@ -22,6 +22,15 @@ CASES = {
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {}),
     "qwen3-tied-mha": ("qwen3", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    # Non-default values of the remaining fields from_hf reads (rms_norm_eps 1e-5 as Llama 3 and
+    # Mistral ship it; random_norms keeps the norm gains live when eps is overridden).
+    "llama-eps-gelu-headdim-mqa": ("llama", {"rms_norm_eps": 1e-5, "random_norms": True, "hidden_act": "gelu",
+                                             "head_dim": 32, "num_key_value_heads": 1}),
+    "mistral-eps-tied-no-window": ("mistral", {"rms_norm_eps": 1e-5, "random_norms": True,
+                                               "tie_word_embeddings": True, "sliding_window": None}),
+    "qwen2-eps-theta-untied": ("qwen2", {"rms_norm_eps": 1e-5, "random_norms": True,
+                                         "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}),
+    "qwen3-bias-eps": ("qwen3", {"attention_bias": True, "rms_norm_eps": 1e-5, "random_norms": True}),
 }
 
 
@@ -95,3 +104,15 @@ def test_bf16_matches_transformers_bf16(tmp_path):
     got = sluice.load(tmp_path, dtype="bfloat16")(ids)
     # Same bf16 math in the same cast order (measured: bit-identical); allow for kernel order only.
     assert max_diff(got, expected) <= 1e-3 * expected.abs().max().item()
+
+
+def test_legacy_rotary_inv_freq_tensors_are_skipped(tmp_path):
+    """Old Llama checkpoints store each layer's RoPE table (rotary_emb.inv_freq): derived, not learned,
+    so it is skipped, and the logits still match (a table of garbage proves it is not read)."""
+    from ckpt import add_tensors
+    ref = build(tmp_path, "llama")
+    add_tensors(tmp_path, {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.full((8,), 7.0)
+                           for i in range(3)})
+    ids = torch.arange(1, 41)[None]
+    with torch.no_grad():
+        assert max_diff(sluice.load(tmp_path)(ids), ref(ids).logits) <= 1e-4
