@@ -100,3 +100,37 @@ def test_importing_the_cli_does_not_import_torch():
     r = subprocess.run([sys.executable, "-c", "import sys, sluice, sluice.cli; print('torch' in sys.modules)"],
                        capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_kv_cache_memory_flag_refuses_a_request_over_it_with_the_numbers(tiny_dir):
+    r = run(["generate", "--model", str(tiny_dir), "--kv-cache-memory", "4KiB", "--max-tokens", "8", "hi"])
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "over the budget" in err and "--kv-cache-memory" in err and "Traceback" not in err
+
+
+def test_a_malformed_kv_cache_memory_is_refused_before_the_load(monkeypatch, capsys):
+    import sluice.engine.llm as llm_module
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the flag was checked")
+    monkeypatch.setattr(llm_module, "LLM", no_load)
+    assert main(["generate", "--kv-cache-memory", "lots", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-memory" in err and "'lots'" in err
+
+
+def test_inspect_refuses_a_prompt_too_long_for_the_context_before_tokenizing(tiny_dir):
+    """A long prompt on stdin is refused from its byte count (the tokenizer would take seconds and
+    gigabytes on 10^8 characters); here 4 MB against a 512-token context, in a capped child."""
+    from bounded import run_bounded
+    r = run_bounded(f"""
+        import io, sys, time
+        sys.stdin = io.TextIOWrapper(io.BytesIO(b"x = 1  # " * 500_000), encoding="utf-8")
+        from sluice.cli import main
+        t0 = time.perf_counter()
+        code = main(["inspect", "--model", {str(tiny_dir)!r}, "-"])
+        print(code, time.perf_counter() - t0)
+    """, mem_mib=3072, timeout=120)
+    code, seconds = r.stdout.split()
+    assert code == "2" and "fit the context of 512 tokens" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and float(seconds) < 30

@@ -31,6 +31,10 @@ def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="refuse requests longer than this many tokens (default: the model's context)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="most memory a request's KV cache and sampling buffers may take, e.g. 2GiB or "
+                        "512MB; a request over it is refused with the numbers (default: half of the "
+                        "memory free at the time)")
     p.add_argument("--quantize", default=None, metavar="{int8,int4}",
                    help="weight-only quantization at load time, on the CPU: int8 per channel, int4 per "
                         "group of 32 (docs/quantization.md)")
@@ -76,6 +80,13 @@ def _stdin_lines():
     return sys.stdin
 
 
+def _kv_budget(args) -> None:
+    """A malformed --kv-cache-memory is refused before the (slow) load."""
+    if args.kv_cache_memory is not None:
+        from .engine.kv_cache import parse_size
+        parse_size(args.kv_cache_memory, "--kv-cache-memory")
+
+
 def _load_llm(args):
     """Load with a spinner on stderr, so a slow load never looks like a hang."""
     from rich.console import Console
@@ -84,12 +95,13 @@ def _load_llm(args):
     console = Console(stderr=True)
     with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype}, {args.device})..."):
         return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
-                   device=args.device, quantize=args.quantize)
+                   device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory)
 
 
 def cmd_generate(args) -> int:
     params = _params(args)  # validate before the (slow) load
     _utf8(args.prompt, "the prompt")
+    _kv_budget(args)
     llm = _load_llm(args)
     prompt = args.prompt
     if args.chat:
@@ -116,6 +128,7 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     params = _params(args)
     _utf8(args.system or "", "--system")
+    _kv_budget(args)
     llm = _load_llm(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     _stdin_lines()

@@ -116,7 +116,8 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict
 
     progress: None = show a progress bar on stderr for long prompts or big models."""
     cfg = model.config
-    ids = tokenizer.encode(prompt) if prompt else []
+    # max_tokens: a prompt too long for the context is refused from its byte count, before tokenizing
+    ids = tokenizer.encode(prompt, max_tokens=cfg.max_position_embeddings) if prompt else []
     check_prompt(prompt, ids, cfg.max_position_embeddings)
     T = len(ids)
     text = _Tokens(tokenizer)

@@ -110,7 +110,7 @@ def prepare(model, tokenizer, text, prompt, max_new_tokens) -> Inputs:
         prompt_ids = tokenizer.encode(_cut(text, PROMPT_BYTES))[:max(ctx - max_new_tokens, 1)]
         prompt = tokenizer.decode(prompt_ids)
     else:
-        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) and prompt else []
+        prompt_ids = tokenizer.encode(prompt, max_tokens=ctx) if isinstance(prompt, str) and prompt else []
     if not prompt_ids:
         raise ObservatoryError("the prompt to continue is empty: give some text")
     if len(prompt_ids) + max_new_tokens > ctx:
