@@ -36,33 +36,58 @@ def parse_size(value, name: str = "kv_cache_memory") -> int:
     Binary (KiB, MiB, GiB, TiB) and decimal (KB, MB, GB, TB) units, case-insensitive; no unit = bytes."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ConfigError(f"{name} must be a number of bytes or a size such as '4GiB', got {value!r}")
+    n = value
     if isinstance(value, str):
         m = _SIZE.fullmatch(value)
         unit = m and _UNITS.get(m.group(2).lower())
         if not unit:
             raise ConfigError(f"{name} must be a size such as '4GiB', '512MiB' or '2GB' "
                               f"(units: {', '.join(u for u in _UNITS if u)}), got {value!r}")
-        value = int(float(m.group(1)) * unit)
-    if value <= 0:
+        n = float(m.group(1)) * unit
+        n = int(n) if n < 2**63 else 2**63  # "9" * 400 parses as inf: a limit nothing reaches
+    if n <= 0:
         raise ConfigError(f"{name} must be a positive size, got {value!r}")
-    return value
+    return n
+
+
+# A container's memory limit and use (cgroup v2, then v1): the machine's free memory is not ours to take.
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):  # absent, or "max" (no limit)
+        return None
+
+
+def _system_available() -> int | None:
+    try:  # Linux says what it could give without swapping
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def available_memory(device: torch.device) -> int | None:
     """Bytes free for new tensors on `device` now, or None where the platform does not say."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:  # CPU (and MPS, whose memory is the system's): Linux says what it could give without swapping
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    free = _system_available()  # CPU, and MPS, whose memory is the system's
+    for limit_file, usage_file in _CGROUP_FILES:
+        limit, used = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and used is not None and limit < 2**60:  # v1 writes "no limit" as ~2^63
+            free = max(limit - used, 0) if free is None else min(free, max(limit - used, 0))
+            break
+    return free
 
 
 def default_budget(device: torch.device) -> int | None:
