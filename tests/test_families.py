@@ -133,7 +133,7 @@ def test_engine_on_every_family(tmp_path, arch):
     prompts = [[5, 17, 99, 230, 4, 61, 7, 8, 9, 10, 11], [3], [40, 41, 42]]
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     batched = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, batched):
+    for prompt, out in zip(prompts, batched, strict=True):
         assert out.token_ids == llm.generate([prompt], params)[0].token_ids
         ids = list(prompt)
         with torch.inference_mode():

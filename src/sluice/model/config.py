@@ -32,17 +32,19 @@ _GEMMA = dict(norm_offset=1.0, norm_gain_fp32=True, norm_placement="sandwich", e
 # What transformers' config class assumes when config.json omits a field ("defaults" in a row
 # overrides these). Only absence gets a default: a value that is present is checked, never replaced.
 _DEFAULTS = dict(norm_eps=1e-6, max_position_embeddings=2048, hidden_act="silu", rope_theta=10000.0)
-_GEMMA_DEFAULTS = dict(hidden_act="gelu_pytorch_tanh", head_dim=256, query_pre_attn_scalar=256.0,
+_GEMMA_DEFAULTS = dict(hidden_act="gelu_pytorch_tanh", head_dim=256, num_kv_heads=4, query_pre_attn_scalar=256.0,
                        sliding_window=4096)
 _FAMILIES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": dict(bias=("attention_bias", "attention_bias", "mlp_bias")),
     "MistralForCausalLM": dict(bias=(False, False, False), window="all",
-                               defaults=dict(max_position_embeddings=131072, sliding_window=4096)),
+                               defaults=dict(max_position_embeddings=131072, sliding_window=4096, num_kv_heads=8)),
     # Qwen2 always has q/k/v biases and never an o_proj bias.
-    "Qwen2ForCausalLM": dict(bias=(True, False, False), window="refuse", defaults=dict(max_position_embeddings=32768)),
+    "Qwen2ForCausalLM": dict(bias=(True, False, False), window="refuse",
+                             defaults=dict(max_position_embeddings=32768, num_kv_heads=32)),
     # Qwen3: RMSNorm over each head's q and k before RoPE; head_dim is its own field.
     "Qwen3ForCausalLM": dict(valves=dict(qk_norm="head"), bias=("attention_bias", "attention_bias", False),
-                             window="refuse", defaults=dict(max_position_embeddings=32768)),
+                             window="refuse", defaults=dict(max_position_embeddings=32768, num_kv_heads=32,
+                                                            head_dim=128)),
     # GPT-2: LayerNorm with bias, learned positions, a plain (ungated) GELU MLP, biases everywhere.
     "GPT2LMHeadModel": dict(valves=dict(norm_kind="layer", norm_bias=True, pos_embedding="learned",
                                         mlp_gated=False),
@@ -254,7 +256,7 @@ class ModelConfig:
         head_dim = f.int("head_dim", d.get("head_dim", hidden // num_heads))
         # Families without grouped-query attention (GPT-2, NeoX) have no such key to read.
         kv_key = keys["num_kv_heads"]
-        num_kv_heads = f.int(kv_key, num_heads) if kv_key else num_heads
+        num_kv_heads = f.int(kv_key, d.get("num_kv_heads", num_heads)) if kv_key else num_heads
         if num_heads % num_kv_heads:
             raise ConfigError(f"{source}: {keys['num_heads']} ({num_heads}) must be a multiple of "
                               f"{kv_key} ({num_kv_heads})")
