@@ -42,6 +42,7 @@ class Stats:
     decode_seconds: float = 0.0
     fused_head_steps: int = 0  # tokens sampled through the fused LM head (the rest took the plain one)
     fallback_rate: float = 0.0  # of the filtered rows on the fused head, the fraction that fell back
+    rows: int = 1  # prompts in the batch: each row's first token comes out of prefill
 
     @property
     def prefill_tok_s(self) -> float:
@@ -49,8 +50,8 @@ class Stats:
 
     @property
     def decode_tok_s(self) -> float:
-        # The first generated token comes out of prefill; the rest are decode steps.
-        steps = max(self.generated_tokens - 1, 0)
+        # Each row's first generated token comes out of prefill; the rest are decode steps.
+        steps = max(self.generated_tokens - self.rows, 0)
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
     def as_dict(self) -> dict:
@@ -256,7 +257,7 @@ class LLM:
             return head(x, self.model.lm_head.weight, self.model.final_softcap).tokens if fused else sampler(x)
         streams = [TextStream(self.tokenizer.decode, p.stop) for p in params]
         stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) for p in params]
-        stats = self.last_stats = Stats(prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs))
+        stats = self.last_stats = Stats(prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs), rows=B)
         needed = max(len(o.prompt_token_ids) + p.max_tokens for o, p in zip(outputs, params, strict=True))
         t0 = time.perf_counter()
         active = list(range(B))

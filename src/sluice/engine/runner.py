@@ -56,7 +56,7 @@ class Runner:
         budget = prefill_tokens_per_forward(cfg, num_slots, dtype.itemsize)
         rows_per = max(1, budget // T)  # whole prompts per forward; one row's positions split if need be
         span = T if rows_per > 1 else min(T, budget)
-        out = None
+        outs = []  # (rows, V|C) per slice of rows
         for b0 in range(0, B, rows_per):
             b1 = min(B, b0 + rows_per)
             part = prompts[b0:b1]
@@ -64,20 +64,20 @@ class Runner:
             ids = torch.zeros(b1 - b0, Tp, dtype=torch.long)
             for b, p in enumerate(part):
                 ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-            ids, last = ids.to(dev), lengths[b0:b1] - 1  # one copy
+            ids = ids.to(dev)  # one copy
             cache = KVCache.wrap(self.cache.k[:, b0:b1], self.cache.v[:, b0:b1])  # views: writes land in self.cache
             for t0 in range(0, Tp, span):
                 t1 = min(Tp, t0 + span)
                 # padding sits at positions no real token sees
                 positions = torch.arange(t0, t1, device=dev).expand(b1 - b0, t1 - t0)
-                at = (last - t0).clamp(0, t1 - t0 - 1)  # rows whose last token is elsewhere read a stand-in
-                o = self.model(ids[:, t0:t1], positions, cache, logits_at=at, return_hidden=hidden)[:, 0]
-                if out is None:
-                    out = o.new_zeros(B, o.shape[1])
-                mine = ((last >= t0) & (last < t1))[:, None]
-                out[b0:b1] = torch.where(mine, o, out[b0:b1])
+                # The last forward of a slice holds each of its rows' last token (several rows: the only
+                # forward; one row: its positions end there); earlier ones only fill the cache.
+                final = t1 == Tp
+                o = self.model(ids[:, t0:t1], positions, cache, logits_at=lengths[b0:b1] - 1 - t0 if final else None,
+                               return_hidden=hidden or not final)
+            outs.append(o[:, 0])
         self.pos = lengths.clone()
-        return out
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, hidden: bool = False) -> torch.Tensor:
