@@ -140,7 +140,8 @@ def test_cli_refuses_a_huge_model_in_one_line(tmp_path, corpus):  # noqa: F811
 # ------------------------------------------------------------------ numbers that go wrong
 def test_diverging_run_stops_and_exports_nothing(tmp_path, corpus):  # noqa: F811
     r = recipe(corpus, steps=6, lr=1e30, warmup_steps=0, checkpoint_every=1)
-    with pytest.raises(TrainingError, match=r"training diverged at step \d: .*train\.lr 1e\+30"):
+    # Caught by the per-step check (loss and gradient norm), before the optimizer step spreads it.
+    with pytest.raises(TrainingError, match=r"training diverged at step \d: loss .*gradient norm .*train\.lr 1e\+30"):
         quiet(r, tmp_path / "run")
     assert not (tmp_path / "run" / "model").exists() and not (tmp_path / "run" / "summary.json").exists()
     state = tmp_path / "run" / "state" / "resume.safetensors"
@@ -148,7 +149,28 @@ def test_diverging_run_stops_and_exports_nothing(tmp_path, corpus):  # noqa: F81
         from safetensors.torch import load_file
         assert all(torch.isfinite(v).all() for v in load_file(str(state)).values())
     rows = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
-    assert all(math.isfinite(x["loss"]) for x in rows)  # the NaN step was never logged as a step
+    assert all(math.isfinite(x["loss"]) and math.isfinite(x["grad_norm"]) for x in rows)  # nor logged
+
+
+@pytest.mark.parametrize("steps,stop_at,checkpoint_every", [(3, None, 2), (4, 2, 100)])
+def test_weights_gone_bad_reach_no_checkpoint(tmp_path, corpus, monkeypatch, steps, stop_at,  # noqa: F811
+                                              checkpoint_every):
+    """An optimizer step with no loss after it yet (a checkpoint step, or --stop-at's last) is caught
+    by the save itself checking the weights."""
+    real_step = torch.optim.AdamW.step
+
+    def step_then_poison(self, *a, **kw):
+        out = real_step(self, *a, **kw)
+        if self.state[self.param_groups[0]["params"][0]]["step"] == 2:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0][0, 0] = float("inf")
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_then_poison)
+    with pytest.raises(TrainingError, match="diverged at step 2: the weights hold NaN or infinite values"):
+        quiet(recipe(corpus, steps=steps, checkpoint_every=checkpoint_every, eval_every=100), tmp_path / "run",
+              stop_at=stop_at)
+    assert not (tmp_path / "run" / "model").exists() and not (tmp_path / "run" / "state").exists()
 
 
 def test_cli_reports_divergence_with_exit_2(tmp_path, corpus):  # noqa: F811
