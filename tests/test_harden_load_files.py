@@ -272,3 +272,11 @@ def test_bad_load_arguments_name_the_value(good, kwargs, message):
     with pytest.raises(ConfigError, match=message) as e:
         sluice.load(good, **kwargs)
     assert len(str(e.value)) < 600
+
+
+def test_unreadable_dir_as_root_sees_it(ckpt, monkeypatch):
+    """The same branch where root would read the directory anyway (CI often runs as root)."""
+    import sluice.model.hub as hub
+    monkeypatch.setattr(hub.os, "access", lambda path, mode: False)
+    with pytest.raises(ModelNotFoundError, match="is not readable"):
+        resolve_model_dir(ckpt)
