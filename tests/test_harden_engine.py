@@ -300,3 +300,10 @@ def test_ten_million_character_prompt_refused_in_a_capped_child(tiny_dir):
     assert "prompt 0" in r.stdout
     assert r.peak_mib < 1500, r.peak_mib
     assert float(r.stdout.split()[1]) < 5
+
+
+def test_conversation_longer_than_the_context_is_refused_before_tokenizing(tiny_llm, monkeypatch):
+    monkeypatch.setattr(tiny_llm.tokenizer._backend, "encode", lambda *a, **k: pytest.fail("tokenized it"),
+                        raising=False)
+    with pytest.raises(RequestError, match="512"):
+        tiny_llm.chat([{"role": "user", "content": "hello " * 10**6}], SamplingParams(max_tokens=2))
