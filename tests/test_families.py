@@ -41,6 +41,8 @@ CASES = {
     # eps away from each family's default, with live norm gains (see ckpt.build's random_norms)
     "gemma2-eps-erf-gelu": ("gemma2", {"rms_norm_eps": 1e-5, "random_norms": True, "hidden_activation": "gelu"}),
     "olmo2-eps": ("olmo2", {"rms_norm_eps": 1e-6, "random_norms": True}),
+    "gemma3-eps-untied-erf-gelu": ("gemma3", {"rms_norm_eps": 1e-5, "random_norms": True, "tie_word_embeddings": False,
+                                              "hidden_activation": "gelu"}),
 }
 
 
