@@ -15,6 +15,8 @@ Run it alone on the machine (the timings are wall clock); the CPU flags and torc
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -79,8 +81,9 @@ def weight_bytes(model) -> int:
 
 
 def with_tokenizer(path: Path, workdir: Path) -> Path:
-    """The random checkpoint has no tokenizer; LLM needs one to stream text. A directory of links to
-    its files plus a word-level tokenizer "t0".."tN" covering every id (prompts are ids anyway)."""
+    """The random checkpoint has no tokenizer; LLM needs one to stream text. A directory of hard links
+    to its files (sluice refuses symlinks that leave a model directory; a copy where links cannot
+    be made) plus a word-level tokenizer "t0".."tN" covering every id (prompts are ids anyway)."""
     out = workdir / (path.name + "-tok")
     if (out / "tokenizer.json").is_file():
         return out
@@ -90,7 +93,10 @@ def with_tokenizer(path: Path, workdir: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for f in path.iterdir():
         if f.is_file() and not (out / f.name).exists():
-            (out / f.name).symlink_to(f.resolve())
+            try:
+                os.link(f.resolve(), out / f.name)
+            except OSError:  # another file system
+                shutil.copyfile(f.resolve(), out / f.name)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
