@@ -123,7 +123,10 @@ def test_budget_counts_what_grows_and_refuses_with_numbers(corpus):  # noqa: F81
 def test_the_bundled_recipe_fits_a_laptop():
     """The estimate is not so pessimistic that it refuses the run that made the bundled model."""
     from sluice.training.train import model_config
-    r = Recipe.load("src/sluice/training/recipes/stdlib.toml")
+    from pathlib import Path
+
+    import sluice.training as pkg
+    r = Recipe.load(Path(pkg.__file__).parent / "recipes" / "stdlib.toml")
     need = sum(budget.training_bytes(r, model_config(r, 8192, 0).num_params).values())
     assert 0.5 * 2**30 < need < 3 * 2**30
 

@@ -78,7 +78,7 @@ def test_resume_follows_the_same_loss_curve(tmp_path, corpus):
     assert losses(tmp_path / "split") == losses(tmp_path / "straight")
     a = sluice.load(tmp_path / "straight" / "model")
     b = sluice.load(tmp_path / "split" / "model")
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
 
 
 def test_cli_train_and_errors(tmp_path, corpus):
