@@ -106,6 +106,24 @@ def test_kv_cache_memory_flag_refuses_a_request_over_it_with_the_numbers(tiny_di
     r = run(["generate", "--model", str(tiny_dir), "--kv-cache-memory", "4KiB", "--max-tokens", "8", "hi"])
     err = r.stderr.decode()
     assert r.returncode == 2 and "over the budget" in err and "--kv-cache-memory" in err and "Traceback" not in err
+    assert r.stdout == b""  # refused before the prompt is echoed
+
+
+def test_nan_weights_end_in_an_error_not_an_empty_completion(tmp_path):
+    """A NaN in the weights used to give an empty completion, finish_reason "stop" and exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    from ckpt import build_with_tokenizer
+    build_with_tokenizer(tmp_path, "qwen3", max_position_embeddings=256)
+    (path,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(path)
+    name = next(n for n in tensors if n.endswith("layers.1.mlp.down_proj.weight"))
+    tensors[name][3, 5] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+    r = run(["generate", "--model", str(tmp_path), "--max-tokens", "4", "--json", "hello"])
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "non-finite" in err and "sluice inspect" in err and "Traceback" not in err
+    assert r.stdout == b""
 
 
 def test_a_malformed_kv_cache_memory_is_refused_before_the_load(monkeypatch, capsys):

@@ -42,14 +42,14 @@ def test_budget_arithmetic_and_message(tiny_llm):
     with pytest.raises(RequestError) as e:
         check_budget(cfg, 3, 128, f32, kv + step - 1, True)
     msg = str(e.value)
-    assert f"{kv} bytes of KV cache for 3 prompts x 128 slots" in msg and f"plus {step} bytes" in msg
+    assert f"{kv:,} bytes of KV cache for 3 prompts x 128 slots" in msg and f"plus {step:,} bytes" in msg
     assert "(kv_cache_memory)" in msg and "about 2 fit" in msg and "--kv-cache-memory" in msg
 
 
 def test_over_budget_request_is_refused_before_tokenizing(tiny_dir, monkeypatch):
     llm = sluice.LLM(str(tiny_dir), kv_cache_memory="200KiB")
     monkeypatch.setattr(llm.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized a hopeless request"))
-    with pytest.raises(RequestError, match=r"100 prompts x 64 slots.*budget of 0.2 MiB \(kv_cache_memory\)"):
+    with pytest.raises(RequestError, match=r"100 prompts x 64 slots.*budget of 200.0 KiB \(kv_cache_memory\)"):
         llm.generate(["hi"] * 100, SamplingParams(max_tokens=20))
     monkeypatch.undo()
     # the exact check, after tokenizing: one row fits 200 KiB at 64 slots, not at 448
@@ -79,7 +79,7 @@ def test_thousand_long_prompts_refused_in_a_capped_child(tiny_dir):
             print("refused", round(time.perf_counter() - t, 2), e)
     """, mem_mib=3000, timeout=120)
     assert r.returncode == 0 and "refused" in r.stdout, r.stderr[-2000:]
-    assert "1000 prompts x 512 slots" in r.stdout
+    assert "1,000 prompts x 512 slots" in r.stdout
     assert r.peak_mib < 1500, r.peak_mib
     assert float(r.stdout.split()[1]) < 5
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import (CheckpointError, ConfigError, ModelNotFoundError, RequestError, SluiceError,
-                     TemplateError)
+from .errors import (CheckpointError, ConfigError, ModelNotFoundError, NumericsError, RequestError,
+                     SluiceError, TemplateError)
 
 __version__ = "0.1.0"
 
@@ -27,7 +27,7 @@ _LAZY = {
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "load", "observe", "Model", "ModelConfig", "Tokenizer",
            "Transformer", "SluiceError", "ConfigError", "CheckpointError", "ModelNotFoundError", "TemplateError",
-           "RequestError", "surgery"]
+           "RequestError", "NumericsError", "surgery"]
 
 
 def __getattr__(name: str):

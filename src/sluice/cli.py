@@ -112,9 +112,10 @@ def cmd_generate(args) -> int:
                           "finish_reason": out.finish_reason, "stats": llm.last_stats.as_dict()},
                          ensure_ascii=False))
         return 0
+    deltas = llm.stream(prompt, params)  # a request that cannot run fails here, before the echo
     if not args.chat:
         sys.stdout.write(args.prompt)
-    for delta in llm.stream(prompt, params):
+    for delta in deltas:
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -121,7 +121,10 @@ class LLM:
             if len(prompt) != 1:
                 raise RequestError(f"stream() takes one prompt, got {len(prompt)}")
             prompt = prompt[0]
-        outputs, params = self._start([prompt], params)
+        outputs, params = self._start([prompt], params)  # a bad request fails here, at the call
+        return self._stream(outputs, params)
+
+    def _stream(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[str]:
         run = self._run(outputs, params)
         try:
             for _, delta in run:
