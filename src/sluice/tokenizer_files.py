@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError, TemplateError
+from .model.hub import is_inside
 
 MAX_TOKENIZER_JSON_BYTES = 2**30
 MAX_CONFIG_JSON_BYTES = 64 * 2**20
@@ -38,8 +39,7 @@ def inside(model_dir: Path, path: Path) -> Path:
     """`path` resolved, refused unless it stays in the model directory (or, for a Hugging Face cache snapshot,
     whose files are links to ../../blobs/<hash>, in that repository's blobs folder)."""
     real, root = path.resolve(), model_dir.resolve()
-    allowed = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
-    if not any(real.is_relative_to(a) for a in allowed):
+    if not is_inside(model_dir, real):
         raise CheckpointError(f"{path} resolves to {real}, outside the model directory {root}; "
                               "sluice reads a model's files only from inside its directory")
     return real

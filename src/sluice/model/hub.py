@@ -70,3 +70,16 @@ def resolve_model_dir(path_or_repo_id: str | os.PathLike) -> Path:
             f"network access and copy the cache over, or pass the path of a local model directory."
         ) from err
     return Path(snapshot).resolve()
+
+
+def file_roots(model_dir: Path) -> list[Path]:
+    """Where a model directory's files may really live: the directory itself and, for a Hugging Face cache
+    snapshot (models--org--name/snapshots/<commit>/), its repo's blobs/ folder, which the snapshot's
+    symlinks point into. Anything else a name or a link leads to is outside the model."""
+    root = model_dir.resolve()
+    return [root, root.parents[1] / "blobs"] if root.parent.name == "snapshots" else [root]
+
+
+def is_inside(model_dir: Path, real: Path) -> bool:
+    """Whether the resolved path `real` lies in one of file_roots(model_dir)."""
+    return any(real.is_relative_to(root) for root in file_roots(model_dir))

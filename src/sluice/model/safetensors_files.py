@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath
 
 from ..errors import CheckpointError
 from .hf_fields import is_int, shown
+from .hub import is_inside
 
 # Far above real checkpoints (a 405B model: 191 shards, ~1,100 tensors, headers of ~100 KiB).
 MAX_HEADER_BYTES = 16 << 20  # safetensors itself allows 100 MB, parsed in full before any check
@@ -35,14 +36,6 @@ class TensorInfo:
     file: Path
 
 
-def _allowed_roots(model_dir: Path) -> list[Path]:
-    """Where a weight file may really live: the model directory, and for a Hugging Face cache
-    snapshot (models--org--name/snapshots/<commit>/) the repo folder, whose blobs/ hold the files
-    the snapshot's symlinks point to."""
-    root = model_dir.resolve()
-    return [root, root.parents[1]] if root.parent.name == "snapshots" else [root]
-
-
 def _weight_file(model_dir: Path, name: str, listed_in: Path) -> Path:
     """model_dir / name, refused unless it is a regular file inside the model directory."""
     pure = PurePosixPath(name)
@@ -56,7 +49,7 @@ def _weight_file(model_dir: Path, name: str, listed_in: Path) -> Path:
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop on older Pythons
         raise CheckpointError(f"{listed_in.name} lists shard files that do not exist: {name} "
                               f"({getattr(e, 'strerror', None) or e})") from None
-    if not any(real.is_relative_to(root) for root in _allowed_roots(model_dir)):
+    if not is_inside(model_dir, real):
         raise CheckpointError(f"{name} in {model_dir} is a link to {real}, outside the model directory; "
                               "sluice reads weights only from inside it (copy the file in instead)")
     if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
