@@ -54,14 +54,17 @@ def test_fast_linear_keeps_module_and_sends_prefill_to_f_linear(tiny_dir):
     assert n == sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear)) and n > 0
     assert model.layers[0].attn.q is q and isinstance(q, gemv.FastLinear)
     with torch.inference_mode():
-        assert torch.equal(model(ids), before)  # prefill: still F.linear, bit-identical
-        assert torch.equal(model(ids[:, :1]), before1)  # one row: F.linear too
         with torch.profiler.profile() as prof:
-            two = model(ids[0, :2].reshape(2, 1))  # a decode step of 2 rows: the kernel
+            assert torch.equal(model(ids), before)  # prefill: still F.linear, bit-identical
+        assert not [e for e in prof.events() if e.name == "sluice::gemv"]
+        with torch.profiler.profile() as prof:
+            one = model(ids[:, :1])  # a decode step of 1 row: the kernel
+            two = model(ids[0, :2].reshape(2, 1))  # and of 2 rows
         calls = [e for e in prof.events() if e.name == "sluice::gemv"]
-    assert len(calls) == n
+    assert len(calls) == 2 * n
     ref = sluice.load(tiny_dir)
     with torch.inference_mode():
+        assert torch.allclose(one, before1, atol=1e-4, rtol=0)
         assert torch.allclose(two, ref(ids[0, :2].reshape(2, 1)), atol=1e-4, rtol=0)
 
 
@@ -77,9 +80,26 @@ def test_llm_with_kernels_matches_plain_greedy(tiny_dir, compile):
     assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
 
 
+def test_auto_kernels_at_batch_1_only_past_the_size_threshold(tiny_dir, monkeypatch):
+    """kernels="auto" on a model whose linear weights pass AUTO_KERNEL_BYTES (weights from DRAM): the
+    first batch-1 request swaps the linears, and its tokens are the plain engine's."""
+    from sluice.engine import llm as llm_module
+    params = sluice.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm = sluice.LLM(tiny_dir)
+    linear_bytes = sum(m.weight.nbytes for m in llm.model.modules() if type(m) is torch.nn.Linear)
+    monkeypatch.setattr(llm_module, "AUTO_KERNEL_BYTES", linear_bytes + 1)
+    llm.generate([[1, 2, 3]], params)
+    assert llm.kernels_in_use == 0  # one byte short: F.linear stays
+    monkeypatch.setattr(llm_module, "AUTO_KERNEL_BYTES", linear_bytes)
+    out = llm.generate([[1, 2, 3]], params)
+    assert llm.kernels_in_use > 0 and isinstance(llm.model.lm_head, gemv.FastLinear)
+    plain = sluice.LLM(tiny_dir, kernels=False).generate([[1, 2, 3]], params)
+    assert out[0].token_ids == plain[0].token_ids
+
+
 def test_auto_kernels_wait_for_a_batch(tiny_dir):
-    """kernels="auto": batch-1 generation never swaps the linears (nothing built or loaded for it);
-    the first batch of 2 rows does, and its tokens are the plain engine's."""
+    """kernels="auto" on a small model: batch-1 generation never swaps the linears (nothing built or
+    loaded for it); the first batch of 2 rows does, and its tokens are the plain engine's."""
     params = sluice.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     llm = sluice.LLM(tiny_dir)
     llm.generate([[1, 2, 3]], params)

@@ -8,7 +8,7 @@ widens in registers and accumulates in fp32.
 
 How it is used: `use_fast_linears(model)` swaps each nn.Linear's class for FastLinear, a subclass
 with the same parameters, names and hooks, whose forward sends inputs of a few rows (ROWS) to the
-kernel and anything else (one row; prefill) to F.linear. The model code is unchanged; `sluice.load()`
+kernel and anything else (prefill) to F.linear. The model code is unchanged; `sluice.load()`
 models stay plain (the reference); the engine (LLM) opts in with kernels="auto".
 
 The extension is compiled on first use with the compiler torch's cpp_extension finds, for this
@@ -30,13 +30,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows of x sent to the kernel, by weight dtype, from the measurement in docs/benchmarks.md ("Fast
-# decode", AVX2 EPYC): there torch's F.linear streams a single row faster (11-12.5 GB/s against
-# 9-9.5), but falls to 4-5.5 GB/s from 2 rows on, where the kernel keeps 6.6-9.2; at 8 rows the
-# kernel still wins for bf16 and no longer for fp32. More rows than this is prefill (F.linear's GEMM).
-ROWS = {torch.float32: (2, 4), torch.bfloat16: (2, 8)}
+# Rows of x sent to the kernel, by weight dtype, from bench/decode_kernels.py on the AVX2 EPYC
+# (docs/benchmarks.md, "Fast decode"; Qwen3-0.6B's matrices from DRAM, 2 threads): the kernel streams
+# fp32 weights at 13.7 / 14.8 / 11.9 / 6.6 GB/s for 1 / 2 / 4 / 8 rows against F.linear's
+# 8.7 / 5.5 / 3.8 / 4.5, and bf16 at 11.5 / 9.7 / 8.0 / 5.7 against 9.8 / 6.8 / 3.6 / 2.3. More rows
+# than this is prefill (F.linear's GEMM).
+ROWS = {torch.float32: (1, 8), torch.bfloat16: (1, 8)}
 MAX_ROWS = 8  # what the kernel itself accepts
 _SOURCE = Path(__file__).with_name("gemv.cpp")
+# -fopenmp: at::parallel_for splits the W rows across torch's OpenMP threads only when the extension
+# itself is compiled with OpenMP; without it the pragma is dropped and the kernel runs on one core
+# (what the first measurements in docs/benchmarks.md saw: 9-10 GB/s against 13-16 with two threads).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _module = None
 _failure: str | None = None
@@ -58,13 +63,13 @@ def _build():
     global _module
     from torch.utils.cpp_extension import _get_build_directory, load
     src = _SOURCE.read_bytes()
-    tag = hashlib.sha256(src + " ".join(sorted(cpu_flags())).encode() + torch.__version__.encode()).hexdigest()[:12]
+    tag = hashlib.sha256(src + " ".join(sorted(cpu_flags()) + _CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"sluice_gemv_{tag}"
     if not any(Path(_get_build_directory(name, verbose=False)).glob("*.so")):
         print("sluice: building its small-batch CPU kernel (once per machine, about a minute)...",
               file=sys.stderr, flush=True)
     _module = load(name=name, sources=[str(_SOURCE)],
-                   extra_cflags=["-O3", "-march=native"], verbose=False)
+                   extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def kernel():
