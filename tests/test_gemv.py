@@ -127,3 +127,28 @@ def test_decode_kernels_bench_quick(tmp_path):
     assert all(x["GB_s"] > 0 for x in r["linear"])
     for x in r["attention"]:  # same answer as SDPA on the old layout, to bf16 / fp32 rounding
         assert x["max_abs_diff"] < (2e-2 if x["dtype"] == "bfloat16" else 1e-5)
+
+
+def test_int8_linears_decode_through_the_kernel(tiny_dir):
+    """--quantize int8 models: decode rows go to gemv with the int8 weight and per-row scales (the fp32
+    product with the dequantized weight); prefill stays on torch's int8 kernel, bit-identical."""
+    from sluice.model.quant import Int8Linear
+    model = sluice.load(tiny_dir, quantize="int8")
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4, 6, 8, 10]])
+    with torch.inference_mode():
+        before = model(ids)
+    int8 = [m for m in model.modules() if type(m) is Int8Linear]
+    assert int8 and gemv.use_fast_linears(model) >= len(int8)
+    assert all(isinstance(m, gemv.FastInt8Linear) for m in int8)
+    with torch.inference_mode():
+        assert torch.equal(model(ids), before)
+        lin = int8[0]
+        x = torch.randn(3, lin.in_features)
+        want = x @ lin.dequantize().T + (0 if lin.bias is None else lin.bias)
+        assert torch.allclose(lin(x), want, atol=1e-4, rtol=1e-4)
+        with torch.profiler.profile() as prof:
+            one = model(ids[:, :1])
+        assert len([e for e in prof.events() if e.name == "sluice::gemv"]) >= len(int8)
+        # close to torch's int8 kernel, which rounds x to bf16 first: the same model up to that rounding
+        ref = sluice.load(tiny_dir, quantize="int8")(ids[:, :1])
+        assert (one - ref).abs().max() < 0.02 * ref.abs().max()

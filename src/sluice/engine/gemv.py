@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model.quant import Int8Linear
+
 # Rows of x sent to the kernel, by weight dtype, from bench/decode_kernels.py on the AVX2 EPYC
 # (docs/benchmarks.md, "Fast decode"; Qwen3-0.6B's matrices from DRAM, 2 threads): the kernel streams
 # fp32 weights at 13.7 / 14.8 / 11.9 / 6.6 GB/s for 1 / 2 / 4 / 8 rows against F.linear's
@@ -66,7 +68,7 @@ def _build():
     tag = hashlib.sha256(src + " ".join(sorted(cpu_flags()) + _CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"sluice_gemv_{tag}"
     if not any(Path(_get_build_directory(name, verbose=False)).glob("*.so")):
-        print("sluice: building its small-batch CPU kernel (once per machine, about a minute)...",
+        print("sluice: building its decode CPU kernel (once per machine, about a minute)...",
               file=sys.stderr, flush=True)
     _module = load(name=name, sources=[str(_SOURCE)],
                    extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
@@ -126,9 +128,28 @@ class FastLinear(nn.Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class FastInt8Linear(Int8Linear):
+    """model/quant.py's Int8Linear whose decode calls (1-8 rows) go to gemv with the int8 weight and
+    its per-row scales (bench/decode_kernels.py: 7.7 GB/s at one row against 5.3 for torch's
+    _weight_int8pack_mm); prefill keeps torch's kernel. The input is not rounded to bf16 first, so
+    the result is the fp32 product of x with the dequantized weight (quant.int8_reference without
+    the bf16 rounding of x)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, K = x.numel() // x.shape[-1], x.shape[-1]
+        if not 1 <= rows <= MAX_ROWS or x.device.type != "cpu":
+            return super().forward(x)
+        x2 = x.reshape(rows, K)
+        if self.qweight.shape[1] != K:  # zero inputs for the padded columns
+            x2 = F.pad(x2, (0, self.qweight.shape[1] - K))
+        y = gemv(x2, self.qweight, self.scales32, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def use_fast_linears(model: nn.Module) -> int:
-    """Turn every plain nn.Linear of `model` with an fp32 / bf16 weight into a FastLinear, in place.
-    Returns how many; 0 (and nothing changed) when the kernel is unavailable."""
+    """Turn every plain nn.Linear of `model` with an fp32 / bf16 weight into a FastLinear, and every
+    Int8Linear into a FastInt8Linear, in place. Returns how many; 0 (and nothing changed) when the
+    kernel is unavailable."""
     if not available():
         return 0
     n = 0
@@ -136,5 +157,8 @@ def use_fast_linears(model: nn.Module) -> int:
         if type(m) is nn.Linear and m.weight.dtype in (torch.float32, torch.bfloat16) and m.weight.is_contiguous():
             m.__class__ = FastLinear  # same object: parameters, names, hooks and ties stay as they were
             n += 1
+        elif type(m) is Int8Linear and m.qweight.device.type == "cpu":
+            m.register_buffer("scales32", m.scales.float(), persistent=False)  # the kernel's scale dtype
+            m.__class__ = FastInt8Linear
+            n += 1
     return n
-

@@ -13,6 +13,7 @@ import torch
 from ..errors import ConfigError, NumericsError, RequestError
 from ..model.hub import resolve_model_dir
 from ..model.loading import bundled_model_dir, load
+from ..model.quant import Int8Linear
 from ..tokenizer import Tokenizer
 from .fused_head import FusedHead
 from .kv_cache import check_budget, default_budget, parse_size
@@ -149,8 +150,9 @@ class LLM:
         """At batch 1 the kernel pays where the weights stream from DRAM (a model past the CPU's last-level
         cache): there it reads them 1.2-1.6x faster than F.linear. A small model (the bundled one, 28 MB)
         sits in the cache, where the step is per-call overhead, not bandwidth, and keeps F.linear."""
-        return self.device.type == "cpu" and sum(
-            m.weight.nbytes for m in self.model.modules() if type(m) is torch.nn.Linear) >= AUTO_KERNEL_BYTES
+        stored = {torch.nn.Linear: "weight", Int8Linear: "qweight"}  # what gemv would stream
+        return self.device.type == "cpu" and sum(getattr(m, stored[type(m)]).nbytes for m in self.model.modules()
+                                                 if type(m) in stored) >= AUTO_KERNEL_BYTES
 
     def _use_kernels(self, required: bool) -> int:
         """Put sluice's decode CPU kernel (engine/gemv.py) under the model's float linears: 1-8-row
