@@ -83,14 +83,14 @@ def test_llm_with_kernels_matches_plain_greedy(tiny_dir, compile):
 def test_auto_kernels_at_batch_1_only_past_the_size_threshold(tiny_dir, monkeypatch):
     """kernels="auto" on a model whose linear weights pass AUTO_KERNEL_BYTES (weights from DRAM): the
     first batch-1 request swaps the linears, and its tokens are the plain engine's."""
-    from sluice.engine import llm as llm_module
+    from sluice.engine import cpu_paths
     params = sluice.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     llm = sluice.LLM(tiny_dir)
     linear_bytes = sum(m.weight.nbytes for m in llm.model.modules() if type(m) is torch.nn.Linear)
-    monkeypatch.setattr(llm_module, "AUTO_KERNEL_BYTES", linear_bytes + 1)
+    monkeypatch.setattr(cpu_paths, "AUTO_KERNEL_BYTES", linear_bytes + 1)
     llm.generate([[1, 2, 3]], params)
     assert llm.kernels_in_use == 0  # one byte short: F.linear stays
-    monkeypatch.setattr(llm_module, "AUTO_KERNEL_BYTES", linear_bytes)
+    monkeypatch.setattr(cpu_paths, "AUTO_KERNEL_BYTES", linear_bytes)
     out = llm.generate([[1, 2, 3]], params)
     assert llm.kernels_in_use > 0 and isinstance(llm.model.lm_head, gemv.FastLinear)
     plain = sluice.LLM(tiny_dir, kernels=False).generate([[1, 2, 3]], params)

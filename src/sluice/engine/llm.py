@@ -13,9 +13,10 @@ import torch
 from ..errors import ConfigError, NumericsError, RequestError
 from ..model.hub import resolve_model_dir
 from ..model.loading import bundled_model_dir, load
-from ..model.quant import Int8Linear
 from ..tokenizer import Tokenizer
 from .fused_head import FusedHead
+from .cpu_paths import COMPUTE_CHOICES, kernels_pay_off, set_compute, use_kernels
+from .mixed import activation_dtype
 from .kv_cache import check_budget, default_budget, parse_size
 from .requests import as_prompt_list, token_ids
 from .runner import Runner
@@ -24,9 +25,6 @@ from .streaming import TextStream
 
 # "auto" steps taken on the fused head before its fallback rate may send a batch back to the plain one.
 AUTO_PROBATION = 16
-# kernels="auto" swaps in the decode kernel at batch 1 for models whose linear weights pass this size
-# (past a last-level cache, so the step streams them from DRAM): see LLM._kernels_pay_off.
-AUTO_KERNEL_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -70,25 +68,32 @@ class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "float32",
                  max_model_len: int | None = None, compile: bool = False, fused_head: bool | str = "auto",
                  device: str | torch.device = "cpu", quantize: str | None = None, kernels: bool | str = "auto",
-                 kv_cache_memory: int | str | None = None):
+                 kv_cache_memory: int | str | None = None, compute: str = "auto"):
         """kv_cache_memory: the most a request's batch state (KV cache plus per-row sampling buffers)
         may take, as bytes or a size such as "4GiB"; None = half of the memory available when each
-        request starts. A request over it is refused before any compute, with its numbers."""
+        request starts. A request over it is refused before any compute, with its numbers.
+        compute: for bf16 weights, "bfloat16" runs the plain bf16 forward; "float32" keeps the linear
+        weights in bf16 and computes the rest in fp32 (engine/mixed.py: faster on a CPU without bf16
+        instructions); "auto" picks "float32" on such a CPU for a model past cpu_paths.AUTO_KERNEL_BYTES."""
         # The default is read per request, not here: what is free changes while the process runs.
         self.kv_cache_memory = None if kv_cache_memory is None else parse_size(kv_cache_memory)
         if fused_head not in (True, False, "auto"):
             raise ConfigError(f"fused_head must be True, False or 'auto', got {fused_head!r}")
         if kernels not in (True, False, "auto"):
             raise ConfigError(f"kernels must be True, False or 'auto', got {kernels!r}")
+        if compute not in COMPUTE_CHOICES:  # before the (slow) load
+            raise ConfigError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, got {compute!r}")
         self.fused_head = fused_head  # see _use_fused_head
         self.model_dir = resolve_model_dir(model) if model is not None else bundled_model_dir()
         self.model = load(self.model_dir, dtype, device=device, quantize=quantize)  # checks the device first
         self.device = self.model.embed.weight.device
-        # "auto" decides at the first request (see _kernels_pay_off), so a user of a small model at
+        # "auto" decides at the first request (cpu_paths.kernels_pay_off), so a user of a small model at
         # batch 1 (sluice demo) never pays for building or loading the kernel. True decides now, loudly.
         self._kernels_pending, self.kernels_in_use = kernels == "auto", 0
         if kernels is True:
-            self.kernels_in_use = self._use_kernels(required=True)
+            self.kernels_in_use = use_kernels(self.model, self.device, required=True)
+        if set_compute(self.model, self.device, compute, kernels, quantize):
+            self._kernels_pending = False  # the bf16 linears call the kernel themselves
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         cfg = self.model.config
         self.generation_config = self.tokenizer.generation_config  # read (and checked) once, there
@@ -146,31 +151,6 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   max_tokens=self.max_model_len, **template_kwargs)
 
-    def _kernels_pay_off(self) -> bool:
-        """At batch 1 the kernel pays where the weights stream from DRAM (a model past the CPU's last-level
-        cache): there it reads them 1.2-1.6x faster than F.linear. A small model (the bundled one, 28 MB)
-        sits in the cache, where the step is per-call overhead, not bandwidth, and keeps F.linear."""
-        stored = {torch.nn.Linear: "weight", Int8Linear: "qweight"}  # what gemv would stream
-        return self.device.type == "cpu" and sum(getattr(m, stored[type(m)]).nbytes for m in self.model.modules()
-                                                 if type(m) in stored) >= AUTO_KERNEL_BYTES
-
-    def _use_kernels(self, required: bool) -> int:
-        """Put sluice's decode CPU kernel (engine/gemv.py) under the model's float linears: 1-8-row
-        decode steps go to it (gemv.ROWS), prefill keeps F.linear. Returns how many linears use it.
-        kernels="auto" calls this at the first request of 2+ rows, or of any size for a model whose
-        weights pass AUTO_KERNEL_BYTES, and takes no for an answer; kernels=True calls it at load, where
-        an unavailable kernel is an error."""
-        if self.device.type == "cpu":
-            from . import gemv
-            if gemv.available():
-                return gemv.use_fast_linears(self.model)
-            why = gemv.why_unavailable()
-        else:
-            why = "it runs on the CPU only"
-        if required:
-            raise ConfigError(f"kernels=True but sluice's CPU kernel is unavailable: {why}")
-        return 0
-
     # ------------------------------------------------------------------ the loop
     def _use_fused_head(self, params: list[SamplingParams]) -> bool:
         """Sample through the fused LM head (fused_head.py) or the plain one (logits, Sampler)?
@@ -215,7 +195,7 @@ class LLM:
                 raise RequestError(f"prompt {i} asks for max_tokens={p.max_tokens}, which leaves no room for a "
                                    f"prompt in the context of {limit} tokens (lower max_tokens)")
         budget = self.kv_cache_memory or default_budget(self.device)
-        dtype = self.model.embed.weight.dtype
+        dtype = activation_dtype(self.model)  # the KV cache's
         # Every row needs at least one prompt token: refuse a hopeless batch before tokenizing it.
         check_budget(cfg, len(prompts), Runner.slots_for(1 + min(p.max_tokens for p in params)), dtype,
                      budget, self.kv_cache_memory is not None)
@@ -259,9 +239,9 @@ class LLM:
 
     def _decode(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[tuple[int, str]]:
         B = len(outputs)
-        if self._kernels_pending and (B >= 2 or self._kernels_pay_off()):
+        if self._kernels_pending and (B >= 2 or kernels_pay_off(self.model, self.device)):
             self._kernels_pending = False  # swapped (or not) once, for good
-            self.kernels_in_use = self._use_kernels(required=False)
+            self.kernels_in_use = use_kernels(self.model, self.device, required=False)
         sampler = Sampler(params, self.model.config.vocab_size, self.device)
         for b, out in enumerate(outputs):
             sampler.add_context(b, out.prompt_token_ids)
@@ -270,7 +250,10 @@ class LLM:
         fused, head = self._use_fused_head(params), FusedHead(sampler)
 
         def sample(x: torch.Tensor) -> torch.Tensor:
-            return head(x, self.model.lm_head.weight, self.model.final_softcap).tokens if fused else sampler(x)
+            if not fused:
+                return sampler(x)
+            w = self.model.lm_head.weight  # in engine/mixed.py's mode x is fp32 and w bf16: as the bf16 head
+            return head(x.to(w.dtype), w, self.model.final_softcap).tokens
         streams = [TextStream(self.tokenizer.decode, p.stop) for p in params]
         stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) for p in params]
         stats = self.last_stats = Stats(prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs), rows=B)

@@ -18,6 +18,7 @@ import torch
 
 from ..model.layers import Transformer
 from .kv_cache import KVCache
+from .mixed import activation_dtype
 
 SLOT_BUCKET = 64  # cache sizes are rounded up to this, so nearby request sizes share a compiled step
 PREFILL_BYTES = 1 << 30  # activations one prefill forward may hold; more rows/tokens go in another forward
@@ -49,7 +50,7 @@ class Runner:
         """Run all prompts (right-padded) into a new cache; return each row's last logits (B, V)
         (or, with hidden=True, last final-normed hidden states (B, C))."""
         cfg = self.model.config
-        dtype, dev = self.model.embed.weight.dtype, self.model.embed.weight.device
+        dtype, dev = activation_dtype(self.model), self.model.embed.weight.device
         B, T = len(prompts), max(len(p) for p in prompts)
         self.cache = KVCache(cfg, B, num_slots, dtype, dev)
         lengths = torch.tensor([len(p) for p in prompts], device=dev)

@@ -1,0 +1,88 @@
+"""bf16 weights, fp32 compute: the engine's bf16 mode on a CPU without bf16 instructions.
+
+Why: on a CPU without AVX-512-bf16 or AMX, every bf16 op converts through fp32 in software. A bf16
+decode step spent a third of its time on elementwise work (norms, RoPE, residual adds, SiLU, the
+casts between them), and torch's bf16 GEMM runs prefill at 17 GFLOP/s against 150+ for fp32
+(docs/benchmarks.md, "Fast decode"). What bf16 buys is half the bytes per weight, and decode is a
+stream over the weights. So this mode keeps the linear weights in bf16 and computes everything
+else in fp32:
+- decode rows go to sluice's kernel (engine/gemv.py), which takes fp32 x and widens bf16 W in
+  registers;
+- prefill multiplies by an fp32 copy of W, made one block of rows at a time, so the temporary
+  stays small and the GEMM is MKL's fp32 one;
+- norm gains, biases and other small parameters become fp32, and the embedding lookup returns fp32
+  rows of the bf16 table (which the tied LM head shares).
+
+The numbers are then those of an fp32 model whose weights were rounded to bf16, which is closer to
+fp32 than a bf16 forward is. The KV cache is fp32 too, so it takes twice the memory of a bf16 cache.
+`LLM(dtype="bfloat16")` picks this mode by itself where the CPU lacks bf16 instructions and the
+kernel is available (`compute="auto"`); `compute="bfloat16"` keeps the plain bf16 forward
+(transformers' numerics), `compute="float32"` asks for this mode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import gemv
+
+PREFILL_BLOCK_BYTES = 32 * 2**20  # the fp32 copy of W made per GEMM call during prefill
+
+
+class UpcastEmbedding(nn.Embedding):
+    """An embedding table stored in bf16 whose rows come out in fp32."""
+
+    out_dtype = torch.float32
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids).float()
+
+
+class Bf16WeightLinear(nn.Linear):
+    """A linear with a bf16 weight and fp32 inputs and outputs (see the module doc)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        K, N = x.shape[-1], self.out_features
+        rows = x.numel() // K
+        x = x.float()
+        if rows <= gemv.MAX_ROWS:
+            return gemv.gemv(x.reshape(rows, K), self.weight, None, self.bias).view(*x.shape[:-1], N)
+        step = max(1, PREFILL_BLOCK_BYTES // (4 * K))
+        out = torch.empty(*x.shape[:-1], N, dtype=torch.float32, device=x.device)
+        for a in range(0, N, step):
+            b = min(a + step, N)
+            bias = None if self.bias is None else self.bias[a:b].float()
+            out[..., a:b] = F.linear(x, self.weight[a:b].float(), bias)
+        return out
+
+
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model's activations (and so the KV cache) have: fp32 in this mode."""
+    return getattr(model.embed, "out_dtype", model.embed.weight.dtype)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether the CPU multiplies bf16 in hardware (AVX-512-bf16 or AMX), read at run time."""
+    return bool({"avx512_bf16", "amx_bf16"} & gemv.cpu_flags())
+
+
+def use_fp32_compute(model: nn.Module) -> int:
+    """Put a bf16 model in this mode, in place; returns how many linears keep bf16 weights. Needs the
+    kernel (gemv.available()), for the decode rows."""
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16:
+            m.__class__ = Bf16WeightLinear  # same object: parameters, names, hooks and ties stay
+            n += 1
+        elif type(m) is nn.Embedding:
+            m.__class__ = UpcastEmbedding
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):  # tables stay bf16: a lookup reads one row of them
+            continue
+        for name, p in m.named_parameters(recurse=False):
+            if p.dtype == torch.bfloat16 and id(p) not in linear_weights:  # norm gains and the like
+                setattr(m, name, nn.Parameter(p.detach().float(), requires_grad=False))
+    return n
