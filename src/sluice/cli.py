@@ -31,6 +31,10 @@ def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="refuse requests longer than this many tokens (default: the model's context)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--compute", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="with --dtype bfloat16: float32 keeps the weights in bf16 and computes the rest in "
+                        "fp32 (faster on CPUs without bf16 instructions); auto picks it there for models "
+                        "over 64 MiB")
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="most memory a request's KV cache and sampling buffers may take, e.g. 2GiB or "
                         "512MB; a request over it is refused with the numbers (default: half of the "
@@ -95,7 +99,7 @@ def _load_llm(args):
     console = Console(stderr=True)
     with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype}, {args.device})..."):
         return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
-                   device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory)
+                   device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory, compute=args.compute)
 
 
 def cmd_generate(args) -> int:
