@@ -1,0 +1,93 @@
+"""What the model-running commands share: their flags, their input checks, loading the LLM."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+from ..errors import RequestError
+
+
+def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    """--model and --dtype; with engine=True also the generation engine's own flags."""
+    p.add_argument("--model", default=None,
+                   help="local checkpoint directory or cached Hugging Face repo id "
+                        "(default: the bundled model sluice trained itself)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    if not engine:
+        return
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), cuda, cuda:N or mps; an unavailable one is an error")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="refuse requests longer than this many tokens (default: the model's context)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--compute", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="with --dtype bfloat16: float32 keeps the weights in bf16 and computes the rest in "
+                        "fp32 (faster on CPUs without bf16 instructions); auto picks it there for models "
+                        "over 64 MiB")
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="most memory a request's KV cache and sampling buffers may take, e.g. 2GiB or "
+                        "512MB; a request over it is refused with the numbers (default: half of the "
+                        "memory free at the time)")
+    p.add_argument("--quantize", default=None, metavar="{int8,int4}",
+                   help="weight-only quantization at load time, on the CPU: int8 per channel, int4 per "
+                        "group of 32 (docs/quantization.md)")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (unset values come from the model's generation_config.json)")
+    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--temperature", type=float, help="0 = greedy")
+    g.add_argument("--top-k", type=int, help="0 or -1 = off")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable), excluded from the output")
+    g.add_argument("--stop-token-id", action="append", type=int, dest="stop_token_ids")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _params(args):
+    from ..engine.sampling import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                          stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+
+
+def _utf8(text: str, what: str) -> str:
+    """`text` as given (argv and stdin decode bad bytes to lone surrogates), refused by name if it was
+    not valid UTF-8: a model sees text, and guessing what broken bytes meant would change the prompt."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise RequestError(f"{what} is not valid UTF-8: byte {bad!r} at character {e.start}") from None
+    return text
+
+
+def _stdin_lines():
+    """Lines of stdin with undecodable bytes kept (as surrogates) so one bad line is refused, not the session."""
+    with contextlib.suppress(AttributeError, ValueError):  # not a TextIOWrapper (e.g. replaced in a test)
+        sys.stdin.reconfigure(errors="surrogateescape")
+    return sys.stdin
+
+
+def _kv_budget(args) -> None:
+    """A malformed --kv-cache-memory is refused before the (slow) load."""
+    if args.kv_cache_memory is not None:
+        from ..engine.kv_cache import parse_size
+        parse_size(args.kv_cache_memory, "--kv-cache-memory")
+
+
+def _load_llm(args):
+    """Load with a spinner on stderr, so a slow load never looks like a hang."""
+    from rich.console import Console
+
+    from ..engine import LLM
+    console = Console(stderr=True)
+    with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype}, {args.device})..."):
+        return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
+                   device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory, compute=args.compute)
