@@ -106,3 +106,15 @@ def test_decode_tok_s_counts_tokens_after_the_first_over_decode_time(tiny_llm):
     # 2 of the 13 tokens came out of prefill, one per row; 11 were decoded
     assert st.decode_seconds > 0 and st.decode_tok_s == pytest.approx(11 / st.decode_seconds)
     assert sum(len(o.token_ids) for o in outs) == st.generated_tokens
+
+
+@pytest.mark.parametrize("kwargs,words", [(dict(max_model_len=True), "max_model_len"),
+                                          (dict(compile="yes"), "compile must be True or False")])
+def test_llm_arguments_of_the_wrong_type_are_refused(tiny_dir, kwargs, words):
+    with pytest.raises(sluice.SluiceError, match=words):
+        sluice.LLM(tiny_dir, **kwargs)
+
+
+def test_chat_messages_that_are_a_string_are_refused(tiny_llm):
+    with pytest.raises(sluice.RequestError, match="messages must be a list of dicts.*got str"):
+        tiny_llm.chat("hi")

@@ -138,6 +138,9 @@ class Tokenizer:
         check_max_tokens(max_tokens)
         name = "tool_use" if tools is not None and "tool_use" in self._templates else "default"
         template = self._compile(name)
+        if not isinstance(messages, (list, tuple)):
+            raise RequestError(f"messages must be a list of dicts with 'role' and 'content', got "
+                               f"{type(messages).__name__}")
         if not messages:
             raise RequestError("apply_chat_template needs at least one message")
         if tools is not None and not all(isinstance(t, Mapping) for t in tools):

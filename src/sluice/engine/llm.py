@@ -81,6 +81,8 @@ class LLM:
             raise ConfigError(f"fused_head must be True, False or 'auto', got {fused_head!r}")
         if kernels not in (True, False, "auto"):
             raise ConfigError(f"kernels must be True, False or 'auto', got {kernels!r}")
+        if not isinstance(compile, bool):
+            raise ConfigError(f"compile must be True or False, got {compile!r}")
         if compute not in COMPUTE_CHOICES:  # before the (slow) load
             raise ConfigError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, got {compute!r}")
         self.fused_head = fused_head  # see _use_fused_head
@@ -98,7 +100,8 @@ class LLM:
         cfg = self.model.config
         self.generation_config = self.tokenizer.generation_config  # read (and checked) once, there
         limit = cfg.max_position_embeddings
-        if max_model_len is not None and not (isinstance(max_model_len, int) and 0 < max_model_len <= limit):
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not (
+                isinstance(max_model_len, int) and 0 < max_model_len <= limit)):
             raise ConfigError(f"max_model_len must be an integer in [1, {limit}] (the model's "
                               f"max_position_embeddings), got {max_model_len!r}")
         self.max_model_len = max_model_len or limit
