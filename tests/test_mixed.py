@@ -22,7 +22,7 @@ def rounded_fp32(tiny_dir):
 
 
 def test_forward_equals_fp32_of_the_rounded_weights(tiny_dir, monkeypatch):
-    monkeypatch.setattr(mixed, "PREFILL_BLOCK_BYTES", 4 * 64 * 20)  # 20 rows per block: many blocks
+    monkeypatch.setattr(gemv, "PREFILL_BLOCK_BYTES", 4 * 64 * 20)  # 20 rows per block: many blocks
     model = sluice.load(tiny_dir, dtype="bfloat16")
     n = mixed.use_fp32_compute(model)
     assert n == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) and n > 0

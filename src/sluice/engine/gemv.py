@@ -39,7 +39,7 @@ from ..model.quant import Int8Linear
 # than this is prefill (F.linear's GEMM).
 ROWS = {torch.float32: (1, 8), torch.bfloat16: (1, 8)}
 MAX_ROWS = 8  # what the kernel itself accepts
-PREFILL_BLOCK_BYTES = 32 * 2**20  # the fp32 copy of an int8 weight made per GEMM call during prefill
+PREFILL_BLOCK_BYTES = 32 * 2**20  # the fp32 copy of a bf16 or int8 weight made per GEMM call in prefill
 _SOURCE = Path(__file__).with_name("gemv.cpp")
 # -fopenmp: at::parallel_for splits the W rows across torch's OpenMP threads only when the extension
 # itself is compiled with OpenMP; without it the pragma is dropped and the kernel runs on one core
@@ -149,17 +149,23 @@ class FastInt8Linear(Int8Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _prefill(self, x: torch.Tensor) -> torch.Tensor:
-        """Many rows: fp32 GEMMs on the weight dequantized PREFILL_BLOCK_BYTES at a time (MKL's fp32 GEMM
-        ran a 0.6B prefill at 82 tok/s here, torch's int8 op at 51), so the temporary stays small."""
-        K, N = x.shape[-1], self.out_features
-        x32 = x.float()
-        step = max(1, PREFILL_BLOCK_BYTES // (4 * self.qweight.shape[1]))
-        out = torch.empty(*x.shape[:-1], N, dtype=torch.float32, device=x.device)
-        for a in range(0, N, step):
-            b = min(a + step, N)
-            w = self.qweight[a:b, :K].float() * self.scales32[a:b, None]  # (b - a, K) dequantized
-            out[..., a:b] = F.linear(x32, w, None if self.bias is None else self.bias[a:b].float())
-        return out.to(x.dtype)
+        """Many rows: fp32 GEMMs on the dequantized weight (MKL's fp32 GEMM ran a 0.6B prefill at 82
+        tok/s here, torch's int8 op at 51)."""
+        K = x.shape[-1]
+        rows = lambda a, b: self.qweight[a:b, :K].float() * self.scales32[a:b, None]  # noqa: E731
+        return blocked_linear(x.float(), rows, self.bias, self.out_features).to(x.dtype)
+
+
+def blocked_linear(x32: torch.Tensor, weight_rows, bias: torch.Tensor | None, N: int) -> torch.Tensor:
+    """x32 (..., K) @ W^T (+ bias) in fp32, where weight_rows(a, b) gives W[a:b] as fp32: W is made
+    PREFILL_BLOCK_BYTES at a time, so a weight stored narrower (bf16, int8) is multiplied by MKL's
+    fp32 GEMM without ever holding a full fp32 copy of it."""
+    step = max(1, PREFILL_BLOCK_BYTES // (4 * x32.shape[-1]))
+    out = torch.empty(*x32.shape[:-1], N, dtype=torch.float32, device=x32.device)
+    for a in range(0, N, step):
+        b = min(a + step, N)
+        out[..., a:b] = F.linear(x32, weight_rows(a, b), None if bias is None else bias[a:b].float())
+    return out
 
 
 def use_fast_linears(model: nn.Module) -> int:

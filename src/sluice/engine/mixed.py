@@ -23,12 +23,9 @@ kernel is available (`compute="auto"`); `compute="bfloat16"` keeps the plain bf1
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import gemv
-
-PREFILL_BLOCK_BYTES = 32 * 2**20  # the fp32 copy of W made per GEMM call during prefill
 
 
 class UpcastEmbedding(nn.Embedding):
@@ -49,13 +46,7 @@ class Bf16WeightLinear(nn.Linear):
         x = x.float()
         if rows <= gemv.MAX_ROWS:
             return gemv.gemv(x.reshape(rows, K), self.weight, None, self.bias).view(*x.shape[:-1], N)
-        step = max(1, PREFILL_BLOCK_BYTES // (4 * K))
-        out = torch.empty(*x.shape[:-1], N, dtype=torch.float32, device=x.device)
-        for a in range(0, N, step):
-            b = min(a + step, N)
-            bias = None if self.bias is None else self.bias[a:b].float()
-            out[..., a:b] = F.linear(x, self.weight[a:b].float(), bias)
-        return out
+        return gemv.blocked_linear(x, lambda a, b: self.weight[a:b].float(), self.bias, N)
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:
