@@ -1,9 +1,9 @@
 """ModelConfig: everything the model code needs, read from a Hugging Face config.json.
 
 `ModelConfig.from_hf` is the only reader of config.json. Each supported architecture is one row of
-`_FAMILIES` (in hf_families.py): the architecture name maps to the values of the numerical "valves" (norm kind and
-placement, qk-norm, biases). The model code branches on those fields, never on family names, so a
-new family is a new row here, not a new model class.
+`_FAMILIES` (model/hf_families.py): the architecture name maps to the values of the numerical
+"valves" (norm kind and placement, qk-norm, biases). The model code branches on those fields, never
+on family names, so a new family is a new row in that table, not a new model class.
 """
 
 from __future__ import annotations
