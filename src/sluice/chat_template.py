@@ -3,14 +3,13 @@ under the bounds of template_limits (a template from a model repository is untru
 
 Where each bound is enforced: `+ * ** %` go through the sandbox's call_binop; every call through `call`; str
 methods that can amplify (center, replace, join, format, ...) are wrapped when a template looks them up;
-every filter is wrapped; and the parsed template is rewritten so that each `{% for %}` loop counts its
-iterations and each `~` concatenation measures its parts first. The rendered output is measured chunk by
-chunk as jinja generates it.
+every filter is wrapped (those wrappers and their size estimates are in template_guards); and the parsed
+template is rewritten so that each `{% for %}` loop counts its iterations and each `~` concatenation
+measures its parts first. The rendered output is measured chunk by chunk as jinja generates it.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -24,6 +23,7 @@ from jinja2.visitor import NodeTransformer
 
 from . import template_limits as lim
 from .errors import RequestError
+from .template_guards import guard_filter, guard_method
 
 MAX_NESTING = 100  # of the messages/tools data handed to a template: real JSON schemas nest ~10 deep
 
@@ -82,103 +82,6 @@ class _GenerationBlock(jinja2.ext.Extension):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return nodes.Scope(body, lineno=lineno)
-
-
-# -- bounds on str methods, filters and globals -----------------------------------------------------------------
-
-def _replace_bound(s, old, new, count=-1) -> int:
-    n = len(s) + 1 if not old else s.count(old)
-    return len(s) + (n if count is None or count < 0 else min(n, count)) * len(new)
-
-
-def _translate_bound(s, table) -> int:
-    longest = max((len(v) for v in table.values() if isinstance(v, (str, bytes))), default=1) \
-        if isinstance(table, Mapping) else 1
-    return len(s) * max(longest, 1)
-
-
-# str/bytes method -> an upper bound on the length of its result, from the receiver and the arguments.
-_METHOD_BOUNDS: dict[str, Callable[..., int]] = {
-    "center": lambda s, width, *_: len(s) + width, "ljust": lambda s, width, *_: len(s) + width,
-    "rjust": lambda s, width, *_: len(s) + width, "zfill": lambda s, width: len(s) + width,
-    "expandtabs": lambda s, tabsize=8: len(s) + s.count(b"\t" if isinstance(s, bytes) else "\t") * tabsize,
-    "replace": _replace_bound, "translate": _translate_bound,
-    "join": lambda s, items: lim.text_size(items) + len(s) * len(items),
-    "format": lambda s, *args, **kwargs: lim.format_bound(s, args, kwargs),
-    "format_map": lambda s, mapping: lim.format_bound(s, (), dict(mapping)),
-}
-
-
-def _guard_method(obj, name, method):
-    bound = _METHOD_BOUNDS.get(name)
-    if bound is None or not isinstance(obj, (str, bytes)) or not callable(method):
-        return method
-
-    def guarded(*args, **kwargs):
-        if name == "join" and args:  # a generator would be used up by measuring it
-            args = (list(args[0]), *args[1:])
-        try:
-            size = bound(obj, *args, **kwargs)
-        except (TypeError, ValueError, AttributeError):  # bad arguments: let the method itself say so
-            size = 0
-        lim.refuse(f"the result of .{name}()", size)
-        return method(*args, **kwargs)
-
-    return guarded
-
-
-def _indent_bound(s, width=4, *_, **__) -> int:
-    width = len(width) if isinstance(width, str) else width
-    lines = s.count("\n") + 1 if isinstance(s, str) else lim.text_size(s)
-    return lim.text_size(s) + lines * width
-
-
-def _wordwrap_bound(s, width=79, break_long_words=True, wrapstring=None, *_, **__) -> int:
-    return lim.text_size(s) * (1 + len(wrapstring if isinstance(wrapstring, str) else "\n"))
-
-
-# filter -> an upper bound on its result's size, from its arguments (after the context/environment one).
-_FILTER_BOUNDS: dict[str, Callable[..., int]] = {
-    "center": lambda s, width=80: lim.text_size(s) + width, "indent": _indent_bound,
-    "replace": lambda s, old, new, count=None: _replace_bound(str(s), old, new, count),
-    "format": lambda s, *args, **kwargs: lim.percent_bound(str(s), kwargs or args),
-    "wordwrap": _wordwrap_bound,
-    "batch": lambda value, linecount, fill_with=None: 0 if fill_with is None else linecount,
-    "slice": lambda value, slices, fill_with=None: slices,
-    "pprint": lambda value: lim.text_size(value, indent=1),
-}
-# Filters that never turn their input into text, so measuring it would only cost time (`messages|length`
-# runs inside loops over the messages).
-_NO_TEXT = {"abs", "attr", "count", "d", "default", "dictsort", "first", "float", "groupby", "int", "items", "last",
-            "length", "list", "map", "max", "min", "random", "reject", "rejectattr", "reverse", "round", "select",
-            "selectattr", "sort", "unique", "join", "tojson", "sum", "batch", "slice"}
-
-
-def _guard_filter(name: str, f):
-    skip = 1 if getattr(f, "jinja_pass_arg", None) is not None else 0  # context/eval context/environment
-    bound = _FILTER_BOUNDS.get(name)
-
-    @functools.wraps(f)
-    def guarded(*args, **kwargs):
-        if name == "join" and len(args) > skip:  # measure the items (not a generator that measuring would eat)
-            items = list(args[skip])
-            sep = args[skip + 1] if len(args) > skip + 1 else kwargs.get("d", "")
-            lim.refuse("a joined string", lim.text_size(items) + len(str(sep)) * len(items))
-            args = (*args[:skip], items, *args[skip + 1:])
-        elif name not in _NO_TEXT and len(args) > skip:
-            lim.refuse(f"the text of the {name} filter's input", lim.text_size(args[skip]))
-        if bound is not None:
-            try:
-                size = bound(*args[skip:], **kwargs)
-            except (TypeError, ValueError, AttributeError):  # bad arguments: let the filter itself say so
-                size = 0
-            lim.refuse(f"the result of the {name} filter", size)
-        result = f(*args, **kwargs)
-        lim.tick(result)
-        lim.refuse(f"the result of the {name} filter", lim.shallow_size(result))
-        return result
-
-    return guarded
 
 
 @jinja2.pass_environment
@@ -256,18 +159,18 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return lim.check_int(result, "a call's result")
 
     def getattr(self, obj, attribute):
-        return _guard_method(obj, attribute, super().getattr(obj, attribute))
+        return guard_method(obj, attribute, super().getattr(obj, attribute))
 
     def getitem(self, obj, argument):
         value = super().getitem(obj, argument)
-        return _guard_method(obj, argument, value) if isinstance(argument, str) else value
+        return guard_method(obj, argument, value) if isinstance(argument, str) else value
 
 
 def compile_template(source: str) -> jinja2.Template:
     # trim/lstrip_blocks are the whitespace rules templates are written for.
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, finalize=_finalize,
                    extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
-    env.filters = {name: _guard_filter(name, f) for name, f in {**env.filters, "sum": _sum,
+    env.filters = {name: guard_filter(name, f) for name, f in {**env.filters, "sum": _sum,
                                                                  "tojson": _tojson}.items()}
     env.filters.update(sluice_counted=_counted, sluice_concat=_concat)
     env.globals.update(raise_exception=_raise_exception, namespace=_Namespace, dict=_Dict(),
