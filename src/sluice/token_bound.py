@@ -49,9 +49,12 @@ def utf8_bytes(text: str, what: str) -> int:
             total += len(text[start:start + _SLICE].encode("utf-8"))
         except UnicodeEncodeError as err:
             pos = start + err.start
+            code = ord(text[pos])
+            # U+DC80..U+DCFF is how errors='surrogateescape' (argv, stdin) keeps a byte that was not UTF-8
+            origin = (f"byte {bytes([code - 0xDC00])!r} of input that is not valid UTF-8, kept by "
+                      "errors='surrogateescape'" if 0xDC80 <= code <= 0xDCFF else "a half of a UTF-16 pair")
             raise RequestError(f"{what} is not valid Unicode: character {pos:,} is the lone surrogate "
-                               f"U+{ord(text[pos]):04X} (was it bytes decoded with errors='surrogateescape'?)") \
-                from None
+                               f"U+{code:04X} ({origin})") from None
     return total
 
 

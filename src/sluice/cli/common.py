@@ -6,8 +6,6 @@ import argparse
 import contextlib
 import sys
 
-from ..errors import RequestError
-
 
 def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     """--model and --dtype; with engine=True also the generation engine's own flags."""
@@ -60,11 +58,8 @@ def _params(args):
 def _utf8(text: str, what: str) -> str:
     """`text` as given (argv and stdin decode bad bytes to lone surrogates), refused by name if it was
     not valid UTF-8: a model sees text, and guessing what broken bytes meant would change the prompt."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        bad = text[e.start].encode("utf-8", "surrogateescape")
-        raise RequestError(f"{what} is not valid UTF-8: byte {bad!r} at character {e.start}") from None
+    from ..token_bound import utf8_bytes  # the tokenizer's own check, here before the (slow) load
+    utf8_bytes(text, what)
     return text
 
 
