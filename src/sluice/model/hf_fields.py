@@ -59,51 +59,38 @@ class Fields:
             return default, True
         return value, False
 
-    def int(self, key: str, default: Any = ABSENT, lo: int = 1, hi: int = MAX_SIZE, null: Any = ABSENT) -> Any:
-        """An integer in [lo, hi]: not a bool, not a float, not a string of digits."""
+    def _read(self, key: str, default: Any, ok, what: str, null: Any = ABSENT, convert=None) -> Any:
+        """The one reader: the value at `key` if present and ok(value) (then convert(value) when given),
+        else a ConfigError naming the field, what it must be and the value; absent or null give
+        `default` / `null` (see _get) unchecked."""
         value, absent = self._get(key, default, null)
         if absent:
             return value
-        if not (is_int(value) and lo <= value <= hi):
-            raise self.fail(key, f"an integer in [{lo}, {hi}]", value)
-        return value
+        if not ok(value):
+            raise self.fail(key, what, value)
+        return value if convert is None else convert(value)
+
+    def int(self, key: str, default: Any = ABSENT, lo: int = 1, hi: int = MAX_SIZE, null: Any = ABSENT) -> Any:
+        """An integer in [lo, hi]: not a bool, not a float, not a string of digits."""
+        return self._read(key, default, lambda v: is_int(v) and lo <= v <= hi, f"an integer in [{lo}, {hi}]", null)
 
     def number(self, key: str, default: Any = ABSENT, *, lo: float = 0.0, hi: float = math.inf,
                null: Any = ABSENT) -> Any:
         """A finite number in (lo, hi]: NaN, infinities, bools and strings are refused."""
-        value, absent = self._get(key, default, null)
-        if absent:
-            return value
-        if not (is_number(value) and math.isfinite(value) and lo < value <= hi):
-            what = "a positive finite number" if (lo, hi) == (0.0, math.inf) else f"a number in ({lo}, {hi}]"
-            raise self.fail(key, what, value)
-        return float(value)
+        what = "a positive finite number" if (lo, hi) == (0.0, math.inf) else f"a number in ({lo}, {hi}]"
+        return self._read(key, default, lambda v: is_number(v) and math.isfinite(v) and lo < v <= hi, what,
+                          null, convert=float)
 
     def flag(self, key: str, default: Any = ABSENT) -> Any:
         """true or false. 0, 1 and "false" are refused: `bool("false")` is True."""
-        value, absent = self._get(key, default)
-        if absent:
-            return value
-        if not isinstance(value, bool):
-            raise self.fail(key, "true or false", value)
-        return value
+        return self._read(key, default, lambda v: isinstance(v, bool), "true or false")
 
     def text(self, key: str, default: Any = ABSENT) -> Any:
-        value, absent = self._get(key, default)
-        if absent:
-            return value
-        if not isinstance(value, str):
-            raise self.fail(key, "a string", value)
-        return value
+        return self._read(key, default, lambda v: isinstance(v, str), "a string")
 
     def mapping(self, key: str) -> dict | None:
         """A JSON object, or None when absent."""
-        value, absent = self._get(key, None)
-        if absent:
-            return None
-        if not isinstance(value, dict):
-            raise self.fail(key, "a JSON object (a dict)", value)
-        return value
+        return self._read(key, None, lambda v: isinstance(v, dict), "a JSON object (a dict)")
 
     def sub(self, key: str) -> "Fields | None":
         """The fields of the object at `key`, named `key.field` in messages; None when absent."""
@@ -112,25 +99,16 @@ class Fields:
 
     def strings(self, key: str, allowed: tuple[str, ...] | None = None, length: int | None = None):
         """A list of strings (each from `allowed` when given; `length` items when given), or None."""
-        value, absent = self._get(key, None)
-        if absent:
-            return None
         what = "a list of strings" + (f" from {allowed}" if allowed else "")
-        if not (isinstance(value, list) and all(isinstance(v, str) and (not allowed or v in allowed)
-                                                for v in value)):
-            raise self.fail(key, what, value)
-        if length is not None and len(value) != length:
+        value = self._read(key, None, lambda v: isinstance(v, list) and all(
+            isinstance(x, str) and (not allowed or x in allowed) for x in v), what)
+        if value is not None and length is not None and len(value) != length:
             raise self.fail(key, f"{what}, one for each of the {length} layers", value)
         return value
 
     def token_ids(self, key: str) -> int | list[int] | None:
         """A token id, a non-empty list of them (eos_token_id may be several), or None."""
-        value, absent = self._get(key, None)
-        if absent:
-            return None
-        ok = is_int(value) and 0 <= value < 1 << 31
-        if isinstance(value, list):
-            ok = bool(value) and all(is_int(v) and 0 <= v < 1 << 31 for v in value)
-        if not ok:
-            raise self.fail(key, "a token id (an integer >= 0), a list of them, or null", value)
-        return value
+        def one(v):
+            return is_int(v) and 0 <= v < 1 << 31
+        return self._read(key, None, lambda v: (bool(v) and all(map(one, v))) if isinstance(v, list) else one(v),
+                          "a token id (an integer >= 0), a list of them, or null")
