@@ -66,22 +66,31 @@ def test_default_budget_is_a_share_of_free_memory(tiny_llm, monkeypatch):
     assert tiny_llm.generate("hi", SamplingParams(max_tokens=2))[0].token_ids
 
 
-def test_thousand_long_prompts_refused_in_a_capped_child(tiny_dir):
-    """The issue's case, 1,000 prompts x 2,040 tokens (12.8 GB before): refused up front, small peak."""
+def refused_in_capped_child(tiny_dir, llm_kwargs: str, setup: str, generate_args: str) -> str:
+    """Run llm.generate(generate_args) on the tiny model in a child capped at 3000 MiB and assert it is
+    refused (RequestError) within 5 s with a peak under 1500 MiB; returns the refusal message."""
     r = run_bounded(f"""
         import time, sluice
         from sluice import SamplingParams
-        llm = sluice.LLM({str(tiny_dir)!r}, kv_cache_memory="256MiB")
+        llm = sluice.LLM({str(tiny_dir)!r}, {llm_kwargs})
+        {setup}
         t = time.perf_counter()
         try:
-            llm.generate([[5] * 400] * 1000, SamplingParams(max_tokens=100))
+            llm.generate({generate_args})
         except sluice.RequestError as e:
             print("refused", round(time.perf_counter() - t, 2), e)
     """, mem_mib=3000, timeout=120)
     assert r.returncode == 0 and "refused" in r.stdout, r.stderr[-2000:]
-    assert "1,000 prompts x 512 slots" in r.stdout
     assert r.peak_mib < 1500, r.peak_mib
     assert float(r.stdout.split()[1]) < 5
+    return r.stdout
+
+
+def test_thousand_long_prompts_refused_in_a_capped_child(tiny_dir):
+    """The issue's case, 1,000 prompts x 2,040 tokens (12.8 GB before): refused up front, small peak."""
+    message = refused_in_capped_child(tiny_dir, 'kv_cache_memory="256MiB"', "",
+                                      "[[5] * 400] * 1000, SamplingParams(max_tokens=100)")
+    assert "1,000 prompts x 512 slots" in message
 
 
 # ---------------------------------------------------------------- prefill in slices (item 1)
@@ -286,20 +295,7 @@ def test_generation_config_of_wrong_types_names_the_file(tiny_dir, tmp_path):
 def test_ten_million_character_prompt_refused_in_a_capped_child(tiny_dir):
     """10^8 characters took 11 GB and 2 minutes to tokenize before the length check; now the
     tokenizer refuses it from its byte count (Tokenizer.encode(max_tokens=))."""
-    r = run_bounded(f"""
-        import time, sluice
-        llm = sluice.LLM({str(tiny_dir)!r})
-        text = "hello world " * (10**8 // 12)
-        t = time.perf_counter()
-        try:
-            llm.generate(text)
-        except sluice.RequestError as e:
-            print("refused", round(time.perf_counter() - t, 2), e)
-    """, mem_mib=3000, timeout=120)
-    assert r.returncode == 0 and "refused" in r.stdout, r.stderr[-2000:]
-    assert "prompt 0" in r.stdout
-    assert r.peak_mib < 1500, r.peak_mib
-    assert float(r.stdout.split()[1]) < 5
+    assert "prompt 0" in refused_in_capped_child(tiny_dir, "", 'text = "hello world " * (10**8 // 12)', "text")
 
 
 def test_conversation_longer_than_the_context_is_refused_before_tokenizing(tiny_llm, monkeypatch):
