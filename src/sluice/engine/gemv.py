@@ -11,19 +11,12 @@ with the same parameters, names and hooks, whose forward sends inputs of a few r
 kernel and anything else (prefill) to F.linear. The model code is unchanged; `sluice.load()`
 models stay plain (the reference); the engine (LLM) opts in with kernels="auto".
 
-The extension is compiled on first use with the compiler torch's cpp_extension finds, for this
-machine (-march=native; the build directory's name carries a hash of the source and the CPU's
-flags, so a cache shared between different CPUs never runs a foreign build) and cached across runs
-in torch's extension directory. Without a compiler, or on a CPU without AVX2 + FMA, or off the CPU,
-`available()` is False and every linear stays F.linear.
+The extension is built once per machine by native.py; without a compiler, or on a CPU without
+AVX2 + FMA, or off the CPU, `available()` is False and every linear stays F.linear.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -31,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.quant import Int8Linear
+from .native import NativeExtension, cpu_flags  # noqa: F401  (cpu_flags: re-exported for callers)
 
 # Rows of x sent to the kernel, by weight dtype, from bench/decode_kernels.py on the AVX2 EPYC
 # (docs/benchmarks.md, "Fast decode"; Qwen3-0.6B's matrices from DRAM, 2 threads): the kernel streams
@@ -40,60 +34,12 @@ from ..model.quant import Int8Linear
 ROWS = {torch.float32: (1, 8), torch.bfloat16: (1, 8)}
 MAX_ROWS = 8  # what the kernel itself accepts
 PREFILL_BLOCK_BYTES = 32 * 2**20  # the fp32 copy of a bf16 or int8 weight made per GEMM call in prefill
-_SOURCE = Path(__file__).with_name("gemv.cpp")
-# -fopenmp: at::parallel_for splits the W rows across torch's OpenMP threads only when the extension
-# itself is compiled with OpenMP; without it the pragma is dropped and the kernel runs on one core
-# (what the first measurements in docs/benchmarks.md saw: 9-10 GB/s against 13-16 with two threads).
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_lock = threading.Lock()
-_module = None
-_failure: str | None = None
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _build():
-    global _module
-    from torch.utils.cpp_extension import _get_build_directory, load
-    src = _SOURCE.read_bytes()
-    tag = hashlib.sha256(src + " ".join(sorted(cpu_flags()) + _CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
-    name = f"sluice_gemv_{tag}"
-    if not any(Path(_get_build_directory(name, verbose=False)).glob("*.so")):
-        print("sluice: building its decode CPU kernel (once per machine, about a minute)...",
-              file=sys.stderr, flush=True)
-    _module = load(name=name, sources=[str(_SOURCE)],
-                   extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+_EXT = NativeExtension(Path(__file__).with_name("gemv.cpp"), "decode CPU kernel")
 
 
 def kernel():
-    """The compiled extension, building it on first call; None where it cannot be had (see _failure)."""
-    global _failure
-    if _module is not None or _failure is not None:
-        return _module
-    with _lock:
-        if _module is None and _failure is None:
-            if os.environ.get("SLUICE_NO_KERNELS"):
-                _failure = "disabled by SLUICE_NO_KERNELS"
-            elif not {"avx2", "fma"} <= cpu_flags():
-                _failure = "this CPU has no AVX2 + FMA"
-            else:
-                try:
-                    _build()
-                except Exception as e:  # no compiler, no headers: the plain path stays
-                    _failure = f"could not build the kernel: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-            if _module is not None and not _module.has_avx2():
-                _failure = "the kernel was built without AVX2 + FMA"
-    return _module if _failure is None else None
+    """The compiled extension, building it on first call; None where it cannot be had."""
+    return _EXT.module()
 
 
 def available() -> bool:
@@ -102,7 +48,7 @@ def available() -> bool:
 
 def why_unavailable() -> str | None:
     kernel()
-    return _failure
+    return _EXT.failure
 
 
 @torch.library.custom_op("sluice::gemv", mutates_args=())

@@ -1,0 +1,77 @@
+"""Building sluice's own CPU extensions (gemv.cpp, and any other engine/*.cpp) once per machine.
+
+Each extension is compiled on first use with the compiler torch's cpp_extension finds, for this
+machine (-march=native; the build directory's name carries a hash of the source, the CPU's flags and
+torch's version, so a cache shared between different CPUs never runs a foreign build) and cached
+across runs in torch's extension directory. Without a compiler, or on a CPU without AVX2 + FMA, or
+with SLUICE_NO_KERNELS set, the extension is unavailable and says why; callers keep their plain
+torch path then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+# -fopenmp: at::parallel_for splits work across torch's OpenMP threads only when the extension itself
+# is compiled with OpenMP; without it the pragma is dropped and the kernel runs on one core (what the
+# first measurements in docs/benchmarks.md saw: 9-10 GB/s against 13-16 with two threads).
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+class NativeExtension:
+    """One engine/*.cpp built lazily; `.module()` is the loaded extension or None (see `.failure`).
+    The source must export `bool has_avx2()`, so a build that lost -march=native is caught."""
+
+    def __init__(self, source: Path, what: str):
+        self.source, self.what = source, what
+        self.failure: str | None = None
+        self._module = None
+        self._lock = threading.Lock()
+
+    def _build(self):
+        from torch.utils.cpp_extension import _get_build_directory, load
+        tag = hashlib.sha256(self.source.read_bytes() + " ".join(sorted(cpu_flags()) + CFLAGS).encode()
+                             + torch.__version__.encode()).hexdigest()[:12]
+        name = f"sluice_{self.source.stem}_{tag}"
+        if not any(Path(_get_build_directory(name, verbose=False)).glob("*.so")):
+            print(f"sluice: building its {self.what} (once per machine, about a minute)...",
+                  file=sys.stderr, flush=True)
+        return load(name=name, sources=[str(self.source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                    verbose=False)
+
+    def module(self):
+        if self._module is not None or self.failure is not None:
+            return self._module
+        with self._lock:
+            if self._module is None and self.failure is None:
+                if os.environ.get("SLUICE_NO_KERNELS"):
+                    self.failure = "disabled by SLUICE_NO_KERNELS"
+                elif not {"avx2", "fma"} <= cpu_flags():
+                    self.failure = "this CPU has no AVX2 + FMA"
+                else:
+                    try:
+                        self._module = self._build()
+                    except Exception as e:  # no compiler, no headers: the plain path stays
+                        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                        self.failure = f"could not build the {self.what}: {first}"
+                if self._module is not None and not self._module.has_avx2():
+                    self.failure = f"the {self.what} was built without AVX2 + FMA"
+        return self._module if self.failure is None else None
