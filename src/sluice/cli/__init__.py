@@ -1,4 +1,4 @@
-"""The `sluice` command line: demo, generate, chat, inspect, train, bench, profile, export-gguf.
+"""The `sluice` command line: demo, generate, chat, inspect, train, serve, bench, profile, export-gguf.
 
 Every failure reaches the user as one line on stderr, never a traceback: a SluiceError (bad input,
 named) or an OSError (the file system said no) exits 2; Ctrl-C, even during start-up while torch
@@ -17,6 +17,7 @@ from ..errors import SluiceError
 from .common import _model_args, _sampling_args
 from .inspect import cmd_inspect
 from .run import cmd_chat, cmd_demo, cmd_generate
+from .serve import add_serve_parser
 from .train import cmd_train
 
 
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at", type=int, default=None,
                    help="checkpoint and exit after this step (resume later with --resume)")
     p.set_defaults(func=cmd_train)
+    add_serve_parser(sub)
     add_bench_parser(sub)
     add_export_gguf_parser(sub)
     add_profile_parser(sub)

@@ -1,0 +1,157 @@
+"""`sluice serve`: the OpenAI-compatible server (server/) on uvicorn.
+
+The port is bound before the model loads, so /health answers 503 while it loads. SIGTERM or Ctrl-C
+drains: /health and new requests get 503, requests in flight (streams included) finish within
+--shutdown-timeout (then they are cut), and the process exits 0. A second Ctrl-C quits at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import threading
+import time
+
+from ..errors import ConfigError, SluiceError
+from .common import _kv_budget, _model_args
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)",
+                       description="Serve a model over OpenAI's API: /v1/chat/completions, /v1/completions, "
+                                   "/v1/models, /health, /metrics (docs/server.md).",
+                       epilog="exit status: 0 after a clean shutdown (SIGTERM or Ctrl-C drains), 2 bad input "
+                              "or a model that failed to load")
+    _model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine "
+                                                        "only; 0.0.0.0 exposes the server to the network)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (/health and /metrics stay open)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients send (default: --model as given, or sluice-stdlib)")
+    p.add_argument("--max-num-seqs", type=int, default=1, metavar="N",
+                   help="sequences generated at once (today's engine runs one request at a time; the "
+                        "continuous-batching scheduler will use this)")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests that may wait for the engine; past it, 429 with Retry-After (default 64)")
+    p.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                   help="largest request body accepted, else 413 (default 4 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds that requests in flight get to finish (default 30)")
+    p.set_defaults(func=cmd_serve)
+
+
+def _check(args) -> None:
+    """Refuse bad flags before the (slow) imports and load."""
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-queue", args.max_queue),
+                        ("--max-body-bytes", args.max_body_bytes)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    if not args.shutdown_timeout >= 0:  # also refuses nan
+        raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    _kv_budget(args)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a port in use is an error message, not a uvicorn exit."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    return sock
+
+
+def cmd_serve(args) -> int:
+    _check(args)
+    try:
+        import uvicorn
+
+        from ..server import LLMEngine, create_app
+        from ..server.app import DEFAULT_MAX_BODY_BYTES
+    except ImportError as e:
+        raise SluiceError(f"sluice serve needs the server extra ({e.name} is missing): "
+                          "pip install 'sluice-llm[server]'") from None
+    from ..engine import LLM
+    from ..model.loading import BUNDLED_MODEL
+
+    sock = _bind(args.host, args.port)
+    name = args.served_model_name or args.model or BUNDLED_MODEL
+    server: list = []  # filled below; a failed load (on the worker thread) stops it
+
+    def make_llm():
+        t0 = time.perf_counter()
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
+                  device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory,
+                  compute=args.compute)
+        print(f"sluice serve: {name} loaded in {time.perf_counter() - t0:.1f} s; ready", file=sys.stderr)
+        return llm
+
+    def load_failed(_err):
+        if server:
+            server[0].should_exit = True
+
+    engine = LLMEngine(make_llm, name, max_queue=args.max_queue, on_load_error=load_failed)
+    app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    # uvicorn's own drain timeout is the backstop for a connection that will not close after ours
+    config = uvicorn.Config(app, log_level="info", lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server.append(_DrainingServer(config, engine, args.shutdown_timeout))
+    if engine.load_error is not None:  # failed before the server existed to be told
+        server[0].should_exit = True
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"sluice serve: {name} on http://{host}:{sock.getsockname()[1]}/v1 (loading; /health says when "
+          "ready)", file=sys.stderr)
+    try:
+        server[0].run(sockets=[sock])
+    finally:
+        engine.close(timeout=10)
+        sock.close()
+    if engine.load_error is not None:
+        err = engine.load_error
+        raise err if isinstance(err, (SluiceError, OSError, MemoryError)) else SluiceError(
+            f"the model failed to load: {type(err).__name__}: {err}")
+    return 0
+
+
+def _draining_server_class():
+    import uvicorn
+
+    from ..server.engine import Draining
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, told that a signal means drain: the engine refuses new requests (503)
+        while uvicorn lets the open ones finish. The signal is not re-raised after the drain (uvicorn
+        would, and SIGTERM's default action would end the process with status -15 instead of 0)."""
+
+        def __init__(self, config, engine, deadline: float):
+            super().__init__(config)
+            self.engine, self.deadline = engine, deadline
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                self.engine.begin_drain()
+                # At the deadline the engine ends what is left, so each stream still gets its
+                # finish_reason and [DONE] (uvicorn's own timeout, later, would cut them mid-chunk).
+                timer = threading.Timer(self.deadline, self.engine.abort_all,
+                                        (Draining("the server shut down before this request finished"),))
+                timer.daemon = True
+                timer.start()
+            elif sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting
+            self.should_exit = True
+
+    return DrainingServer
+
+
+def _DrainingServer(config, engine, deadline):  # noqa: N802 -- a class, built on first use: --help needs no uvicorn
+    return _draining_server_class()(config, engine, deadline)
+

@@ -1,0 +1,157 @@
+"""The narrow interface between the HTTP layer and whatever generates: `ServingEngine`.
+
+The server only ever calls submit(), abort(), stats(), ready / draining and model_name. Today's
+implementation (llm_engine.LLMEngine) serves one request at a time from a queue with a plain
+`LLM`; a continuous-batching scheduler implements the same interface, and app.py does not change.
+
+A submitted request comes back as a RequestHandle: an async iterator of events, in order,
+    Started(prompt_tokens)  then, per choice, Delta(index, text)... Finished(index, reason, tokens),
+    then Done
+or Failed(error) alone when the request is refused before any output (a bad prompt, context
+overflow) or aborted before it started (Failed(Aborted())). A request aborted with a reason (the
+server's drain deadline) ends with Failed(reason) instead of Done, whatever it sent before. Events are put by the engine's own threads and read on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol, Union
+
+from ..engine.sampling_params import SamplingParams
+from .metrics import Snapshot
+
+
+class NotReady(Exception):
+    """The model is still loading (or failed to load)."""
+
+
+class Draining(Exception):
+    """The server is shutting down: in-flight requests finish, new ones are refused."""
+
+
+class QueueFull(Exception):
+    """More requests are waiting than --max-queue allows."""
+
+
+class Aborted(Exception):
+    """The request was aborted before it started (its client went away, or the server closed)."""
+
+
+@dataclass
+class GenerationRequest:
+    """One request: a prompt (text or token ids) or chat messages, and a SamplingParams per choice.
+
+    max_tokens_given False: the request left max_tokens unset, so the engine fills the model's default,
+    clamped to what the context has left after the prompt (as OpenAI and vLLM do)."""
+    params: list[SamplingParams]
+    prompt: Union[str, list[int], None] = None
+    messages: list[dict] | None = None
+    max_tokens_given: bool = True
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str
+
+
+@dataclass
+class Finished:
+    index: int
+    finish_reason: str  # "stop", "length", or "error" (then `error` says why)
+    completion_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class Failed:
+    error: Exception  # a sluice error (the request's fault) or anything else (ours)
+
+
+@dataclass
+class Done:
+    pass
+
+
+Event = Union[Started, Delta, Finished, Failed, Done]
+_ids = itertools.count()
+
+
+class RequestHandle:
+    """One submitted request. Iterate it (on the event loop that submitted it) for its events;
+    abort() from anywhere stops it at the engine's next step, or before it starts."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.number = next(_ids)
+        self.arrival = time.perf_counter()
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._aborted = threading.Event()
+        self.abort_reason: Exception | None = None  # told to the client, if one is still there
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    def abort(self, reason: Exception | None = None) -> None:
+        if not self._aborted.is_set():
+            self.abort_reason = reason
+        self._aborted.set()
+
+    def emit(self, event: Event) -> None:
+        """Called from the engine's thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the loop has closed (server gone): nobody is listening any more
+            self.abort()
+
+    async def next(self) -> Event:
+        return await self._events.get()
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self._events.get()
+            yield event
+            if isinstance(event, (Done, Failed)):
+                return
+
+
+class ServingEngine(Protocol):
+    model_name: str
+    max_model_len: int
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def load_error(self) -> Exception | None: ...
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises NotReady, Draining or QueueFull instead of queueing."""
+
+    def abort(self, handle: RequestHandle, reason: Exception | None = None) -> None:
+        """Stop a request (a client went away): drop it from the queue, or end its generation."""
+
+    def stats(self) -> Snapshot: ...
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on; the ones in flight go on."""
+
+    def abort_all(self, reason: Exception) -> None:
+        """End every request now (the drain's deadline); their clients hear `reason`."""
+
+    def close(self, timeout: float | None = None) -> None:
+        """Abort what is left and stop the engine's threads."""

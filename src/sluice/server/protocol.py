@@ -1,0 +1,225 @@
+"""The OpenAI wire format: request bodies, responses and streaming chunks, as pydantic models.
+
+Requests validate in strict mode: "0.5" is not a temperature and true is not an n, as in OpenAI's
+own API, so a client bug is named instead of guessed at. Unknown fields are ignored (clients send
+"user", "store", "metadata"...), but fields this server knows and cannot honour yet (logprobs,
+presence / frequency penalties, tools...) are refused by `unsupported()` rather than dropped
+silently, so nobody reads made-up numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+MAX_N = 16  # choices per request: each one is a full generation
+MAX_STOPS = 16
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    # "tool" messages need tool calls, which this server does not do yet: refused by the Literal.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class _Sampling(_Request):
+    """What chat and completions requests share."""
+
+    model: str | None = None  # None: the one model this server serves
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    stop: Union[str, list[str], None] = Field(default=None)
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field that asks for something this server cannot do yet, or None."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):  # 0 and None mean "off", which is what we do
+                return name
+        if self.logit_bias:
+            return "logit_bias"
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
+            return "stop"
+        return None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs:
+            return "logprobs"
+        if self.top_logprobs:
+            return "top_logprobs"
+        if self.tools:
+            return "tools"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format"
+        return super().unsupported()
+
+
+class CompletionRequest(_Sampling):
+    # A text, or token ids; a list holding one of those is the same single prompt.
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.logprobs is not None:
+            return "logprobs"
+        if self.echo:
+            return "echo"
+        if self.suffix:
+            return "suffix"
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            return "best_of"
+        return super().unsupported()
+
+
+# ---------------------------------------------------------------------------------------- responses
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class Delta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _present_only(self) -> dict:
+        # OpenAI's deltas carry only what changed: {"role": ...} first, then {"content": ...}, then {}.
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChunkChoice(BaseModel):
+    # extra: a choice that ends with finish_reason "error" also says why, in "error"
+    model_config = ConfigDict(extra="allow")
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")  # as ChunkChoice
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """Both the whole /v1/completions response and its streaming chunks (OpenAI uses one shape)."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "sluice"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# Every field name a request model has: a validation error's location keeps these (and list indices)
+# and drops pydantic's union tags such as "list[TextPart]" (see errors.param_from_loc).
+FIELD_NAMES = frozenset(name for m in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart,
+                                       StreamOptions) for name in m.model_fields)

@@ -1,0 +1,170 @@
+"""From an OpenAI request to engine events and back: the part of the server that knows both sides.
+
+Streaming follows OpenAI's contract: every chunk carries the same id; each choice's first chunk
+carries the role (chat); each choice gets exactly one finish_reason; with
+stream_options.include_usage every chunk has "usage": null and a last chunk with no choices carries
+the usage; then `data: [DONE]`. Headers go out only once the engine has accepted the prompt, so a
+bad prompt is still a plain 400, not a broken stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from typing import AsyncIterator
+
+from ..engine.sampling_params import SamplingParams
+from ..errors import RequestError, SluiceError
+from .engine import Aborted, Delta, Done, Draining, Failed, Finished, GenerationRequest, RequestHandle, ServingEngine
+from .errors import ServerError, from_sluice
+from .protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+                       ChunkChoice, Completion, CompletionChoice, CompletionRequest, Delta as DeltaOut, Usage)
+
+
+def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationRequest:
+    """The request's prompt and one SamplingParams per choice; a bad value is a 400 naming its field."""
+    chat = isinstance(req, ChatCompletionRequest)
+    field = req.unsupported()
+    if field is not None:
+        raise ServerError(400, f"{field} is not supported by this server yet", param=field, code="unsupported")
+    max_tokens, aliases = req.max_tokens, {}
+    if chat and req.max_completion_tokens is not None:
+        max_tokens, aliases = req.max_completion_tokens, {"max_tokens": "max_completion_tokens"}
+    n = req.n or 1
+    try:
+        base = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                              min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
+                              stop=req.stop, ignore_eos=bool(req.ignore_eos))
+    except RequestError as e:
+        raise from_sluice(e, "messages" if chat else "prompt", aliases) from None
+    # Choice i is seeded seed + i: n > 1 gives n different samples, and each is reproducible alone.
+    params = [base if base.seed is None else SamplingParams(**{**vars(base), "seed": base.seed + i})
+              for i in range(n)]
+    if chat:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        return GenerationRequest(params, messages=messages, max_tokens_given=max_tokens is not None)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise ServerError(400, f"prompt: this server takes one prompt per request, got {len(prompt)} "
+                                   "(send them as separate requests)", param="prompt")
+        prompt = prompt[0]
+    return GenerationRequest(params, prompt=prompt, max_tokens_given=max_tokens is not None)
+
+
+async def _watch_disconnect(receive, engine: ServingEngine, handle: RequestHandle) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    engine.abort(handle)
+
+
+class Run:
+    """One submitted request, from its first event to the response it becomes."""
+
+    def __init__(self, engine: ServingEngine, req, gen: GenerationRequest, receive):
+        self.engine, self.req, self.chat = engine, req, isinstance(req, ChatCompletionRequest)
+        self.n = len(gen.params)
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.handle = engine.submit(gen)  # NotReady / Draining / QueueFull: the app answers them
+        # Until the response starts streaming nobody else listens for the client leaving: this does.
+        self._watch = asyncio.create_task(_watch_disconnect(receive, engine, self.handle))
+
+    def _stop_watching(self) -> None:
+        self._watch.cancel()
+
+    async def started(self) -> int:
+        """Wait for the engine to accept the prompt; its token count, or the refusal as a ServerError."""
+        event = await self.handle.next()
+        if isinstance(event, Failed):
+            self._stop_watching()
+            raise self._error(event.error)
+        return event.prompt_tokens
+
+    def _error(self, err: Exception) -> ServerError:
+        if isinstance(err, Aborted):  # nobody is left to read it; 499 as nginx logs a client that left
+            return ServerError(499, str(err), code="aborted")
+        if isinstance(err, Draining):
+            return ServerError(503, str(err), code="unavailable", retry_after=1)
+        if isinstance(err, SluiceError):
+            return from_sluice(err, "messages" if self.chat else "prompt")
+        return ServerError(500, f"internal error: {type(err).__name__}: {err}")
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+    async def collect(self, prompt_tokens: int) -> dict:
+        """The whole response (stream=false)."""
+        texts, finished = [""] * self.n, {}
+        try:
+            async for event in self.handle:
+                if isinstance(event, Delta):
+                    texts[event.index] += event.text
+                elif isinstance(event, Finished):
+                    finished[event.index] = event
+                elif isinstance(event, Failed):
+                    raise self._error(event.error)
+        finally:
+            self._stop_watching()
+            self.engine.abort(self.handle)  # a no-op once done; frees the engine if we were cancelled
+        broken = [f for f in finished.values() if f.finish_reason == "error"]
+        if broken:  # the model, not the request: 422, never a 500, and the server carries on
+            raise ServerError(422, broken[0].error or "generation failed", code="generation_error")
+        usage = self._usage(prompt_tokens, sum(f.completion_tokens for f in finished.values()))
+        if self.chat:
+            choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]),
+                                  finish_reason=finished[i].finish_reason) for i in range(self.n)]
+            return ChatCompletion(id=self.id, created=self.created, model=self.engine.model_name,
+                                  choices=choices, usage=usage).model_dump()
+        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=finished[i].finish_reason)
+                   for i in range(self.n)]
+        return Completion(id=self.id, created=self.created, model=self.engine.model_name, choices=choices,
+                          usage=usage).model_dump()
+
+    def _chunk(self, index: int | None, text: str | None = None, finish: str | None = None,
+               role: str | None = None, usage: Usage | None = None, error: str | None = None) -> str:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        model, why = self.engine.model_name, {} if error is None else {"error": error}
+        if self.chat:
+            choices = [] if index is None else [ChunkChoice(index=index, delta=DeltaOut(role=role, content=text),
+                                                            finish_reason=finish, **why)]
+            chunk = ChatCompletionChunk(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
+        else:
+            choices = [] if index is None else [CompletionChoice(index=index, text=text or "", finish_reason=finish,
+                                                                 **why)]
+            chunk = Completion(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
+        # usage appears (as null until the last chunk) only when the client asked for it
+        return f"data: {chunk.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
+
+    async def stream(self, prompt_tokens: int) -> AsyncIterator[str]:
+        """SSE lines (stream=true). Cancelled when the client leaves: the finally clause aborts."""
+        self._stop_watching()  # from here the streaming response listens for the client leaving
+        completion_tokens, open_choices, why = 0, set(range(self.n)), "internal error (see the server log)"
+        try:
+            if self.chat:
+                for i in range(self.n):
+                    yield self._chunk(i, "", role="assistant")
+            async for event in self.handle:
+                if isinstance(event, Delta) and event.text:
+                    yield self._chunk(event.index, event.text)
+                elif isinstance(event, Finished):
+                    completion_tokens += event.completion_tokens
+                    open_choices.discard(event.index)
+                    yield self._chunk(event.index, finish=event.finish_reason, error=event.error)
+                elif isinstance(event, Failed):
+                    why = str(event.error) if isinstance(event.error, Draining) else why
+                    break
+                elif isinstance(event, Done):
+                    break
+            for i in sorted(open_choices):  # cut by the drain deadline or a bug: still one finish_reason each
+                yield self._chunk(i, finish="error", error=why)
+            if self.req.stream_options and self.req.stream_options.include_usage:
+                yield self._chunk(None, usage=self._usage(prompt_tokens, completion_tokens))
+            yield "data: [DONE]\n\n"
+        finally:
+            with contextlib.suppress(Exception):
+                self.engine.abort(self.handle)
