@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from . import budget
 from .corpus import (CHUNK_CHARS, CorpusError, compression_baselines, encode_paths, load_corpus,
                      train_tokenizer)
+from .recipe import reused_tokenizer, tokenizer_file
 
 
 def prepare_data(recipe, data_dir: Path, log) -> dict:
@@ -31,8 +33,13 @@ def prepare_data(recipe, data_dir: Path, log) -> dict:
                  "train on a subset (corpus.glob, corpus.exclude_parts) or split the largest files")
     log(f"corpus {corpus.root}: {len(corpus.train)} train files, {len(corpus.heldout)} held-out files")
     t0 = time.perf_counter()
-    tok = train_tokenizer(corpus, recipe.tokenizer)
-    tok.save(str(data_dir / "tokenizer.json"))
+    if recipe.tokenizer.source == "train":
+        tok = train_tokenizer(corpus, recipe.tokenizer)
+        tok.save(str(data_dir / "tokenizer.json"))
+    else:  # copied, not re-saved: the run's tokenizer.json is byte-identical to the one it reuses
+        tok = reused_tokenizer(recipe.tokenizer, recipe.path)
+        shutil.copyfile(tokenizer_file(recipe.tokenizer), data_dir / "tokenizer.json")
+        log(f"tokenizer: {tokenizer_file(recipe.tokenizer)} ({tok.get_vocab_size()} tokens), reused")
     sep = tok.token_to_id(recipe.tokenizer.special_tokens[0])
     train_ids, train_bytes = encode_paths(tok, corpus.train, sep)
     held_texts = corpus.texts("heldout")
@@ -74,6 +81,12 @@ def load_data(recipe, data_dir: Path, meta: dict) -> tuple[np.ndarray, np.ndarra
         tok = HFTokenizer.from_file(str(data_dir / "tokenizer.json"))
     except Exception as e:  # tokenizers raises a bare Exception for a malformed file
         raise CorpusError(f"{data_dir / 'tokenizer.json'} is not a readable tokenizer ({e})") from None
+    source = recipe.tokenizer.source
+    if source != "train":  # on --resume: the tokenizer reused must still be the one the run began with
+        reused = tokenizer_file(recipe.tokenizer)
+        if (data_dir / "tokenizer.json").read_bytes() != reused.read_bytes():
+            raise CorpusError(f"{data_dir / 'tokenizer.json'} differs from tokenizer.source {source!r} "
+                              f"({reused}), which changed since this run began; start a new --out")
     vocab = meta["vocab_size"]
     if vocab != tok.get_vocab_size() or vocab > recipe.tokenizer.vocab_size or meta["sep_id"] >= vocab:
         raise CorpusError(f"{data_dir / 'data.json'}: vocab_size {vocab} / sep_id {meta['sep_id']} disagree "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -30,6 +30,10 @@ class CorpusSpec:
 
 @dataclass(frozen=True)
 class TokenizerSpec:
+    # "train": a new byte-level BPE from the corpus; "bundled": the bundled model's tokenizer.json;
+    # otherwise a tokenizer.json or a model directory holding one (relative to the recipe file).
+    # A reused tokenizer is copied byte for byte, so a draft model can share its target's exactly.
+    source: str = spec("train", Str())
     vocab_size: int = spec(8192, Int())
     special_tokens: tuple = spec(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), StrList(min_len=1))
 
@@ -92,10 +96,11 @@ class Recipe:
             raise RecipeError(f"recipe {path} is not valid UTF-8 TOML: {e}") from None
         except OSError as e:
             raise RecipeError(f"recipe {path} cannot be read: {e.strerror or e}") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(raw, source=str(path), base=path.parent)
 
     @classmethod
-    def from_dict(cls, raw: dict, source: str = "recipe") -> "Recipe":
+    def from_dict(cls, raw: dict, source: str = "recipe", base: str | Path | None = None) -> "Recipe":
+        """`base`: the directory a relative tokenizer.source is read from (the recipe file's; cwd if None)."""
         sections = {"corpus": CorpusSpec, "tokenizer": TokenizerSpec, "model": ModelSpec, "train": TrainSpec}
         if not isinstance(raw, dict):
             raise RecipeError(f"{source}: a recipe must be a table of sections, got {type(raw).__name__}")
@@ -104,6 +109,11 @@ class Recipe:
             raise RecipeError(f"{source}: unknown section(s) {unknown}; expected {sorted(sections)}")
         parts = {name: _section(cls_, raw.get(name, {}), f"{source}: {name}")
                  for name, cls_ in sections.items()}
+        tok_source = parts["tokenizer"].source
+        if tok_source not in ("train", "bundled"):  # recorded resolved, so the run does not depend on cwd
+            path = Path(tok_source).expanduser()
+            path = path if path.is_absolute() else Path(base or ".") / path
+            parts["tokenizer"] = replace(parts["tokenizer"], source=str(path.resolve()))
         recipe = cls(**parts, path=source)
         recipe.check()
         return recipe
@@ -125,9 +135,11 @@ class Recipe:
             bad("train.warmup_steps", t.warmup_steps, f"must be <= train.steps ({t.steps})")
         if t.eval_tokens < t.seq_len:  # fewer than one window: the held-out loss would measure nothing
             bad("train.eval_tokens", t.eval_tokens, f"must be >= train.seq_len ({t.seq_len}), one evaluation window")
-        # A byte-level BPE starts from all 256 bytes, then the special tokens; merges come after.
-        least = 256 + len(tok.special_tokens)
-        if tok.vocab_size < least:
+        # A reused tokenizer is checked against the recipe now (missing, unreadable, other vocab_size);
+        # a byte-level BPE to train starts from all 256 bytes, then the special tokens, then merges.
+        if tok.source != "train":
+            reused_tokenizer(tok, self.path)
+        elif tok.vocab_size < (least := 256 + len(tok.special_tokens)):
             bad("tokenizer.vocab_size", tok.vocab_size,
                 f"must be >= {least} (256 byte tokens + {len(tok.special_tokens)} special tokens)")
 
@@ -140,3 +152,37 @@ def _section(spec_cls, values, where: str):
     if unknown:
         raise RecipeError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(known)}")
     return spec_cls(**{k: read_value(known[k].metadata["rule"], v, where, k) for k, v in values.items()})
+
+
+def tokenizer_file(spec: TokenizerSpec) -> Path:
+    """The tokenizer.json a reused tokenizer.source names (not for source = "train")."""
+    if spec.source == "bundled":
+        from ..model.loading import bundled_model_dir  # training -> model; only when asked for
+        return bundled_model_dir() / "tokenizer.json"
+    path = Path(spec.source)
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def reused_tokenizer(spec: TokenizerSpec, where: str = "recipe"):
+    """The tokenizer tokenizer.source names, checked against the recipe: it must exist, load, have
+    exactly tokenizer.vocab_size tokens (the model's vocabulary is sized from it) and hold the
+    recipe's special tokens (the first separates files in the token stream)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = tokenizer_file(spec)
+    if not path.is_file():
+        raise RecipeError(f"{where}: tokenizer.source {spec.source!r}: {path} does not exist (expected "
+                          f"\"train\", \"bundled\", a tokenizer.json or a model directory holding one)")
+    try:
+        tok = HFTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        raise RecipeError(f"{where}: tokenizer.source {path} is not a readable tokenizer.json ({e})") from None
+    if tok.get_vocab_size() != spec.vocab_size:
+        raise RecipeError(f"{where}: tokenizer.vocab_size is {spec.vocab_size} but the tokenizer {path} has "
+                          f"{tok.get_vocab_size()} tokens; set tokenizer.vocab_size = {tok.get_vocab_size()}")
+    added = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    missing = [t for t in spec.special_tokens if t not in added]
+    if missing:
+        raise RecipeError(f"{where}: tokenizer.special_tokens {missing} are not special tokens of {path} "
+                          f"(it has {sorted(added)})")
+    return tok
