@@ -3,7 +3,8 @@
 Linear: torch's F.linear against sluice's gemv (engine/gemv.cpp) over every weight matrix of a
 Qwen3-0.6B-shaped stack (28 layers of q, k, v, o, gate, up, down: 1.76 GB fp32), so each weight comes
 from DRAM, not the cache, as in a real step; GB/s = weight bytes / time per pass. int8: torch's
-_weight_int8pack_mm (what model/quant.py uses, bf16 activations) against gemv with int8 weights.
+_weight_int8pack_mm (what model/quant.py uses, bf16 activations) against gemv with int8 weights
+(fp32 x) and gemv_w8a8 (x quantized to int8 per block of 32 or 128 inputs, or per row; integer dot).
 
 Attention: one query token against S cache slots (16 query heads, 8 KV heads, head 128): SDPA on the
 old (B, S, K, D) cache layout (a strided view), SDPA on the (B, K, S, D) layout, and sluice's
@@ -27,6 +28,7 @@ from sluice.model import quant
 from sluice.model.layers import decode_attention
 
 sdpa = F.scaled_dot_product_attention
+X_BLOCKS = (32, 128, 0)
 QWEN3_06B = dict(C=1024, I=3072, H=16, KV=8, D=128, L=28)
 
 
@@ -62,6 +64,11 @@ def linear_rows(shape: dict, rows_list, reps: int) -> list[dict]:
         out.append(dict(kernel="_weight_int8pack_mm", dtype="int8", rows=rows, ms=s * 1e3, GB_s=nbytes / s / 1e9))
         s = best_of(lambda xs=xs: [gemv.gemv(xs[q.shape[1]], q, sc.float(), None) for q, sc in qs], reps)
         out.append(dict(kernel="gemv", dtype="int8", rows=rows, ms=s * 1e3, GB_s=nbytes / s / 1e9))
+        for xblock in X_BLOCKS:  # x quantized to int8 too, integer dot; 0 = one x scale per row
+            s = best_of(lambda xs=xs, xb=xblock: [gemv.gemv_w8a8(xs[q.shape[1]], q, sc.float(), None, xb)
+                                                  for q, sc in qs], reps)
+            out.append(dict(kernel=f"gemv_w8a8 x/{xblock or 'row'}", dtype="int8", rows=rows, ms=s * 1e3,
+                            GB_s=nbytes / s / 1e9))
     return out
 
 

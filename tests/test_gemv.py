@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import sluice
 from sluice.engine import gemv
+from sluice.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"kernel unavailable: {gemv.why_unavailable()}")
 
@@ -35,6 +36,76 @@ def test_gemv_int8_with_row_scales():
     x = torch.randn(2, 517, generator=g)
     ref = F.linear(x.double(), q.double() * s.double()[:, None])
     assert (gemv.gemv(x, q, s, None).double() - ref).abs().max().item() < 1e-4
+
+
+def _w8a8_close(y, ref):
+    """Kernel vs w8a8_reference: the same codes and exact integer dots; only the fp32 sum over blocks
+    (and its order) differs from the float64 reference."""
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert (y.double() - ref.double()).abs().max().item() <= 1e-5 * ref.double().abs().max().item() + 1e-30
+
+
+@pytest.mark.parametrize("xblock", [32, 128, 0])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("N,K,Kx", [(300, 517, 517), (64, 104, 100), (130, 1000, 999), (5, 8, 7), (70, 4096, 4096)])
+def test_w8a8_matches_reference(xblock, rows, N, K, Kx):
+    """Integer kernel == plain torch quantize-x-then-integer-dot, for 1..8 rows, odd K (a tail past the
+    last whole 32), and x narrower than the weight (the padded columns, read as zero inputs)."""
+    g = torch.Generator().manual_seed(N * K + rows + xblock)
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    s = torch.rand(N, generator=g) / 100
+    b = torch.randn(N, generator=g)
+    x = torch.randn(rows, Kx, generator=g)
+    _w8a8_close(gemv.gemv_w8a8(x, q, s, b, xblock), gemv.w8a8_reference(x, q, s, b, xblock))
+    _w8a8_close(gemv.gemv_w8a8(x, q, s, None, xblock), gemv.w8a8_reference(x, q, s, None, xblock))
+    # and it is an approximation of the exact product: x's codes carry 8 bits per block
+    exact = F.linear(x.double(), F.pad(q.double() * s.double()[:, None], (0, 0))[:, :Kx], b.double())
+    rel = (gemv.gemv_w8a8(x, q, s, b, xblock).double() - exact).norm() / (exact - b.double()).norm()
+    assert rel < (0.01 if xblock else 0.02), rel
+
+
+def test_w8a8_outlier_zero_block_and_saturation_edge():
+    g = torch.Generator().manual_seed(7)
+    N, K = 96, 256
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    s = torch.rand(N, generator=g)
+    x = torch.randn(3, K, generator=g)
+    x[0, 5] = 1000.0  # an outlier: its block's other codes round to ~0, the other blocks are untouched
+    x[1, 32:64] = 0.0  # an all-zero block: scale 0, no division by zero
+    x[2] = 0.0  # an all-zero row
+    for xblock in (32, 0):
+        y, ref = gemv.gemv_w8a8(x, q, s, None, xblock), gemv.w8a8_reference(x, q, s, None, xblock)
+        _w8a8_close(y, ref)
+        assert torch.isfinite(y).all() and (y[2] == 0).all()
+    codes, d = gemv.quantize_x(x, K, 32)
+    assert codes[0, 0, 5] == 127 and (codes[1, 1] == 0).all() and d[1, 1] == 0 and codes.abs().max() <= 127
+    # saturation edge: every pair of maddubs at its largest, |w| in {127, 128} times |x| = 127 with
+    # signs aligned (and opposed): int16 pair sums of 2 * 128 * 127 = 32512 must not clip
+    w = torch.tensor([[-128, 127] * 64, [127, -128] * 64, [-127] * 128, [127] * 128], dtype=torch.int8)
+    xs = torch.tensor([[-1.0, 1.0] * 64, [1.0, -1.0] * 64, [-1.0, 1.0] * 64])  # codes exactly +-127
+    y = gemv.gemv_w8a8(xs, w, torch.ones(4), None, 32)
+    want = (xs.double() * 127) @ w.double().T / 127  # e.g. row 0 of w: 64 * (128 + 127) * 127 / 127
+    torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=0)
+
+
+def test_w8a8_keeps_non_finite_inputs_visible():
+    x = torch.randn(2, 64)
+    x[0, 3] = float("nan")
+    x[1, 40] = float("inf")
+    y = gemv.gemv_w8a8(x, torch.ones(4, 64, dtype=torch.int8), torch.ones(4), None, 32)
+    assert not torch.isfinite(y).any()
+
+
+def test_w8a8_rejects_misuse():
+    w, s = torch.zeros(4, 64, dtype=torch.int8), torch.ones(4)
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        gemv.gemv_w8a8(torch.randn(9, 64), w, s, None, 32)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        gemv.gemv_w8a8(torch.randn(1, 64), w, s, None, 48)
+    with pytest.raises(RuntimeError, match="shapes"):
+        gemv.gemv_w8a8(torch.randn(1, 65), w, s, None, 32)
+    with pytest.raises(RuntimeError, match="int8"):
+        gemv.gemv_w8a8(torch.randn(1, 64), w.float(), s, None, 32)
 
 
 def test_gemv_rejects_misuse():
@@ -130,8 +201,9 @@ def test_decode_kernels_bench_quick(tmp_path):
 
 
 def test_int8_linears_decode_through_the_kernel(tiny_dir, monkeypatch):
-    """--quantize int8 models: decode rows go to gemv with the int8 weight and per-row scales, prefill
-    to fp32 GEMMs on blocks of the dequantized weight; both the fp32 product with the dequantized weight."""
+    """--quantize int8 models: decode rows go to gemv_w8a8 (x quantized to int8) by default, or with
+    INT8_X = "fp32" to gemv with the int8 weight and per-row scales; prefill to fp32 GEMMs on blocks
+    of the dequantized weight."""
     monkeypatch.setattr(gemv, "PREFILL_BLOCK_BYTES", 4 * 64 * 24)  # ~24 rows per block: many blocks
     from sluice.model.quant import Int8Linear
     model = sluice.load(tiny_dir, quantize="int8")
@@ -139,18 +211,53 @@ def test_int8_linears_decode_through_the_kernel(tiny_dir, monkeypatch):
     with torch.inference_mode():
         before = model(ids)
     int8 = [m for m in model.modules() if type(m) is Int8Linear]
+    assert gemv.INT8_X == "int8" and gemv.X_BLOCK == 32  # the defaults (docs/quantization.md)
     assert int8 and gemv.use_fast_linears(model) >= len(int8)
     assert all(isinstance(m, gemv.FastInt8Linear) for m in int8)
     with torch.inference_mode():
         assert (model(ids) - before).abs().max() < 0.02 * before.abs().max()  # torch's op rounds x to bf16
         lin = int8[0]
-        for rows in (3, 20):  # decode (the kernel) and prefill (blocks)
-            x = torch.randn(rows, lin.in_features)
-            want = x @ lin.dequantize().T + (0 if lin.bias is None else lin.bias)
-            assert torch.allclose(lin(x), want, atol=1e-4, rtol=1e-4)
-        with torch.profiler.profile() as prof:
-            one = model(ids[:, :1])
-        assert len([e for e in prof.events() if e.name == "sluice::gemv"]) >= len(int8)
-        # close to torch's int8 kernel, which rounds x to bf16 first: the same model up to that rounding
-        ref = sluice.load(tiny_dir, quantize="int8")(ids[:, :1])
-        assert (one - ref).abs().max() < 0.02 * ref.abs().max()
+        x = torch.randn(20, lin.in_features)  # prefill (blocks): the fp32 product with the dequantized weight
+        want = x @ lin.dequantize().T + (0 if lin.bias is None else lin.bias)
+        assert torch.allclose(lin(x), want, atol=1e-4, rtol=1e-4)
+        x = x[:3]  # decode: w8a8 by default, the exact fp32 product with INT8_X = "fp32"
+        _w8a8_close(lin(x), gemv.w8a8_reference(x, lin.qweight, lin.scales32, lin.bias, 32))
+        monkeypatch.setattr(gemv, "X_BLOCK", 0)
+        _w8a8_close(lin(x), gemv.w8a8_reference(x, lin.qweight, lin.scales32, lin.bias, 0))
+        monkeypatch.setattr(gemv, "INT8_X", "fp32")
+        assert torch.allclose(lin(x), x @ lin.dequantize().T + (0 if lin.bias is None else lin.bias), atol=1e-4,
+                              rtol=1e-4)
+        for path, op in (("fp32", "sluice::gemv"), ("int8", "sluice::gemv_w8a8")):
+            monkeypatch.setattr(gemv, "INT8_X", path)
+            with torch.profiler.profile() as prof:
+                one = model(ids[:, :1])
+            assert len([e for e in prof.events() if e.name == op]) >= len(int8)
+            # close to torch's int8 kernel, which rounds x to bf16 first: the same model up to rounding
+            ref = sluice.load(tiny_dir, quantize="int8")(ids[:, :1])
+            assert (one - ref).abs().max() < 0.02 * ref.abs().max()
+
+
+def test_int8_x_choice_is_checked(tiny_dir, monkeypatch):
+    model = sluice.load(tiny_dir, quantize="int8")
+    monkeypatch.setattr(gemv, "INT8_X", "int4")
+    with pytest.raises(ConfigError, match="SLUICE_INT8_X.*int4"):
+        gemv.use_fast_linears(model)
+    monkeypatch.setattr(gemv, "INT8_X", "int8")
+    monkeypatch.setattr(gemv, "X_BLOCK", 48)
+    with pytest.raises(ConfigError, match="X_BLOCK.*48"):
+        gemv.use_fast_linears(model)
+
+
+def test_int8_x_env_var(tiny_dir):
+    """SLUICE_INT8_X picks the decode path per process; a bad value is a ConfigError that names it."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys, sluice\nfrom sluice.engine import gemv\nprint(gemv.INT8_X)\n"
+            "try:\n    sluice.LLM(sys.argv[1], quantize='int8', kernels=True)\n"
+            "except sluice.errors.ConfigError as e:\n    print('ConfigError:', e)\n")
+    for val, want in (("fp32", "fp32"), ("int8", "int8"), ("fp16", "ConfigError: SLUICE_INT8_X must be one of")):
+        r = subprocess.run([sys.executable, "-c", code, str(tiny_dir)], env={**os.environ, "SLUICE_INT8_X": val},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.splitlines()[0] == val, r.stderr
+        assert want in r.stdout.splitlines()[-1], r.stdout

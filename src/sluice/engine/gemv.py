@@ -17,12 +17,14 @@ AVX2 + FMA, or off the CPU, `available()` is False and every linear stays F.line
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigError
 from ..model.quant import Int8Linear
 from .native import NativeExtension, cpu_flags  # noqa: F401  (cpu_flags: re-exported for callers)
 
@@ -34,6 +36,13 @@ from .native import NativeExtension, cpu_flags  # noqa: F401  (cpu_flags: re-exp
 ROWS = {torch.float32: (1, 8), torch.bfloat16: (1, 8)}
 MAX_ROWS = 8  # what the kernel itself accepts
 PREFILL_BLOCK_BYTES = 32 * 2**20  # the fp32 copy of a bf16 or int8 weight made per GEMM call in prefill
+# What --quantize int8 decode rows multiply the int8 weights with (docs/quantization.md, "Integer
+# decode"): "int8" quantizes x to int8 in blocks of X_BLOCK inputs and multiplies integers
+# (gemv_w8a8); "fp32" widens the weights and multiplies fp32 x (gemv), the exact product with the
+# dequantized weight. Set per process by SLUICE_INT8_X, or by assigning these before a forward.
+INT8_X_CHOICES = ("int8", "fp32")
+INT8_X = os.environ.get("SLUICE_INT8_X", "int8")
+X_BLOCK = 32
 _EXT = NativeExtension(Path(__file__).with_name("gemv.cpp"), "decode CPU kernel")
 
 
@@ -63,6 +72,43 @@ def _(x, weight, scale=None, bias=None):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+@torch.library.custom_op("sluice::gemv_w8a8", mutates_args=())
+def gemv_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+              xblock: int = 32) -> torch.Tensor:
+    """x (M <= 8, K' <= K) @ (qweight (N, K) int8 * scale (N,))^T [+ bias] -> (M, N) in x's dtype, with x
+    quantized to int8 per block of `xblock` inputs (0: per row) and integer products (w8a8_reference)."""
+    return kernel().gemv_w8a8(x, qweight, scale, bias, xblock)
+
+
+@gemv_w8a8.register_fake
+def _(x, qweight, scale, bias=None, xblock=32):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+def quantize_x(x: torch.Tensor, K: int, xblock: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemv_w8a8's quantization of x (M, K' <= K) in plain torch: codes (M, nb, B) in [-127, 127] over
+    K rounded up to 32 (zeros past K'), scales d (M, nb, 1) = amax / 127, so x ~ q * d per block."""
+    Kq = -(-K // 32) * 32
+    B = Kq if xblock == 0 or xblock >= Kq else xblock
+    nb = -(-Kq // B)
+    xb = F.pad(x.float(), (0, nb * B - x.shape[-1])).view(x.shape[0], nb, B)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.tensor(127.0).div(amax)  # a true division, as the kernel does (127 / t is 1/t * 127)
+    q = torch.where(amax > 0, (xb * inv).round().clamp(-127, 127), 0.0)
+    return q, amax / 127
+
+
+def w8a8_reference(x, qweight, scale, bias=None, xblock: int = 32) -> torch.Tensor:
+    """gemv_w8a8 in plain torch (float64): per block, the exact integer dot of x's codes with the
+    weight codes, times the block's x scale; summed, times the row's weight scale, plus bias."""
+    q, d = quantize_x(x, qweight.shape[1], xblock)  # (M, nb, B), (M, nb, 1)
+    M, nb, B = q.shape
+    w = F.pad(qweight.double(), (0, nb * B - qweight.shape[1])).view(-1, nb, B)  # (N, nb, B)
+    dots = torch.einsum("mbk,nbk->mnb", q.double(), w)  # integers, exact in float64
+    y = (dots * d.double().view(M, 1, nb)).sum(-1) * scale.double()
+    return (y if bias is None else y + bias.double()).to(x.dtype)
+
+
 class FastLinear(nn.Linear):
     """nn.Linear whose few-row (decode) calls go to sluice's gemv; same parameters and state_dict."""
 
@@ -76,11 +122,11 @@ class FastLinear(nn.Linear):
 
 
 class FastInt8Linear(Int8Linear):
-    """model/quant.py's Int8Linear whose decode calls (1-8 rows) go to gemv with the int8 weight and
-    its per-row scales (bench/decode_kernels.py: 7.7 GB/s at one row against 5.3 for torch's
-    _weight_int8pack_mm), and whose prefill multiplies by fp32 blocks of the dequantized weight. The
-    input is not rounded to bf16 first, so either way the result is the fp32 product of x with the
-    dequantized weight (quant.int8_reference without the bf16 rounding of x)."""
+    """model/quant.py's Int8Linear whose decode calls (1-8 rows) go to a kernel, and whose prefill
+    multiplies by fp32 blocks of the dequantized weight. Decode, by INT8_X: "int8" quantizes x to int8
+    per block of X_BLOCK inputs and multiplies integers (gemv_w8a8, w8a8_reference); "fp32" sends
+    the int8 weight and its row scales to gemv, the fp32 product of x with the dequantized weight
+    (quant.int8_reference without the bf16 rounding of x), as prefill is."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, K = x.numel() // x.shape[-1], x.shape[-1]
@@ -89,9 +135,12 @@ class FastInt8Linear(Int8Linear):
         if rows > MAX_ROWS:
             return self._prefill(x)
         x2 = x.reshape(rows, K)
-        if self.qweight.shape[1] != K:  # zero inputs for the padded columns
-            x2 = F.pad(x2, (0, self.qweight.shape[1] - K))
-        y = gemv(x2, self.qweight, self.scales32, self.bias)
+        if INT8_X == "int8":  # the kernel reads the padded columns' inputs as zeros itself
+            y = gemv_w8a8(x2, self.qweight, self.scales32, self.bias, X_BLOCK)
+        else:
+            if self.qweight.shape[1] != K:  # zero inputs for the padded columns
+                x2 = F.pad(x2, (0, self.qweight.shape[1] - K))
+            y = gemv(x2, self.qweight, self.scales32, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _prefill(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +169,10 @@ def use_fast_linears(model: nn.Module) -> int:
     kernel is unavailable."""
     if not available():
         return 0
+    if INT8_X not in INT8_X_CHOICES:
+        raise ConfigError(f"SLUICE_INT8_X must be one of {', '.join(INT8_X_CHOICES)}, got {INT8_X!r}")
+    if X_BLOCK < 0 or X_BLOCK % 32:
+        raise ConfigError(f"gemv.X_BLOCK must be 0 (one scale per row) or a multiple of 32, got {X_BLOCK!r}")
     n = 0
     for m in model.modules():
         if type(m) is nn.Linear and m.weight.dtype in (torch.float32, torch.bfloat16) and m.weight.is_contiguous():
