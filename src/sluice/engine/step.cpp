@@ -1,0 +1,370 @@
+// sluice's whole-model step for short chunks (decode, speculative verification) on the CPU.
+//
+// Why: a small model's eager decode step is ~500 ATen calls whose fixed costs (dispatch, allocation,
+// thread pool wake-ups) outweigh the arithmetic; the bundled 6.8 M-parameter model spent 13 ms per
+// token there. This file runs the whole forward (embedding, pre-norm blocks with GQA attention over
+// the static KV cache, SwiGLU MLP, final norm, LM head) in ONE OpenMP parallel region: each phase is
+// an `omp for` over output rows, phases are separated by barriers. It reads the model's own weight
+// tensors in place (fp32 or bf16, widened in registers, fp32 accumulation), writes the new keys and
+// values into the engine's cache tensors exactly where layers.py writes them, and returns fp32
+// logits (or final-normed hidden states). fast_step.py decides which models may take this path.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SLUICE_AVX2 1
+#endif
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+#ifdef SLUICE_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {  // bf16 is the high half of an fp32: widen by a 16-bit shift
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+inline float widen(float v) { return v; }
+inline float widen(bf16 v) { return static_cast<float>(v); }
+
+// dot(w[0:K], x[0:K]): four accumulators keep enough loads in flight to stream a weight row.
+template <typename W>
+inline float dot(const W* w, const float* x, int64_t K) {
+  int64_t k = 0;
+  float out = 0.f;
+#ifdef SLUICE_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0);
+    a1 = _mm256_fmadd_ps(load8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+    a2 = _mm256_fmadd_ps(load8(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+    a3 = _mm256_fmadd_ps(load8(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+  }
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0);
+  out = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+  for (; k < K; ++k) out += widen(w[k]) * x[k];
+  return out;
+}
+
+// out[r][m] = dot(w row r, x row m) for 2 weight rows x M (<= 4) activation rows: each loaded weight
+// vector serves M rows and each activation vector 2 weight rows (6 loads per 8 FMAs at M = 4).
+template <typename W, int M>
+inline void dot_2xM(const W* w0, const W* w1, const float* x, int64_t ldx, int64_t K, float out[2][4]) {
+  int64_t k = 0;
+#ifdef SLUICE_AVX2
+  __m256 a[2][M];
+  for (int m = 0; m < M; ++m) a[0][m] = a[1][m] = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    __m256 u = load8(w0 + k), v = load8(w1 + k);
+    for (int m = 0; m < M; ++m) {
+      __m256 xm = _mm256_loadu_ps(x + m * ldx + k);
+      a[0][m] = _mm256_fmadd_ps(u, xm, a[0][m]);
+      a[1][m] = _mm256_fmadd_ps(v, xm, a[1][m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) { out[0][m] = hsum(a[0][m]); out[1][m] = hsum(a[1][m]); }
+#else
+  for (int m = 0; m < M; ++m) out[0][m] = out[1][m] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int m = 0; m < M; ++m) {
+      out[0][m] += widen(w0[k]) * x[m * ldx + k];
+      out[1][m] += widen(w1[k]) * x[m * ldx + k];
+    }
+}
+
+struct Linear {  // an nn.Linear's tensors: weight (N, K) fp32 or bf16, bias (N,) fp32 or absent
+  const void* w = nullptr;
+  bool is_bf16 = false;
+  const float* b = nullptr;
+  int64_t n = 0, k = 0;
+};
+
+constexpr int64_t kBlock = 16;  // weight rows per work item: 16 rows x K stay in L1/L2 across the M rows
+
+// y[m, n - n0] (+)= x[m] . W[n] + b[n] for m < M and weight rows n0 <= n < n1. accumulate: the
+// residual add, x + f(x), in the order torch adds (the bias before the residual).
+template <typename W>
+void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
+           bool accumulate) {
+  const W* w = static_cast<const W*>(L.w);
+  const int64_t K = L.k;
+  auto put = [&](int64_t m, int64_t n, float s) {
+    s += L.b ? L.b[n] : 0.f;
+    float& dst = y[m * ldy + n - n0];
+    dst = accumulate ? dst + s : s;
+  };
+  if (M == 1) {
+    for (int64_t n = n0; n < n1; ++n) put(0, n, dot(w + n * K, x, K));
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t mm = std::min<int64_t>(4, M - m0);
+    const float* xm = x + m0 * K;
+    for (int64_t n = n0; n < n1; n += 2) {
+      const W* w1 = w + std::min(n + 1, n1 - 1) * K;  // an odd last row pairs with itself
+      float o[2][4];
+      switch (mm) {
+        case 1: dot_2xM<W, 1>(w + n * K, w1, xm, K, K, o); break;
+        case 2: dot_2xM<W, 2>(w + n * K, w1, xm, K, K, o); break;
+        case 3: dot_2xM<W, 3>(w + n * K, w1, xm, K, K, o); break;
+        default: dot_2xM<W, 4>(w + n * K, w1, xm, K, K, o);
+      }
+      for (int64_t m = 0; m < mm; ++m) {
+        put(m0 + m, n, o[0][m]);
+        if (n + 1 < n1) put(m0 + m, n + 1, o[1][m]);
+      }
+    }
+  }
+}
+
+void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
+           bool accumulate) {
+  if (L.is_bf16) block<bf16>(L, x, M, n0, n1, y, ldy, accumulate);
+  else block<float>(L, x, M, n0, n1, y, ldy, accumulate);
+}
+
+// y (M, N) (+)= x (M, K) W^T + b, this thread's share of the weight rows (call inside the parallel
+// region: `omp for nowait`, the caller places the barrier, so independent products share one).
+void linear(const Linear& L, const float* x, int64_t M, float* y, int64_t ldy, bool accumulate = false) {
+#pragma omp for schedule(static) nowait
+  for (int64_t n0 = 0; n0 < L.n; n0 += kBlock)
+    block(L, x, M, n0, std::min(L.n, n0 + kBlock), y + n0, ldy, accumulate);
+}
+
+// act (M, I) = silu(x gate^T + bg) * (x up^T + bu): both products of a block of rows into the
+// thread's scratch `tmp` (2 * M * kBlock), then combined, so the MLP needs no barrier in between.
+void swiglu(const Linear& gate, const Linear& up, const float* x, int64_t M, float* act, float* tmp) {
+  float* u = tmp + M * kBlock;
+#pragma omp for schedule(static) nowait
+  for (int64_t n0 = 0; n0 < up.n; n0 += kBlock) {
+    const int64_t n1 = std::min(up.n, n0 + kBlock);
+    block(gate, x, M, n0, n1, tmp, kBlock, false);
+    block(up, x, M, n0, n1, u, kBlock, false);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) {
+        const float g = tmp[m * kBlock + n - n0];
+        act[m * up.n + n] = g / (1.f + std::exp(-g)) * u[m * kBlock + n - n0];  // F.silu(g) * up
+      }
+  }
+}
+
+// RMSNorm as layers.py computes it in fp32: x / sqrt(mean(x^2) + eps) * (w + offset).
+inline void rms_norm(const float* x, const float* w, float offset, float eps, int64_t C, float* out) {
+  float ss = 0.f;
+  for (int64_t c = 0; c < C; ++c) ss += x[c] * x[c];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
+  for (int64_t c = 0; c < C; ++c) out[c] = (x[c] * inv) * (w[c] + offset);
+}
+
+// RoPE on the first R channels of one head, halves layout: the pair (x[i], x[i + R/2]) turns by the
+// position's angle i (cos/sin precomputed per token, R/2 each); channels R.. pass unrotated.
+inline void rope(float* x, const float* cs, const float* sn, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cs[i] - b * sn[i];
+    x[i + half] = b * cs[i] + a * sn[i];
+  }
+}
+
+struct Layer {
+  Linear q, k, v, o, gate, up, down;
+  const float *attn_norm = nullptr, *mlp_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+  int64_t window = 0;  // sliding window in slots; 0 = all slots up to the position
+};
+
+class Step {
+ public:
+  // tensors: per layer, in this order, an empty tensor for an absent one (see fast_step.py).
+  static constexpr int kPerLayer = 18;
+
+  Step(std::vector<torch::Tensor> tensors, torch::Tensor embed, c10::optional<torch::Tensor> final_norm,
+       torch::Tensor head, torch::Tensor inv_freq, std::vector<int64_t> windows, int64_t heads,
+       int64_t kv_heads, int64_t head_dim, double eps, double norm_offset, double scale)
+      : keep_(std::move(tensors)), embed_(embed), head_t_(head), inv_freq_(inv_freq.contiguous()),
+        H_(heads), K_(kv_heads), D_(head_dim), eps_(eps), offset_(norm_offset), scale_(scale) {
+    TORCH_CHECK(keep_.size() == windows.size() * kPerLayer, "Step: tensors per layer");
+    C_ = embed.size(1);
+    V_ = head.size(0);
+    if (final_norm.has_value() && final_norm->defined()) { final_norm_t_ = *final_norm; final_norm_ = final_norm_t_.data_ptr<float>(); }
+    for (size_t l = 0; l < windows.size(); ++l) {
+      auto t = [&](int i) -> const torch::Tensor& { return keep_[l * kPerLayer + i]; };
+      auto f = [&](int i) -> const float* { return t(i).numel() ? t(i).data_ptr<float>() : nullptr; };
+      auto lin = [&](int iw, int ib) {
+        Linear L;
+        L.w = t(iw).data_ptr();
+        L.is_bf16 = t(iw).scalar_type() == torch::kBFloat16;
+        L.b = f(ib);
+        L.n = t(iw).size(0);
+        L.k = t(iw).size(1);
+        return L;
+      };
+      Layer Ly;
+      Ly.attn_norm = f(0);
+      Ly.q = lin(1, 2); Ly.k = lin(3, 4); Ly.v = lin(5, 6); Ly.o = lin(7, 8);
+      Ly.q_norm = f(9); Ly.k_norm = f(10); Ly.mlp_norm = f(11);
+      Ly.gate = lin(12, 13); Ly.up = lin(14, 15); Ly.down = lin(16, 17);
+      Ly.window = windows[l];
+      layers_.push_back(Ly);
+    }
+    I_ = layers_.empty() ? 0 : layers_[0].up.n;
+    head_.w = head.data_ptr();
+    head_.is_bf16 = head.scalar_type() == torch::kBFloat16;
+    head_.n = V_;
+    head_.k = C_;
+  }
+
+  torch::Tensor run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, bool hidden);
+
+ private:
+  std::vector<torch::Tensor> keep_;  // holds the model's tensors alive; the pointers below point into them
+  torch::Tensor embed_, head_t_, inv_freq_, final_norm_t_;
+  std::vector<Layer> layers_;
+  Linear head_;
+  const float* final_norm_ = nullptr;
+  int64_t H_, K_, D_, C_ = 0, V_ = 0, I_ = 0;
+  float eps_, offset_, scale_;
+};
+
+torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc,
+                        bool hidden) {
+  TORCH_CHECK(tokens.dim() == 2 && positions.sizes() == tokens.sizes(), "step: tokens and positions (B, T)");
+  const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, L = layers_.size();
+  TORCH_CHECK(kc.dim() == 5 && kc.sizes() == vc.sizes() && kc.size(0) == L && kc.size(1) == B && kc.size(2) == K_ &&
+                  kc.size(4) == D_, "step: cache (L, B, K, S, D) for this model and batch");
+  TORCH_CHECK(kc.scalar_type() == torch::kFloat32 && vc.scalar_type() == torch::kFloat32, "step: fp32 cache");
+  TORCH_CHECK(kc.stride(4) == 1 && vc.stride(4) == 1 && kc.strides() == vc.strides(), "step: cache rows contiguous");
+  const int64_t S = kc.size(3), half = inv_freq_.numel(), G = H_ / K_, HD = H_ * D_, KD = K_ * D_;
+  auto tok = tokens.to(torch::kLong).contiguous(), pos = positions.to(torch::kLong).contiguous();
+  const int64_t *tp = tok.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(0 <= pp[m] && pp[m] < S, "step: position ", pp[m], " outside the cache's ", S, " slots");
+    TORCH_CHECK(0 <= tp[m] && tp[m] < embed_.size(0), "step: token id ", tp[m], " outside the vocabulary");
+  }
+  auto out = torch::empty({B, T, hidden ? C_ : V_}, torch::kFloat32);
+  const int nth = std::max(1, at::get_num_threads());
+  // Scratch, fp32: residual x, normed h, q, k|v, attention out, SwiGLU act, cos|sin, scores per thread.
+  std::vector<float> x(M * C_), h(M * C_), q(M * HD), kv(M * 2 * KD), att(M * HD), act(M * I_),
+      glu(nth * 2 * M * kBlock), cs(M * 2 * half), scores(nth * S);
+  float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const int64_t sL = kc.stride(0), sB = kc.stride(1), sK = kc.stride(2), sS = kc.stride(3);
+  const float* inv = inv_freq_.data_ptr<float>();
+  const bool emb16 = embed_.scalar_type() == torch::kBFloat16;
+  const float* e32 = emb16 ? nullptr : embed_.data_ptr<float>();
+  const bf16* e16 = emb16 ? embed_.data_ptr<bf16>() : nullptr;
+
+#pragma omp parallel num_threads(nth)
+  {
+    float* sc = scores.data() + omp_get_thread_num() * S;
+    float* tmp = glu.data() + omp_get_thread_num() * 2 * M * kBlock;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t row = tp[m] * C_;
+      for (int64_t c = 0; c < C_; ++c)
+        x[m * C_ + c] = emb16 ? widen(e16[row + c]) : e32[row + c];
+      const float p = static_cast<float>(pp[m]);  // the angle in fp32, as rope_tables computes it
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = p * inv[i];
+        cs[m * 2 * half + i] = std::cos(a);
+        cs[m * 2 * half + half + i] = std::sin(a);
+      }
+    }
+    for (int64_t l = 0; l < L; ++l) {
+      const Layer& Ly = layers_[l];
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * C_], Ly.attn_norm, offset_, eps_, C_, &h[m * C_]);
+      linear(Ly.q, h.data(), M, q.data(), HD);
+      linear(Ly.k, h.data(), M, kv.data(), 2 * KD);
+      linear(Ly.v, h.data(), M, kv.data() + KD, 2 * KD);
+#pragma omp barrier
+      // Per head of each token: qk-norm, RoPE; new keys and values go to their cache slot.
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < M * (H_ + K_); ++i) {
+        const int64_t m = i / (H_ + K_), j = i % (H_ + K_), b = m / T;
+        const bool is_q = j < H_;
+        float* xh = is_q ? &q[m * HD + j * D_] : &kv[m * 2 * KD + (j - H_) * D_];
+        const float* gain = is_q ? Ly.q_norm : Ly.k_norm;
+        if (gain) rms_norm(xh, gain, offset_, eps_, D_, xh);
+        rope(xh, &cs[m * 2 * half], &cs[m * 2 * half + half], half);
+        if (!is_q) {
+          const int64_t at = l * sL + b * sB + (j - H_) * sK + pp[m] * sS;
+          std::copy(xh, xh + D_, kp + at);
+          std::copy(xh + KD, xh + KD + D_, vp + at);
+        }
+      }
+      // Attention of each query head over its row's slots <= position (and inside the window).
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < M * H_; ++i) {
+        const int64_t m = i / H_, hh = i % H_, b = m / T, p = pp[m];
+        const int64_t lo = Ly.window ? std::max<int64_t>(0, p - Ly.window + 1) : 0;
+        const float* qh = &q[m * HD + hh * D_];
+        const float* kb = kp + l * sL + b * sB + (hh / G) * sK;
+        const float* vb = vp + l * sL + b * sB + (hh / G) * sK;
+        float mx = -INFINITY;
+        for (int64_t s = lo; s <= p; ++s) {
+          sc[s] = dot<float>(kb + s * sS, qh, D_) * scale_;
+          mx = std::max(mx, sc[s]);
+        }
+        float sum = 0.f;
+        for (int64_t s = lo; s <= p; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
+        float* o = &att[m * HD + hh * D_];
+        std::fill(o, o + D_, 0.f);
+        for (int64_t s = lo; s <= p; ++s) {
+          const float w = sc[s] / sum;
+          const float* vs = vb + s * sS;
+          for (int64_t d = 0; d < D_; ++d) o[d] += w * vs[d];
+        }
+      }
+      linear(Ly.o, att.data(), M, x.data(), C_, true);  // x + o(attn)
+#pragma omp barrier
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * C_], Ly.mlp_norm, offset_, eps_, C_, &h[m * C_]);
+      swiglu(Ly.gate, Ly.up, h.data(), M, act.data(), tmp);
+#pragma omp barrier
+      linear(Ly.down, act.data(), M, x.data(), C_, true);  // x + down(act)
+#pragma omp barrier
+    }
+    float* dst = hidden ? out.data_ptr<float>() : h.data();
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+      if (final_norm_) rms_norm(&x[m * C_], final_norm_, offset_, eps_, C_, dst + m * C_);
+      else std::copy(&x[m * C_], &x[m * C_] + C_, dst + m * C_);
+    }
+    if (!hidden) linear(head_, h.data(), M, out.data_ptr<float>(), V_);
+  }
+  return out;
+}
+
+}  // namespace
+
+bool has_avx2() {
+#ifdef SLUICE_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("has_avx2", &has_avx2, "whether this build has the AVX2 + FMA paths");
+  pybind11::class_<Step>(m, "Step")
+      .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
+                          torch::Tensor, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double, double>())
+      .def("run", &Step::run, "tokens (B, T), positions (B, T), k, v cache (L, B, K, S, D), hidden -> (B, T, V|C)",
+           pybind11::call_guard<pybind11::gil_scoped_release>());
+}
