@@ -19,6 +19,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 BUNDLED_MODEL = "sluice-stdlib"
+BUNDLED_DRAFT = "sluice-stdlib-draft"
 
 
 def bundled_model_dir() -> Path:
@@ -27,6 +28,16 @@ def bundled_model_dir() -> Path:
     if not (path / "config.json").is_file():
         raise ConfigError(f"the bundled model is missing from {path}; reinstall sluice-llm or pass "
                           "--model with a local checkpoint directory")
+    return path
+
+
+def bundled_draft_dir() -> Path:
+    """The bundled model's draft for speculative decoding (training/recipes/stdlib-draft.toml): its
+    tokenizer, 10x fewer parameters."""
+    path = Path(__file__).parents[1] / "assets" / BUNDLED_DRAFT
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"the bundled draft model is missing from {path}; reinstall sluice-llm or pass "
+                          "a local draft checkpoint directory")
     return path
 
 
