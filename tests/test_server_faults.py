@@ -106,6 +106,32 @@ def test_client_leaving_mid_stream_aborts_the_request(slow):
     assert out.usage.completion_tokens == 4
 
 
+def _send_and_leave(port: int, body: dict) -> None:
+    """POST a non-streaming request and close the connection without reading the answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    conn.sock.shutdown(2)
+    conn.close()
+
+
+def test_client_leaving_a_plain_or_queued_request_aborts_it(slow):
+    aborted = metric(slow.port, "request_finished_total", finished_reason="aborted")
+    slow.llm.gate.clear()  # hold the worker at the first token of the first request
+    try:
+        _send_and_leave(slow.port, {**BODY, "max_tokens": 300, "ignore_eos": True})
+        wait_for(lambda: metric(slow.port, "num_requests_running") == 1, what="the first request to run")
+        _send_and_leave(slow.port, BODY)  # this one waits in the queue, then its client leaves
+        wait_for(lambda: metric(slow.port, "request_finished_total", finished_reason="aborted") == aborted + 1,
+                 timeout=10, what="the queued request's abort")
+        assert metric(slow.port, "num_requests_waiting") == 0
+    finally:
+        slow.llm.gate.set()
+    wait_for(lambda: metric(slow.port, "request_finished_total", finished_reason="aborted") == aborted + 2,
+             timeout=10, what="the running request's abort")
+    assert metric(slow.port, "num_requests_running") == 0
+    assert slow.llm.last_stats.generated_tokens < 100
+
+
 def test_nan_logits_end_the_request_not_the_server(slow):
     llm = slow.llm._llm
     poison = {"on": True}
@@ -114,6 +140,7 @@ def test_nan_logits_end_the_request_not_the_server(slow):
         status, _, body = request(slow.port, "POST", "/v1/completions", BODY)
         error = assert_error_shape(status, body, 422)
         assert "non-finite logits" in error["message"] and error["code"] == "generation_error"
+        assert "internal error" not in error["message"]  # the model's fault, named as such, not a bug
         status, _, raw = request(slow.port, "POST", "/v1/chat/completions",
                                  {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4})
         events = sse_events(raw)

@@ -84,6 +84,9 @@ def cmd_serve(args) -> int:
     from ..engine import LLM
     from ..model.loading import BUNDLED_MODEL
 
+    if args.max_num_seqs > 1:
+        print(f"sluice serve: note: --max-num-seqs {args.max_num_seqs} has no effect yet; this engine generates "
+              "one request at a time (the rest wait in the queue)", file=sys.stderr)
     sock = _bind(args.host, args.port)
     name = args.served_model_name or args.model or BUNDLED_MODEL
     server: list = []  # filled below; a failed load (on the worker thread) stops it
