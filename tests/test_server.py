@@ -121,7 +121,7 @@ def test_stop_string_cuts_the_text(client):
 
 @pytest.mark.parametrize("field,value", [("temperature", 3.0), ("temperature", "hot"), ("top_p", 0), ("n", "2"),
                                          ("n", 0), ("max_tokens", 0), ("max_tokens", True), ("seed", 1.5),
-                                         ("stop", [""]), ("top_k", -2), ("stream", "yes"), ("logprobs", True),
+                                         ("stop", [""]), ("stop", "x" * 257), ("stop", ["a"] * 17), ("top_k", -2), ("stream", "yes"), ("logprobs", True),
                                          ("presence_penalty", 0.5), ("messages", []), ("min_p", float("nan"))])
 def test_bad_fields_are_400s_naming_the_parameter(served, field, value):
     body = {"model": MODEL, "messages": MESSAGES, field: value}
@@ -137,6 +137,9 @@ def test_bad_bodies_are_400s(served):
     assert error["param"] == "prompt"
     error = assert_error_shape(*request(served.port, "POST", "/v1/completions", {"prompt": [10**9]})[::2], 400)
     assert error["param"] == "prompt" and "vocabulary" in error["message"]
+    for body in (b'{"prompt": "\\ud800"}', b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}'):
+        path = "/v1/completions" if b"prompt" in body else "/v1/chat/completions"
+        error = assert_error_shape(*request(served.port, "POST", path, body)[::2], 400)  # a lone surrogate
 
 
 def test_unsupported_fields_are_named(client):

@@ -106,10 +106,14 @@ def test_client_leaving_mid_stream_aborts_the_request(slow):
     assert out.usage.completion_tokens == 4
 
 
-def _send_and_leave(port: int, body: dict) -> None:
-    """POST a non-streaming request and close the connection without reading the answer."""
+def _send(port: int, body: dict) -> http.client.HTTPConnection:
+    """POST a non-streaming request without reading the answer; closing the connection leaves."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    return conn
+
+
+def _leave(conn: http.client.HTTPConnection) -> None:
     conn.sock.shutdown(2)
     conn.close()
 
@@ -118,12 +122,15 @@ def test_client_leaving_a_plain_or_queued_request_aborts_it(slow):
     aborted = metric(slow.port, "request_finished_total", finished_reason="aborted")
     slow.llm.gate.clear()  # hold the worker at the first token of the first request
     try:
-        _send_and_leave(slow.port, {**BODY, "max_tokens": 300, "ignore_eos": True})
+        running = _send(slow.port, {**BODY, "max_tokens": 300, "ignore_eos": True})
         wait_for(lambda: metric(slow.port, "num_requests_running") == 1, what="the first request to run")
-        _send_and_leave(slow.port, BODY)  # this one waits in the queue, then its client leaves
+        queued = _send(slow.port, BODY)
+        wait_for(lambda: metric(slow.port, "num_requests_waiting") == 1, what="the second request to wait")
+        _leave(queued)
         wait_for(lambda: metric(slow.port, "request_finished_total", finished_reason="aborted") == aborted + 1,
                  timeout=10, what="the queued request's abort")
-        assert metric(slow.port, "num_requests_waiting") == 0
+        assert metric(slow.port, "num_requests_waiting") == 0 and metric(slow.port, "num_requests_running") == 1
+        _leave(running)
     finally:
         slow.llm.gate.set()
     wait_for(lambda: metric(slow.port, "request_finished_total", finished_reason="aborted") == aborted + 2,

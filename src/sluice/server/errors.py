@@ -80,7 +80,9 @@ def param_from_loc(loc: tuple) -> str | None:
 
 def from_validation(err: ValidationError) -> ServerError:
     """The first problem pydantic found, as a 400 naming the parameter and what was sent."""
-    first = err.errors(include_url=False)[0]
+    # A value that fits no branch of a union gets one error per branch; the deepest location is the
+    # most specific ("messages.0.content.0.type: should be 'text'", not "content: should be a string").
+    first = max(err.errors(include_url=False), key=lambda e: len(e["loc"]))
     kind, param = first["type"], param_from_loc(first["loc"])
     if kind == "json_invalid":
         return ServerError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
@@ -89,5 +91,6 @@ def from_validation(err: ValidationError) -> ServerError:
     if kind == "missing":
         return ServerError(400, f"{param} is required", param=param)
     got = first.get("input")
-    shown = repr(got) if isinstance(got, (int, float, bool, type(None))) else type(got).__name__
+    short = isinstance(got, (int, float, bool, type(None))) or (isinstance(got, str) and len(got) <= 40)
+    shown = repr(got) if short else type(got).__name__
     return ServerError(400, f"{param}: {first['msg']} (got {shown})", param=param)

@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from ..errors import NumericsError, SluiceError
+from ..errors import NumericsError, RequestError, SluiceError
 from .engine import (Aborted, Delta, Done, Draining, Failed, Finished, GenerationRequest, NotReady, QueueFull,
                      RequestHandle, Started)
 from .errors import ContextOverflow
@@ -144,8 +144,12 @@ class LLMEngine:
         if request.messages is not None:
             return llm.chat_prompt(request.messages)  # refuses a conversation that cannot fit, unrendered
         if isinstance(request.prompt, str):
-            return llm.tokenizer.encode(request.prompt, max_tokens=llm.max_model_len)
-        return list(request.prompt)  # token ids: LLM.stream checks them
+            ids = llm.tokenizer.encode(request.prompt, max_tokens=llm.max_model_len)
+        else:
+            ids = list(request.prompt)  # token ids: LLM.stream checks them
+        if not ids:
+            raise RequestError("the prompt is empty: at least one token is needed to condition on")
+        return ids
 
     def _resolve(self, request: GenerationRequest, n_prompt: int) -> list:
         """Fill each choice's params from the model's defaults; refuse what cannot fit the context."""

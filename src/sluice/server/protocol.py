@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 MAX_N = 16  # choices per request: each one is a full generation
 MAX_STOPS = 16
+# Holding back text that may start a stop string costs up to len(stop)**2 character compares per token
+# (engine/streaming.py), so a megabyte-long stop string would stall the engine: bound it.
+MAX_STOP_CHARS = 256
 
 
 class _Request(BaseModel):
@@ -70,8 +73,15 @@ class _Sampling(_Request):
                 return name
         if self.logit_bias:
             return "logit_bias"
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
-            return "stop"
+        return None
+
+    def stop_problem(self) -> str | None:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOPS:
+            return f"stop: at most {MAX_STOPS} stop strings, got {len(stops)}"
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            return f"stop: a stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}"
         return None
 
 

@@ -29,6 +29,8 @@ def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationR
     field = req.unsupported()
     if field is not None:
         raise ServerError(400, f"{field} is not supported by this server yet", param=field, code="unsupported")
+    if problem := req.stop_problem():
+        raise ServerError(400, problem, param="stop")
     max_tokens, aliases = req.max_tokens, {}
     if chat and req.max_completion_tokens is not None:
         max_tokens, aliases = req.max_completion_tokens, {"max_tokens": "max_completion_tokens"}
