@@ -6,6 +6,8 @@ import argparse
 import contextlib
 import sys
 
+from ..errors import ConfigError
+
 
 def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     """--model and --dtype; with engine=True also the generation engine's own flags."""
@@ -45,6 +47,19 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", help="stop string (repeatable), excluded from the output")
     g.add_argument("--stop-token-id", action="append", type=int, dest="stop_token_ids")
     g.add_argument("--ignore-eos", action="store_true")
+    _speculative_args(p)
+
+
+def _speculative_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (the output's distribution stays the model's own)")
+    g.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="a smaller checkpoint with the same tokenizer guesses the next tokens; the model "
+                        "checks them in one forward ('bundled': the bundled model's draft)")
+    g.add_argument("--prompt-lookup", action="store_true",
+                   help="guess the next tokens from n-gram matches in the prompt and the text so far "
+                        "(no second model; pays where the output repeats the input)")
+    g.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens guessed per forward of the model (default 4)")
 
 
 def _params(args):
@@ -83,6 +98,17 @@ def _load_llm(args):
 
     from ..engine import LLM
     console = Console(stderr=True)
+    draft, lookup = getattr(args, "draft_model", None), getattr(args, "prompt_lookup", False)
+    if draft is not None and lookup:
+        raise ConfigError("--draft-model and --prompt-lookup are two ways to guess tokens: pick one")
+    speculative = "prompt-lookup" if lookup else ("draft" if draft is not None else "off")
+    k = getattr(args, "speculative_tokens", None)
+    if k is not None:
+        if speculative == "off":
+            raise ConfigError("--speculative-tokens needs --draft-model or --prompt-lookup")
+        from ..engine.speculative import check_num_tokens
+        check_num_tokens(k, "--speculative-tokens")
     with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype}, {args.device})..."):
         return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
-                   device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory, compute=args.compute)
+                   device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory, compute=args.compute,
+                   speculative=speculative, draft_model=draft, num_speculative_tokens=k)

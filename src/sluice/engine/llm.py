@@ -19,7 +19,9 @@ from .cpu_paths import COMPUTE_CHOICES, kernels_pay_off, set_compute, use_kernel
 from .mixed import activation_dtype
 from .kv_cache import check_budget, default_budget, parse_size
 from .requests import as_prompt_list, token_ids
+from .proposers import DraftProposer, PromptLookup
 from .runner import Runner
+from .speculative import Speculator, check_draft, draft_dir, resolve_mode
 from .sampling import NONFINITE, Sampler, SamplingParams
 from .streaming import TextStream
 
@@ -45,6 +47,20 @@ class Stats:
     fused_head_steps: int = 0  # tokens sampled through the fused LM head (the rest took the plain one)
     fallback_rate: float = 0.0  # of the filtered rows on the fused head, the fraction that fell back
     rows: int = 1  # prompts in the batch: each row's first token comes out of prefill
+    speculative: str = "off"  # "draft" or "prompt-lookup": the fields below count its rounds
+    proposed: int = 0  # guesses the proposer made for rows still generating
+    accepted: int = 0  # of those, kept by the acceptance rule
+    target_forwards: int = 0  # decode forwards of the target (a verify or a plain step each)
+    row_forwards: int = 0  # the same, counted once per row still generating
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Decode tokens a row gets per target forward: 1 for plain decoding, up to k+1 speculating."""
+        return max(self.generated_tokens - self.rows, 0) / self.row_forwards if self.row_forwards else 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -61,20 +77,30 @@ class Stats:
                 "prefill_seconds": round(self.prefill_seconds, 4),
                 "decode_seconds": round(self.decode_seconds, 4),
                 "prefill_tok_s": round(self.prefill_tok_s, 2), "decode_tok_s": round(self.decode_tok_s, 2),
-                "fused_head_steps": self.fused_head_steps, "fallback_rate": round(self.fallback_rate, 4)}
+                "fused_head_steps": self.fused_head_steps, "fallback_rate": round(self.fallback_rate, 4),
+                **({} if self.speculative == "off" else {
+                    "speculative": self.speculative, "proposed": self.proposed, "accepted": self.accepted,
+                    "acceptance_rate": round(self.acceptance_rate, 4), "target_forwards": self.target_forwards,
+                    "tokens_per_forward": round(self.tokens_per_forward, 3)})}
 
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "float32",
                  max_model_len: int | None = None, compile: bool = False, fused_head: bool | str = "auto",
                  device: str | torch.device = "cpu", quantize: str | None = None, kernels: bool | str = "auto",
-                 kv_cache_memory: int | str | None = None, compute: str = "auto"):
+                 kv_cache_memory: int | str | None = None, compute: str = "auto",
+                 speculative: str | None = None, draft_model: str | Path | None = None,
+                 num_speculative_tokens: int | None = None):
         """kv_cache_memory: the most a request's batch state (KV cache plus per-row sampling buffers)
         may take, as bytes or a size such as "4GiB"; None = half of the memory available when each
         request starts. A request over it is refused before any compute, with its numbers.
         compute: for bf16 weights, "bfloat16" runs the plain bf16 forward; "float32" keeps the linear
         weights in bf16 and computes the rest in fp32 (engine/mixed.py: faster on a CPU without bf16
-        instructions); "auto" picks "float32" on such a CPU for a model past cpu_paths.AUTO_KERNEL_BYTES."""
+        instructions); "auto" picks "float32" on such a CPU for a model past cpu_paths.AUTO_KERNEL_BYTES.
+        speculative: "off", "draft" (a smaller model with the same tokenizer guesses, draft_model= names it:
+        a directory, a cached repo id, or "bundled") or "prompt-lookup" (n-gram matches in the text so far
+        guess); None = "draft" if draft_model is given, else "off". num_speculative_tokens: guesses per
+        target forward (default 4). The output's distribution is the target's either way (speculative.py)."""
         # The default is read per request, not here: what is free changes while the process runs.
         self.kv_cache_memory = None if kv_cache_memory is None else parse_size(kv_cache_memory)
         if fused_head not in (True, False, "auto"):
@@ -87,6 +113,8 @@ class LLM:
             raise ConfigError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, got {compute!r}")
         self.fused_head = fused_head  # see _use_fused_head
         self.model_dir = resolve_model_dir(model) if model is not None else bundled_model_dir()
+        self.speculative, draft, self.num_speculative_tokens = resolve_mode(  # before the (slow) loads
+            speculative, draft_model, num_speculative_tokens, model is None)
         self.model = load(self.model_dir, dtype, device=device, quantize=quantize)  # checks the device first
         self.device = self.model.embed.weight.device
         # "auto" decides at the first request (cpu_paths.kernels_pay_off), so a user of a small model at
@@ -112,6 +140,7 @@ class LLM:
             eos = cfg.eos_token_id
             self.eos_token_ids |= {eos} if isinstance(eos, int) else set(eos or [])
         self.runner = Runner(self.model, compile=compile)
+        self.draft_runner = self._load_draft(draft, dtype, device) if draft is not None else None
         self.last_stats = Stats()
         # One request at a time: the runner holds a single KV cache. Taken without waiting, so a
         # second caller (another thread, a generate() inside an open stream()) hears so at once.
@@ -153,6 +182,19 @@ class LLM:
         # max_tokens: a conversation that cannot fit the context is refused before it is tokenized
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   max_tokens=self.max_model_len, **template_kwargs)
+
+    def _load_draft(self, draft, dtype, device) -> Runner:
+        """The draft model for speculative decoding, on the target's dtype and device, checked to share its
+        tokenizer (speculative.check_draft)."""
+        path = draft_dir(draft)
+        model = load(path, dtype, device=device)
+        check_draft(self.model.config, self.tokenizer, self.model_dir, model.config, Tokenizer.from_pretrained(path),
+                    path, self.max_model_len)
+        return Runner(model)
+
+    def _speculator(self, sampler: Sampler) -> Speculator:
+        proposer = DraftProposer(self.draft_runner) if self.speculative == "draft" else PromptLookup()
+        return Speculator(self.runner, proposer, sampler, self.num_speculative_tokens)
 
     # ------------------------------------------------------------------ the loop
     def _use_fused_head(self, params: list[SamplingParams]) -> bool:
@@ -248,9 +290,11 @@ class LLM:
         sampler = Sampler(params, self.model.config.vocab_size, self.device)
         for b, out in enumerate(outputs):
             sampler.add_context(b, out.prompt_token_ids)
+        # Speculation verifies guesses against the target's logits, so it takes the plain head.
+        spec = self._speculator(sampler) if self.speculative != "off" else None
         # The Sampler keeps the rows' params, generators and penalty masks, so the two paths can
         # take turns: sample() reads `fused` when called, hidden states (B, C) in, or logits (B, V).
-        fused, head = self._use_fused_head(params), FusedHead(sampler)
+        fused, head = spec is None and self._use_fused_head(params), FusedHead(sampler)
 
         def sample(x: torch.Tensor) -> torch.Tensor:
             if not fused:
@@ -259,49 +303,72 @@ class LLM:
             return head(x.to(w.dtype), w, self.model.final_softcap).tokens
         streams = [TextStream(self.tokenizer.decode, p.stop) for p in params]
         stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) for p in params]
-        stats = self.last_stats = Stats(prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs), rows=B)
+        stats = self.last_stats = Stats(prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs), rows=B,
+                                        speculative=self.speculative)
+
+        def take(b: int, tok: int) -> str:
+            """Row b's next token: record it, check the stops, return the text it releases."""
+            out = outputs[b]
+            if tok == NONFINITE:  # the sampler found NaN or inf in this row's logits
+                raise NumericsError(
+                    f"the model produced non-finite logits (NaN or inf) at step {len(out.token_ids)} of "
+                    f"prompt {b} (NaN or inf in the weights or the config?); `sluice inspect` shows "
+                    "the layer where it starts")
+            out.token_ids.append(tok)
+            stats.generated_tokens += 1
+            if tok in stop_ids[b]:
+                out.finish_reason = "stop"
+                return streams[b].finish()
+            delta = streams[b].push(tok)
+            if streams[b].stopped:
+                out.finish_reason = "stop"
+            elif len(out.token_ids) >= params[b].max_tokens:
+                out.finish_reason = "length"
+                delta += streams[b].finish()
+            return delta
+
         needed = max(len(o.prompt_token_ids) + p.max_tokens for o, p in zip(outputs, params, strict=True))
         t0 = time.perf_counter()
         active = list(range(B))
+        prompts = [o.prompt_token_ids for o in outputs]
         try:
-            first = self.runner.prefill([o.prompt_token_ids for o in outputs], Runner.slots_for(needed), hidden=fused)
+            if spec is None:
+                first = self.runner.prefill(prompts, Runner.slots_for(needed), hidden=fused)
+            else:
+                first = spec.prefill(prompts, Runner.slots_for(needed))
             tokens = sample(first)  # (B,): the first generated token ends the prefill
             stats.prefill_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
+            runs = [[t] for t in tokens.tolist()]  # per row, the tokens it gets this step (a speculative round: 1+)
+            if spec is not None:
+                spec.start([r[0] for r in runs])
             while True:
-                ids = tokens.tolist()
                 for b in list(active):
-                    out, tok = outputs[b], ids[b]
-                    if tok == NONFINITE:  # the sampler found NaN or inf in this row's logits
-                        raise NumericsError(
-                            f"the model produced non-finite logits (NaN or inf) at step {len(out.token_ids)} of "
-                            f"prompt {b} (NaN or inf in the weights or the config?); `sluice inspect` shows "
-                            "the layer where it starts")
-                    out.token_ids.append(tok)
-                    stats.generated_tokens += 1
-                    if tok in stop_ids[b]:
-                        out.finish_reason = "stop"
-                        delta = streams[b].finish()
-                    else:
-                        delta = streams[b].push(tok)
-                        if streams[b].stopped:
-                            out.finish_reason = "stop"
-                        elif len(out.token_ids) >= params[b].max_tokens:
-                            out.finish_reason = "length"
-                            delta += streams[b].finish()
-                    out.text += delta
-                    if out.finish_reason:
-                        active.remove(b)
-                    if delta:
-                        yield b, delta
+                    for tok in runs[b]:
+                        delta = take(b, tok)
+                        outputs[b].text += delta
+                        done = outputs[b].finish_reason is not None
+                        if done:  # a stop inside a speculative run ends the row there
+                            active.remove(b)
+                        if delta:
+                            yield b, delta
+                        if done:
+                            break
                 if not active:
                     break
+                if spec is not None:
+                    runs = spec.round(active)
+                    continue
                 if fused and self.fused_head == "auto" and head.calls >= AUTO_PROBATION and head.fallback_rate > 0.25:
                     fused = False  # the candidates rarely prove this batch's cuts (a flat model): plain from here
                 # A finished row may have gone non-finite; it keeps stepping (static shapes) on a real id.
                 tokens = sample(self.runner.step(tokens.clamp_min(0), hidden=fused))
+                runs = [[t] for t in tokens.tolist()]
         finally:
             stats.decode_seconds = time.perf_counter() - t0
             stats.fused_head_steps, stats.fallback_rate = head.calls, head.fallback_rate
+            if spec is not None:
+                stats.proposed, stats.accepted = spec.proposed, spec.accepted
+                stats.target_forwards, stats.row_forwards = spec.forwards, spec.row_forwards
+                spec.release()
             self.runner.release()
-

@@ -88,6 +88,36 @@ class Runner:
         self.pos += 1
         return out
 
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T): each row's next T tokens, run at positions pos .. pos+T-1 -> logits (B, T, V).
+
+        For speculative decoding (speculative.py): one forward checks a row's proposed tokens. Their keys
+        and values are written into the cache but pos is left alone: the caller keeps as many as it
+        accepted (advance). Entries past the kept ones are stale but harmless: a query at position p sees
+        slots <= p only, and the forward that next reaches a slot writes it before any query reads it.
+        Positions past the cache (or the model's position table) are clamped onto its last slot, which
+        only rows past their max_tokens reach: what they compute there is never emitted."""
+        T = tokens.shape[1]
+        last = min(self.cache.num_slots, self.model.config.max_position_embeddings) - 1
+        positions = (self.pos[:, None] + torch.arange(T, device=self.pos.device)).clamp(max=last)  # (B, T)
+        return self._forward_chunk(tokens, positions)
+
+    def _forward_chunk(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, positions (B, T) -> logits (B, T, V), writing the cache. The one place verify() runs
+        the model, so a faster multi-token forward can be put under it alone."""
+        return self.model(tokens, positions, self.cache)
+
+    @torch.inference_mode()
+    def advance(self, n) -> None:
+        """Move each row's next position by n (an int or a (B,) tensor; negative rolls back)."""
+        self.pos += n
+
+    @torch.inference_mode()
+    def seek(self, pos: torch.Tensor) -> None:
+        """Set each row's next position (B,): a draft model rolls back to where the target stands."""
+        self.pos = pos.clone()
+
     def _decode(self, tokens, positions, k, v) -> torch.Tensor:
         # The cache comes in as arguments, not via self, so a compiled step is reused across batches.
         return self.model(tokens, positions, KVCache.wrap(k, v))[:, 0]  # (B, V)
