@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from .engine import Draining, NotReady, QueueFull, ServingEngine
-from .errors import ServerError, from_validation, param_from_loc
+from .errors import RETRY_AFTER_S, ServerError, from_validation, param_from_loc
 from .guard import Guard
 from .metrics import render
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -27,7 +27,6 @@ from .serving import Run, to_generation
 log = logging.getLogger("sluice.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a full 32k-token context is ~130 KB of text; JSON and chat add little
-RETRY_AFTER_S = 1
 
 
 def _error_response(err: ServerError) -> JSONResponse:

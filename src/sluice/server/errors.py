@@ -16,6 +16,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 
 
+RETRY_AFTER_S = 1  # what a 429 / 503 tells the client to wait, in seconds
+
+
 class ServerError(Exception):
     """A refusal on its way to the client: status, message, and the parameter it is about."""
 

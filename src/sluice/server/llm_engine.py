@@ -105,7 +105,7 @@ class LLMEngine:
             self._closed = self._draining = True
             for h in self._waiting:
                 h.abort(Draining("the server closed"))
-                h.emit(Failed(h.abort_reason))
+                h.emit(Failed(h.abort_reason or Draining("the server closed")))
             self._waiting.clear()
             if self._running is not None:
                 self._running.abort(Draining("the server closed"))
@@ -182,6 +182,7 @@ class LLMEngine:
         try:
             for i, p in enumerate(params):
                 if handle.aborted:
+                    self.metrics.record("aborted")
                     break
                 make = (lambda: first) if i == 0 else (lambda p=p: llm.stream(ids, p))
                 # TTFT is the request's: from its arrival to choice 0's first token

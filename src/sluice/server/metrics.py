@@ -96,7 +96,7 @@ def render(s: Snapshot, model: str) -> str:
     metric("max_queue", "gauge", "Queue length past which requests get 429.", [(f"{{{label}}}", s.max_queue)])
     metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [(f"{{{label}}}", s.prompt_tokens)])
     metric("generation_tokens_total", "counter", "Tokens generated.", [(f"{{{label}}}", s.generation_tokens)])
-    metric("request_finished_total", "counter", "Requests finished, by outcome.",
+    metric("request_finished_total", "counter", "Generations finished, by outcome (a request of n choices counts n).",
            [(f'{{{label},finished_reason="{k}"}}', v) for k, v in sorted(s.finished.items())])
     for name, help_, h in (("time_to_first_token_seconds", "From arrival to the first token (queue + prefill).",
                             s.ttft),

@@ -18,7 +18,7 @@ from typing import AsyncIterator
 from ..engine.sampling_params import SamplingParams
 from ..errors import RequestError, SluiceError
 from .engine import Aborted, Delta, Done, Draining, Failed, Finished, GenerationRequest, RequestHandle, ServingEngine
-from .errors import ServerError, from_sluice
+from .errors import RETRY_AFTER_S, ServerError, from_sluice
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                        ChunkChoice, Completion, CompletionChoice, CompletionRequest, Delta as DeltaOut, Usage)
 
@@ -90,7 +90,7 @@ class Run:
         if isinstance(err, Aborted):  # nobody is left to read it; 499 as nginx logs a client that left
             return ServerError(499, str(err), code="aborted")
         if isinstance(err, Draining):
-            return ServerError(503, str(err), code="unavailable", retry_after=1)
+            return ServerError(503, str(err), code="unavailable", retry_after=RETRY_AFTER_S)
         if isinstance(err, SluiceError):
             return from_sluice(err, "messages" if self.chat else "prompt")
         return ServerError(500, f"internal error: {type(err).__name__}: {err}")
@@ -113,6 +113,8 @@ class Run:
         finally:
             self._stop_watching()
             self.engine.abort(self.handle)  # a no-op once done; frees the engine if we were cancelled
+        if len(finished) < self.n:  # only when aborted, and then nobody reads this
+            raise ServerError(499, "the request was aborted", code="aborted")
         broken = [f for f in finished.values() if f.finish_reason == "error"]
         if broken:  # the model, not the request: 422, never a 500, and the server carries on
             raise ServerError(422, broken[0].error or "generation failed", code="generation_error")
