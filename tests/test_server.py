@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import sluice
+from test_server_harness import one_torch_thread  # noqa: F401 -- a fixture
 from test_server_harness import (MODEL, LiveServer, assert_error_shape, make_engine, metric, request,
                                  sse_events)
 
@@ -14,6 +15,8 @@ openai = pytest.importorskip("openai")
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "The quick brown fox"}]
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
 
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):

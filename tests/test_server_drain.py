@@ -28,8 +28,10 @@ def _free_port() -> int:
 
 def _serve(tiny_dir, *flags):
     port = _free_port()
+    # one torch thread: see test_server_harness.one_torch_thread
     proc = subprocess.Popen([sys.executable, "-m", "sluice", "serve", "--model", str(tiny_dir), "--port", str(port),
-                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def up():
         assert proc.poll() is None, proc.stdout.read()

@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from sluice.server import LLMEngine
+from test_server_harness import one_torch_thread  # noqa: F401 -- a fixture
 from test_server_harness import (MODEL, LiveServer, assert_error_shape, make_engine, metric, request,
                                  sse_events, wait_for)
 
@@ -18,6 +19,8 @@ openai = pytest.importorskip("openai")
 
 BODY = {"model": MODEL, "prompt": "hello", "temperature": 0, "max_tokens": 4}
 
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def slow(tiny_dir):

@@ -8,15 +8,18 @@ import json
 
 import pytest
 
+from test_server_harness import one_torch_thread  # noqa: F401 -- a fixture
 from test_server_harness import MODEL, LiveServer, assert_error_shape, make_engine, request, sse_events
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                              HealthCheck.too_slow])
 
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):

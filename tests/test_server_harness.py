@@ -22,6 +22,17 @@ from sluice.server import LLMEngine, create_app  # noqa: E402
 MODEL = "tiny"
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The server tests check behaviour, not speed: one torch thread keeps a busy shared runner from
+    oversubscribing its cores (measured on a 2-core machine at load 9: 5 tok/s with 2 threads, 85 with 1)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class LiveServer:
     """create_app(engine, **kwargs) served by uvicorn on 127.0.0.1:<free port> in a daemon thread."""
 
