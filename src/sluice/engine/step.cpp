@@ -258,8 +258,8 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
   }
   auto out = torch::empty({B, T, hidden ? C_ : V_}, torch::kFloat32);
   const int nth = std::max(1, at::get_num_threads());
-  // Scratch, fp32: residual x, normed h, q, k|v, attention out, SwiGLU act, cos|sin, scores per thread.
-  std::vector<float> x(M * C_), h(M * C_), q(M * HD), kv(M * 2 * KD), att(M * HD), act(M * I_),
+  // Scratch, fp32: residual x, normed h (one copy per thread), q, k|v, attention out, SwiGLU act, cos|sin, scores per thread.
+  std::vector<float> x(M * C_), h(nth * M * C_), q(M * HD), kv(M * 2 * KD), att(M * HD), act(M * I_),
       glu(nth * 2 * M * kBlock), cs(M * 2 * half), scores(nth * S);
   float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const int64_t sL = kc.stride(0), sB = kc.stride(1), sK = kc.stride(2), sS = kc.stride(3);
@@ -272,6 +272,12 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
   {
     float* sc = scores.data() + omp_get_thread_num() * S;
     float* tmp = glu.data() + omp_get_thread_num() * 2 * M * kBlock;
+    // Each thread norms every row into its own copy of h: a few us of redundant work instead of a
+    // barrier before each product (a barrier costs a time slice when the other core is busy).
+    float* hn = h.data() + omp_get_thread_num() * M * C_;
+    auto norm_rows = [&](const float* gain) {
+      for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * C_], gain, offset_, eps_, C_, hn + m * C_);
+    };
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) {
       const int64_t row = tp[m] * C_;
@@ -286,11 +292,10 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
     }
     for (int64_t l = 0; l < L; ++l) {
       const Layer& Ly = layers_[l];
-#pragma omp for schedule(static)
-      for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * C_], Ly.attn_norm, offset_, eps_, C_, &h[m * C_]);
-      linear(Ly.q, h.data(), M, q.data(), HD);
-      linear(Ly.k, h.data(), M, kv.data(), 2 * KD);
-      linear(Ly.v, h.data(), M, kv.data() + KD, 2 * KD);
+      norm_rows(Ly.attn_norm);
+      linear(Ly.q, hn, M, q.data(), HD);
+      linear(Ly.k, hn, M, kv.data(), 2 * KD);
+      linear(Ly.v, hn, M, kv.data() + KD, 2 * KD);
 #pragma omp barrier
       // Per head of each token: qk-norm, RoPE; new keys and values go to their cache slot.
 #pragma omp for schedule(static)
@@ -332,20 +337,24 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
       }
       linear(Ly.o, att.data(), M, x.data(), C_, true);  // x + o(attn)
 #pragma omp barrier
-#pragma omp for schedule(static)
-      for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * C_], Ly.mlp_norm, offset_, eps_, C_, &h[m * C_]);
-      swiglu(Ly.gate, Ly.up, h.data(), M, act.data(), tmp);
+      norm_rows(Ly.mlp_norm);
+      swiglu(Ly.gate, Ly.up, hn, M, act.data(), tmp);
 #pragma omp barrier
       linear(Ly.down, act.data(), M, x.data(), C_, true);  // x + down(act)
 #pragma omp barrier
     }
-    float* dst = hidden ? out.data_ptr<float>() : h.data();
+    if (hidden) {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-      if (final_norm_) rms_norm(&x[m * C_], final_norm_, offset_, eps_, C_, dst + m * C_);
-      else std::copy(&x[m * C_], &x[m * C_] + C_, dst + m * C_);
+      for (int64_t m = 0; m < M; ++m) {
+        float* dst = out.data_ptr<float>() + m * C_;
+        if (final_norm_) rms_norm(&x[m * C_], final_norm_, offset_, eps_, C_, dst);
+        else std::copy(&x[m * C_], &x[m * C_] + C_, dst);
+      }
+    } else {
+      if (final_norm_) norm_rows(final_norm_);
+      else std::copy(x.begin(), x.end(), hn);
+      linear(head_, hn, M, out.data_ptr<float>(), V_);
     }
-    if (!hidden) linear(head_, h.data(), M, out.data_ptr<float>(), V_);
   }
   return out;
 }
