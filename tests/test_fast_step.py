@@ -207,3 +207,9 @@ def test_bad_inputs_give_clear_errors(ckpt_dirs):
         step(tokens + 1000, positions, r.cache.k, r.cache.v)
     with pytest.raises(RuntimeError, match="cache"):
         step(tokens, positions, r.cache.k[:, :1], r.cache.v[:, :1])
+
+
+def test_a_missing_kernel_is_a_reason(ckpt_dirs, monkeypatch):
+    monkeypatch.setenv("SLUICE_NO_KERNELS", "1")
+    monkeypatch.setattr(fast_step, "_EXT", fast_step.NativeExtension(fast_step._EXT.source, "whole-step CPU kernel"))
+    assert "SLUICE_NO_KERNELS" in unsupported(load(ckpt_dirs["qwen3"]))

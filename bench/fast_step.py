@@ -1,0 +1,108 @@
+"""Micro bench of engine/fast_step.py (step.cpp) against the engine's torch step.
+
+Per model and weight dtype: ms per decode step (batch 1 and a few batch sizes) and the cost of a
+verification chunk of T = 1, 2, 4, 8, 16 tokens in one call (what decides whether speculative
+decoding pays). The torch step is Runner._decode on the model as the engine runs it: fp32 with
+gemv.use_fast_linears, or bf16 weights in mixed.py's fp32-compute mode. Both are timed on the same
+prefilled cache at the same positions; each number is the best and the median of several repeats
+(the best is what a quiet machine gives; this 2-core box is shared). Run it under the bench lock:
+
+    flock /tmp/sluice-bench.lock .venv/bin/python bench/fast_step.py [--q06 /tmp/sluice-speed-q06] \
+        [--out docs/bench-fast-step.json]
+
+Results: docs/bench-fast-step.json (numbers and the CPU they came from).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import sluice
+from common import environment, save_json
+from sluice.engine import gemv, mixed
+from sluice.engine.fast_step import FastStep
+from sluice.engine.runner import Runner
+
+PROMPT = 64  # tokens already in the cache when the timed steps run
+
+
+def engine_model(path, weights: str):
+    """The model as the engine runs it on this CPU (fast linears or bf16-weight mode)."""
+    model = sluice.load(path, dtype=weights)
+    if weights == "bfloat16":
+        mixed.use_fp32_compute(model)
+    else:
+        gemv.use_fast_linears(model)
+    return model
+
+
+def timed(fn, repeats: int, min_seconds: float) -> tuple[float, float]:
+    """(best, median) seconds per call over `repeats` runs of enough calls to take min_seconds."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    n = max(1, int(min_seconds / max(time.perf_counter() - t0, 1e-6)))
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        runs.append((time.perf_counter() - t0) / n)
+    return min(runs), statistics.median(runs)
+
+
+def measure(model, batch: int, T: int, repeats: int, min_seconds: float) -> dict:
+    r = Runner(model)
+    vocab = model.config.vocab_size
+    r.prefill([[(7 * i + b) % vocab for i in range(PROMPT)] for b in range(batch)], Runner.slots_for(PROMPT + 32))
+    fast = FastStep(model)
+    tokens = torch.randint(0, vocab, (batch, T))
+    positions = r.pos[:, None] + torch.arange(T)
+    k, v = r.cache.k, r.cache.v
+    out = {}
+    with torch.inference_mode():
+        for name, fn in (("fast", lambda: fast(tokens, positions, k, v)),
+                         ("torch", lambda: model(tokens, positions, r.cache))):
+            best, med = timed(fn, repeats, min_seconds)
+            out[name] = {"ms_best": round(best * 1e3, 3), "ms_median": round(med * 1e3, 3),
+                         "tok_per_s_best": round(batch * T / best, 1)}
+    out["speedup_best"] = round(out["torch"]["ms_best"] / out["fast"]["ms_best"], 2)
+    return out
+
+
+def bench_model(path, weights: str, batches, chunks, repeats: int, min_seconds: float) -> dict:
+    model = engine_model(path, weights)
+    res = {"decode": {}, "verify_batch1": {}}
+    for B in batches:
+        res["decode"][f"B={B}"] = measure(model, B, 1, repeats, min_seconds)
+        print(weights, f"decode B={B}", res["decode"][f"B={B}"], flush=True)
+    for T in chunks:
+        res["verify_batch1"][f"T={T}"] = measure(model, 1, T, repeats, min_seconds)
+        print(weights, f"verify T={T}", res["verify_batch1"][f"T={T}"], flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--q06", type=Path, default=None, help="a Qwen3-0.6B-shaped checkpoint directory")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--seconds", type=float, default=0.3, help="minimum time per repeat")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    result = {"environment": environment(), "prompt_tokens_in_cache": PROMPT, "models": {}}
+    for weights in ("float32", "bfloat16"):
+        result["models"][f"bundled/{weights}"] = bench_model(None, weights, (1, 4, 16), (1, 2, 4, 8, 16),
+                                                             a.repeats, a.seconds)
+    if a.q06 is not None:
+        for weights in ("bfloat16", "float32"):
+            result["models"][f"q06/{weights}"] = bench_model(a.q06, weights, (1,), (1, 4, 8), 3, 1.0)
+    save_json(a.out, result)
+
+
+if __name__ == "__main__":
+    main()
