@@ -4,9 +4,10 @@
     python bench/quant.py --quick                          # smoke run, bundled model only
 
 1. bits per byte of the bundled model on its held-out text (observatory/surgery_eval.py's scorer):
-   fp32, bf16 (unquantized, for the activation rounding alone), int8, int4.
+   fp32, bf16 (unquantized, for the activation rounding alone), int8, int4, and int8 as the decode
+   kernels compute it (INT8_DECODE: fp32 x, or x quantized to int8 per block of 32 / 128 / per row).
 2. KL(bf16 logits || quantized logits), mean over positions, and top-1 agreement, on a random
-   Qwen3-0.6B-shaped checkpoint (bench/random_checkpoint.py) fed random token ids.
+   Qwen3-0.6B-shaped checkpoint (bench/random_checkpoint.py) fed random token ids; same schemes.
 3. decode tok/s at batch 1 (LLM.generate, random-id prompt, greedy, ignore_eos), precisions
    interleaved round by round, median over rounds; quantized models are loaded in bf16.
 Run it alone on the machine (the timings are wall clock); the CPU flags and torch version are recorded.
@@ -26,6 +27,9 @@ import torch
 from common import cpu_info, save_json
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+# int8 as the decode kernels compute it (engine/gemv.py): (x path, x block); docs/quantization.md
+INT8_DECODE = {"int8 decode, fp32 x": ("fp32", 0), "int8 decode, x int8/32": ("int8", 32),
+               "int8 decode, x int8/128": ("int8", 128), "int8 decode, x int8/row": ("int8", 0)}
 BIG = Path("/tmp/sluice-ckpt/qwen3-0.6b-fp32")
 
 
@@ -35,13 +39,47 @@ def _load_args(precision: str) -> dict:
     return {"dtype": precision}
 
 
+def as_decode(model, x_path: str, xblock: int):
+    """Make every Int8Linear of `model` compute each input row as an int8 decode step does: the decode
+    kernel (gemv.py), 8 rows a call. x's quantization is per row, so chunking changes nothing: a
+    whole-text forward scores the numerics of decoding it token by token."""
+    from sluice.engine import gemv
+    from sluice.model.quant import Int8Linear
+
+    class DecodeInt8(Int8Linear):
+        def forward(self, x):
+            x2, s = x.reshape(-1, x.shape[-1]), self.scales.float()
+            if x_path == "fp32":
+                x2 = torch.nn.functional.pad(x2, (0, self.qweight.shape[1] - x2.shape[1]))
+            y = torch.cat([gemv.gemv(x2[a:a + 8], self.qweight, s, self.bias) if x_path == "fp32" else
+                           gemv.gemv_w8a8(x2[a:a + 8], self.qweight, s, self.bias, xblock)
+                           for a in range(0, x2.shape[0], 8)])
+            return y.view(*x.shape[:-1], self.out_features)
+
+    for m in model.modules():
+        if type(m) is Int8Linear:
+            m.__class__ = DecodeInt8
+    return model
+
+
+def _loaded(path, dtype: str | None, precision: str):
+    """sluice.load for a bits-per-byte / KL row: a precision, or one of the INT8_DECODE paths."""
+    import sluice
+    kw = {} if dtype is None else {"dtype": dtype}
+    if precision in INT8_DECODE:
+        return as_decode(sluice.load(path, **kw, quantize="int8"), *INT8_DECODE[precision])
+    if precision in ("int8", "int4"):
+        return sluice.load(path, **kw, quantize=precision)
+    return sluice.load(path, **({"dtype": precision} if precision != "float32" else kw))
+
+
 def bits_per_byte(quick: bool) -> dict:
     import sluice
+    from sluice.engine import gemv
     from sluice.observatory.surgery_eval import measure, prepare
     out = {}
-    for name, kw in [("float32", {}), ("bfloat16", {"dtype": "bfloat16"}),
-                     ("int8", {"quantize": "int8"}), ("int4", {"quantize": "int4"})]:
-        model = sluice.load(**kw)
+    for name in PRECISIONS + (tuple(INT8_DECODE) if gemv.available() else ()):
+        model = _loaded(None, None, name)
         tok = sluice.Tokenizer.from_pretrained(model.model_dir)
         text = None
         if quick:
@@ -61,8 +99,9 @@ def kl_to_bf16(path: Path | None, n_tokens: int) -> dict:
     lp = ref(ids)[0].log_softmax(-1)  # (T, V) fp32
     del ref
     out = {"tokens": n_tokens, "entropy_nats": float(-(lp.exp() * lp).sum(-1).mean())}
-    for scheme in ("int8", "int4"):
-        lq = sluice.load(path, "bfloat16", quantize=scheme)(ids)[0].log_softmax(-1)
+    from sluice.engine import gemv
+    for scheme in ("int8", "int4") + (tuple(INT8_DECODE) if gemv.available() else ()):
+        lq = _loaded(path, "bfloat16", scheme)(ids)[0].log_softmax(-1)
         kl = (lp.exp() * (lp - lq)).sum(-1)  # (T,) nats
         out[scheme] = {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
                        "top1_agreement": float((lp.argmax(-1) == lq.argmax(-1)).float().mean())}
@@ -176,6 +215,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/sluice-bench"), help="for the tokenizer it adds")
     ap.add_argument("--quick", action="store_true", help="bundled model only, short texts: a smoke run")
     ap.add_argument("--kernels-only", action="store_true", help="only the per-kernel matmul times")
+    ap.add_argument("--quality-only", action="store_true", help="only bits per byte and KL (no timings)")
     args = ap.parse_args(argv)
     flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("flags")), [])
@@ -183,7 +223,7 @@ def main(argv=None) -> dict:
          "simd_flags": [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))],
          "load_avg_start": Path("/proc/loadavg").read_text().split()[:3]}
     t0 = time.time()
-    r["kernels_ms"] = kernel_times(args.quick)
+    r["kernels_ms"] = [] if args.quality_only else kernel_times(args.quick)
     if args.kernels_only:
         print_kernels(r)
         save_json(args.json, r)
@@ -193,6 +233,7 @@ def main(argv=None) -> dict:
     r["kl"] = {"model": str(big or "bundled"), **kl_to_bf16(big, 32 if args.quick else 256)}
     n = 8 if args.quick else 128
     models = [("bundled", None)] + ([] if args.quick else [("qwen3-0.6b", with_tokenizer(big, args.workdir))])
+    models = [] if args.quality_only else models
     r["decode"] = {name: decode_speed(path, n, n, 1 if args.quick else args.rounds) for name, path in models}
     r["seconds"] = round(time.time() - t0, 1)
     r["load_avg_end"] = Path("/proc/loadavg").read_text().split()[:3]
@@ -211,14 +252,15 @@ def print_kernels(r: dict) -> None:
 
 
 def print_tables(r: dict) -> None:
-    print_kernels(r)
+    if r["kernels_ms"]:
+        print_kernels(r)
     print("| precision | bits/byte (bundled, held-out) |\n|---|---|")
     for p, v in r["bits_per_byte"].items():
         print(f"| {p} | {v['bits_per_byte']:.4f} |")
     k = r["kl"]
     print(f"\nKL to bf16 logits, {k['model']}, {k['tokens']} random ids (bf16 entropy {k['entropy_nats']:.2f} nats)\n")
     print("| scheme | KL mean (nats) | KL max | top-1 agreement |\n|---|---|---|---|")
-    for s in ("int8", "int4"):
+    for s in [s for s in k if isinstance(k[s], dict)]:
         print(f"| {s} | {k[s]['kl_mean']:.5f} | {k[s]['kl_max']:.4f} | {k[s]['top1_agreement']:.3f} |")
     for name, d in r["decode"].items():
         print(f"\n{name}: batch 1, {d['prompt_tokens']}-token prompt, {d['new_tokens']} new tokens, "

@@ -195,9 +195,11 @@ def test_bench_quant_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| precision | decode tok/s |" in proc.stdout
     r = json.loads(out.read_text())
-    assert r["quick"] and r["torch"] and set(r["bits_per_byte"]) == {"float32", "bfloat16", "int8", "int4"}
+    decode = {"int8 decode, fp32 x", "int8 decode, x int8/32", "int8 decode, x int8/128", "int8 decode, x int8/row"}
+    assert r["quick"] and r["torch"] and set(r["bits_per_byte"]) - decode == {"float32", "bfloat16", "int8", "int4"}
     assert all(0 < v["bits_per_byte"] < 8 for v in r["bits_per_byte"].values())
     assert 0 < r["kl"]["int8"]["kl_mean"] < r["kl"]["int4"]["kl_mean"]
+    assert all(0 < r["kl"][d]["kl_mean"] < r["kl"]["int4"]["kl_mean"] for d in decode & set(r["kl"]))
     rows = {row["precision"]: row for row in r["decode"]["bundled"]["rows"]}
     assert set(rows) == {"float32", "bfloat16", "int8", "int4"} and all(x["decode_tok_s"] > 0 for x in rows.values())
     assert rows["int4"]["weight_MB"] < rows["int8"]["weight_MB"] < rows["bfloat16"]["weight_MB"]
