@@ -58,8 +58,9 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-lookup", action="store_true",
                    help="guess the next tokens from n-gram matches in the prompt and the text so far "
                         "(no second model; pays where the output repeats the input)")
-    g.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
-                   help="tokens guessed per forward of the model (default 4)")
+    g.add_argument("--speculative-tokens", default=None, metavar="K",
+                   help="tokens guessed per forward of the model (default 4), or 'auto': adapted to the rate "
+                        "at which guesses are kept")
 
 
 def _params(args):
@@ -107,7 +108,7 @@ def _load_llm(args):
         if speculative == "off":
             raise ConfigError("--speculative-tokens needs --draft-model or --prompt-lookup")
         from ..engine.speculative import check_num_tokens
-        check_num_tokens(k, "--speculative-tokens")
+        k = check_num_tokens(int(k) if k.strip().lstrip("+-").isdigit() else k, "--speculative-tokens")
     with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype}, {args.device})..."):
         return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
                    device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory, compute=args.compute,

@@ -35,7 +35,8 @@ def cmd_generate(args) -> int:
           f"({llm.last_output.finish_reason}); prefill {s.prefill_tok_s:.1f} tok/s, "
           f"decode {s.decode_tok_s:.1f} tok/s]", file=sys.stderr)
     if s.speculative != "off":
-        print(f"[speculative ({s.speculative}, {llm.num_speculative_tokens} tokens per guess): {s.proposed} "
+        k = llm.num_speculative_tokens
+        print(f"[speculative ({s.speculative}, {'adaptive' if k == 'auto' else k} tokens per guess): {s.proposed} "
               f"proposed, {s.accepted} accepted ({100 * s.acceptance_rate:.1f}%), "
               f"{s.tokens_per_forward:.2f} tokens per forward of the model]", file=sys.stderr)
     return 0

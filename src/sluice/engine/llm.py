@@ -17,7 +17,7 @@ from ..tokenizer import Tokenizer
 from .fused_head import FusedHead
 from .cpu_paths import COMPUTE_CHOICES, kernels_pay_off, set_compute, use_kernels
 from .mixed import activation_dtype
-from .kv_cache import check_budget, default_budget, parse_size
+from .kv_cache import KVCache, check_budget, default_budget, parse_size
 from .requests import as_prompt_list, token_ids
 from .proposers import DraftProposer, PromptLookup
 from .runner import Runner
@@ -100,7 +100,7 @@ class LLM:
         speculative: "off", "draft" (a smaller model with the same tokenizer guesses, draft_model= names it:
         a directory, a cached repo id, or "bundled") or "prompt-lookup" (n-gram matches in the text so far
         guess); None = "draft" if draft_model is given, else "off". num_speculative_tokens: guesses per
-        target forward (default 4). The output's distribution is the target's either way (speculative.py)."""
+        target forward (default 4), or "auto" (adapted to how often guesses are kept, 1..8). The output's distribution is the target's either way (speculative.py)."""
         # The default is read per request, not here: what is free changes while the process runs.
         self.kv_cache_memory = None if kv_cache_memory is None else parse_size(kv_cache_memory)
         if fused_head not in (True, False, "auto"):
@@ -192,6 +192,13 @@ class LLM:
                     path, self.max_model_len)
         return Runner(model)
 
+    def _minus_draft(self, budget: int | None, rows: int, slots: int) -> int | None:
+        """The memory budget left for the target's batch state once the draft's KV cache is counted."""
+        if budget is None or self.draft_runner is None:
+            return budget
+        draft = self.draft_runner.model
+        return max(budget - KVCache.nbytes_for(draft.config, rows, slots, activation_dtype(draft)), 0)
+
     def _speculator(self, sampler: Sampler) -> Speculator:
         proposer = DraftProposer(self.draft_runner) if self.speculative == "draft" else PromptLookup()
         return Speculator(self.runner, proposer, sampler, self.num_speculative_tokens)
@@ -242,8 +249,9 @@ class LLM:
         budget = self.kv_cache_memory or default_budget(self.device)
         dtype = activation_dtype(self.model)  # the KV cache's
         # Every row needs at least one prompt token: refuse a hopeless batch before tokenizing it.
-        check_budget(cfg, len(prompts), Runner.slots_for(1 + min(p.max_tokens for p in params)), dtype,
-                     budget, self.kv_cache_memory is not None)
+        slots = Runner.slots_for(1 + min(p.max_tokens for p in params))
+        check_budget(cfg, len(prompts), slots, dtype, self._minus_draft(budget, len(prompts), slots),
+                     self.kv_cache_memory is not None)
         outputs = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             text = prompt if isinstance(prompt, str) else None
@@ -263,7 +271,9 @@ class LLM:
                     f"tokens (shorten the prompt or lower max_tokens)")
             outputs.append(RequestOutput(prompt_token_ids=ids, prompt=text))
         needed = max(len(o.prompt_token_ids) + p.max_tokens for o, p in zip(outputs, params, strict=True))
-        check_budget(cfg, len(outputs), Runner.slots_for(needed), dtype, budget, self.kv_cache_memory is not None)
+        slots = Runner.slots_for(needed)
+        check_budget(cfg, len(outputs), slots, dtype, self._minus_draft(budget, len(outputs), slots),
+                     self.kv_cache_memory is not None)
         return outputs, params
 
     def _run(self, outputs: list[RequestOutput],

@@ -30,6 +30,7 @@ from .sampling import NONFINITE, Sampler, filtered_probs
 MODES = ("off", "draft", "prompt-lookup")
 MAX_SPECULATIVE_TOKENS = 16  # past this a guess is almost never kept whole, and the verify forward grows
 DEFAULT_SPECULATIVE_TOKENS = 4
+AUTO_MAX_TOKENS = 8  # num_speculative_tokens="auto" guesses between 1 and this many per round
 BUNDLED_DRAFT = "sluice-stdlib-draft"  # next to the bundled model in assets/ (issue 11, part 2)
 
 
@@ -94,8 +95,11 @@ class Speculator:
     draft's included, comes from the row's own generator, so a seeded request repeats) and penalty mask
     (the tokens seen so far, which round() extends with what it emits)."""
 
-    def __init__(self, runner: Runner, proposer, sampler: Sampler, num_tokens: int):
-        self.runner, self.proposer, self.sampler, self.k = runner, proposer, sampler, num_tokens
+    def __init__(self, runner: Runner, proposer, sampler: Sampler, num_tokens: int | str):
+        self.runner, self.proposer, self.sampler = runner, proposer, sampler
+        self.adaptive = num_tokens == "auto"
+        self.k = DEFAULT_SPECULATIVE_TOKENS if self.adaptive else num_tokens
+        self.keep_rate: float | None = None  # "auto": running estimate of P(a guess is kept | it is checked)
         self.params = sampler.params
         self.generators = sampler._generators  # the rows' own streams, shared with the first (prefill) token
         self.sampled_rows = [i for i, p in enumerate(self.params) if p.temperature > 0]
@@ -170,7 +174,21 @@ class Speculator:
         self.runner.advance(torch.tensor(moves, device=dev))
         self.forwards += 1
         self.row_forwards += len(active)
+        if self.adaptive:
+            self._adapt(sum(n_host[b] for b in active), sum(n_host[b] < lengths[b] for b in active))
         return runs
+
+    def _adapt(self, kept: int, rejections: int) -> None:
+        """num_speculative_tokens="auto": if each checked guess is kept with probability a, a round keeps
+        a / (1 - a) guesses on average; guess one more than that (1 .. AUTO_MAX_TOKENS). a is a running
+        mean over rounds (weight 0.3 on the newest) of kept / (kept + rejected): guesses after a rejection
+        were never checked, so they say nothing about a."""
+        if kept + rejections == 0:
+            return
+        rate = kept / (kept + rejections)
+        self.keep_rate = rate if self.keep_rate is None else 0.7 * self.keep_rate + 0.3 * rate
+        a = min(self.keep_rate, 0.95)
+        self.k = max(1, min(AUTO_MAX_TOKENS, round(a / (1 - a)) + 1))
 
     def release(self) -> None:
         self.proposer.release()
@@ -179,9 +197,11 @@ class Speculator:
 # ---------------------------------------------------------------- choosing and checking a draft
 
 
-def check_num_tokens(k, name: str = "num_speculative_tokens") -> int:
+def check_num_tokens(k, name: str = "num_speculative_tokens") -> int | str:
+    if isinstance(k, str) and k == "auto":
+        return k
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise ConfigError(f"{name} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        raise ConfigError(f"{name} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] or 'auto', got {k!r}")
     return k
 
 
