@@ -10,7 +10,14 @@ prefilled cache at the same positions; each number is the best and the median of
     flock /tmp/sluice-bench.lock .venv/bin/python bench/fast_step.py [--q06 /tmp/sluice-speed-q06] \
         [--out docs/bench-fast-step.json]
 
-Results: docs/bench-fast-step.json (numbers and the CPU they came from).
+Results (AMD EPYC, 2 cores, AVX2 + FMA + F16C, no AVX-512; torch 2 threads), docs/bench-fast-step.json.
+Measured 2026-11-30 17:13 and 18:05-18:16 under the lock, but with a load of 4-9 from unlocked test
+runs, so medians are 3-10x the bests and only the bests say what the code can do:
+  bundled fp32, decode B=1:   fast 1.45 ms (692 tok/s)  torch step 19-67 ms
+  bundled bf16-weight mode, T=1: fast 1.28 ms (781 tok/s)  torch step 36-49 ms
+  bundled bf16, verify T=4 / T=8 per call: 4.3 / 6.6 ms (T=1 1.3 ms): a chunk of 8 costs ~5 steps
+  Qwen3-0.6B shape and B=4/16: not trustworthy in that load (a 2-thread region whose partner is
+  descheduled waits a time slice at each of its ~6 barriers per layer); re-measure on a quiet box.
 """
 
 from __future__ import annotations
@@ -98,10 +105,11 @@ def main():
     for weights in ("float32", "bfloat16"):
         result["models"][f"bundled/{weights}"] = bench_model(None, weights, (1, 4, 16), (1, 2, 4, 8, 16),
                                                              a.repeats, a.seconds)
+        save_json(a.out, result)  # after each model: a long run cut short keeps what it measured
     if a.q06 is not None:
         for weights in ("bfloat16", "float32"):
             result["models"][f"q06/{weights}"] = bench_model(a.q06, weights, (1,), (1, 4, 8), 3, 1.0)
-    save_json(a.out, result)
+            save_json(a.out, result)
 
 
 if __name__ == "__main__":
