@@ -201,9 +201,9 @@ def test_decode_kernels_bench_quick(tmp_path):
 
 
 def test_int8_linears_decode_through_the_kernel(tiny_dir, monkeypatch):
-    """--quantize int8 models: decode rows go to gemv_w8a8 (x quantized to int8) by default, or with
-    INT8_X = "fp32" to gemv with the int8 weight and per-row scales; prefill to fp32 GEMMs on blocks
-    of the dequantized weight."""
+    """--quantize int8 models: decode rows go to gemv_w8a8 (x quantized to int8) with INT8_X = "int8",
+    or with INT8_X = "fp32" to gemv with the int8 weight and per-row scales; prefill to fp32 GEMMs on
+    blocks of the dequantized weight."""
     monkeypatch.setattr(gemv, "PREFILL_BLOCK_BYTES", 4 * 64 * 24)  # ~24 rows per block: many blocks
     from sluice.model.quant import Int8Linear
     model = sluice.load(tiny_dir, quantize="int8")
@@ -211,7 +211,8 @@ def test_int8_linears_decode_through_the_kernel(tiny_dir, monkeypatch):
     with torch.inference_mode():
         before = model(ids)
     int8 = [m for m in model.modules() if type(m) is Int8Linear]
-    assert gemv.INT8_X == "int8" and gemv.X_BLOCK == 32  # the defaults (docs/quantization.md)
+    assert gemv.INT8_X in gemv.INT8_X_CHOICES and gemv.X_BLOCK == 32  # docs/quantization.md
+    monkeypatch.setattr(gemv, "INT8_X", "int8")
     assert int8 and gemv.use_fast_linears(model) >= len(int8)
     assert all(isinstance(m, gemv.FastInt8Linear) for m in int8)
     with torch.inference_mode():
@@ -220,7 +221,7 @@ def test_int8_linears_decode_through_the_kernel(tiny_dir, monkeypatch):
         x = torch.randn(20, lin.in_features)  # prefill (blocks): the fp32 product with the dequantized weight
         want = x @ lin.dequantize().T + (0 if lin.bias is None else lin.bias)
         assert torch.allclose(lin(x), want, atol=1e-4, rtol=1e-4)
-        x = x[:3]  # decode: w8a8 by default, the exact fp32 product with INT8_X = "fp32"
+        x = x[:3]  # decode: w8a8 with INT8_X = "int8", the exact fp32 product with INT8_X = "fp32"
         _w8a8_close(lin(x), gemv.w8a8_reference(x, lin.qweight, lin.scales32, lin.bias, 32))
         monkeypatch.setattr(gemv, "X_BLOCK", 0)
         _w8a8_close(lin(x), gemv.w8a8_reference(x, lin.qweight, lin.scales32, lin.bias, 0))
