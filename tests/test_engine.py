@@ -154,3 +154,30 @@ def test_bad_requests(tiny_llm):
         tiny_llm.generate([[1, 2, 100000]], SamplingParams(max_tokens=2))
     with pytest.raises(RequestError, match="2 SamplingParams for 1 prompts"):
         tiny_llm.generate(["x"], [SamplingParams(), SamplingParams()])
+
+
+def test_the_llm_runs_the_native_step_where_it_fits_with_the_same_tokens(tiny_dir):
+    """LLM(kernels="auto") decodes through fast_step.FastStep (step.cpp); kernels=False through the torch
+    modules. Same greedy tokens, batched with rows of different lengths; a forward hook (the
+    observatory's way in) sends the next request back to the torch step, named in native_reason."""
+    from sluice.engine import fast_step
+    if fast_step.kernel() is None:
+        pytest.skip(f"no native step here: {fast_step.why_unavailable()}")
+    prompts = ["def add(a, b):", "x"]
+    params = sluice.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = sluice.LLM(tiny_dir, kernels=False)
+    native = sluice.LLM(tiny_dir)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in native.generate(prompts, params)] == want
+    assert native.runner._fast is not None and native.runner.native_reason is None
+    fast, steps = native.runner._fast, []
+    native.runner._fast = lambda *a, **k: steps.append(1) or fast(*a, **k)
+    assert [o.token_ids for o in native.generate(prompts, params)] == want and len(steps) == 11
+    calls = []
+    handle = native.model.final_norm.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        assert [o.token_ids for o in native.generate(prompts, params)] == want
+    finally:
+        handle.remove()
+    assert "hook" in native.runner.native_reason and len(calls) == 1 + 11  # prefill + every decode step
+    assert [o.token_ids for o in native.generate(prompts, params)] == want and native.runner.native_reason is None

@@ -55,6 +55,7 @@ def test_llm_compute_float32_generates_what_the_rounded_fp32_model_does(tiny_dir
 
 
 def test_auto_picks_fp32_compute_only_without_bf16_instructions_and_past_the_size(tiny_dir, monkeypatch):
+    monkeypatch.setattr(cpu_paths, "native_step_fits", lambda model, device: False)  # the GEMV rule alone
     monkeypatch.setattr(cpu_paths, "AUTO_KERNEL_BYTES", 0)
     monkeypatch.setattr(cpu_paths, "cpu_has_bf16", lambda: False)
     assert mixed.activation_dtype(sluice.LLM(tiny_dir, dtype="bfloat16").model) == torch.float32
@@ -67,6 +68,20 @@ def test_auto_picks_fp32_compute_only_without_bf16_instructions_and_past_the_siz
     llm = sluice.LLM(tiny_dir, dtype="bfloat16", compute="bfloat16")
     assert not any(isinstance(m, mixed.Bf16WeightLinear) for m in llm.model.modules())
     assert mixed.activation_dtype(sluice.LLM(tiny_dir, dtype="bfloat16", kernels=False).model) == torch.bfloat16
+
+
+def test_auto_picks_fp32_compute_where_the_native_step_runs_the_model(tiny_dir, monkeypatch):
+    """Small or not, bf16 CPU or not: the native whole step (fp32 activations) beats the torch step."""
+    monkeypatch.setattr(cpu_paths, "AUTO_KERNEL_BYTES", 2**40)
+    monkeypatch.setattr(cpu_paths, "cpu_has_bf16", lambda: True)
+    llm = sluice.LLM(tiny_dir, dtype="bfloat16")
+    assert mixed.activation_dtype(llm.model) == torch.float32
+    llm.generate("hello", sluice.SamplingParams(max_tokens=3, temperature=0))
+    assert llm.runner.native and llm.runner.native_reason is None and llm.runner._fast is not None
+    llm = sluice.LLM(tiny_dir, dtype="bfloat16", kernels=False)  # no native code at all: plain bf16
+    assert mixed.activation_dtype(llm.model) == torch.bfloat16
+    llm.generate("hello", sluice.SamplingParams(max_tokens=3, temperature=0))
+    assert llm.runner._fast is None and llm.runner.native_reason == "not asked for"
 
 
 @pytest.mark.parametrize("kwargs,words", [

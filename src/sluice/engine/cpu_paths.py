@@ -25,6 +25,12 @@ def kernels_pay_off(model: torch.nn.Module, device: torch.device) -> bool:
                                         if type(m) in stored) >= AUTO_KERNEL_BYTES
 
 
+def native_step_fits(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether the model's config is one the native step (fast_step.py) implements, on the CPU."""
+    from .fast_step import config_reason
+    return device.type == "cpu" and config_reason(model.config) is None
+
+
 def use_kernels(model: torch.nn.Module, device: torch.device, required: bool) -> int:
     """Put sluice's decode CPU kernel (engine/gemv.py) under the model's float and int8 linears: 1-8-row
     decode steps go to it (gemv.ROWS), prefill keeps torch's. Returns how many linears use it. The LLM
@@ -54,7 +60,11 @@ def set_compute(model: torch.nn.Module, device: torch.device, compute: str, kern
         raise ConfigError(f"compute='bfloat16' needs bf16 weights (dtype='bfloat16'), not {weights}")
     if weights != torch.bfloat16 or compute == "bfloat16" or quantize is not None:
         return False
-    if compute == "auto" and (kernels is False or cpu_has_bf16() or not kernels_pay_off(model, device)):
+    # "auto": fp32 compute where the native whole step (fast_step.py, fp32 activations only) can run the
+    # model, whose step is 5-10x the torch one on small models whatever the CPU; otherwise on a CPU
+    # without bf16 instructions for a model that streams its weights from DRAM (the GEMV kernel).
+    if compute == "auto" and (kernels is False or not (
+            native_step_fits(model, device) or not cpu_has_bf16() and kernels_pay_off(model, device))):
         return False
     from . import gemv
     if kernels is False or device.type != "cpu" or not gemv.available():

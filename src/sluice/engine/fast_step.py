@@ -48,7 +48,7 @@ def why_unavailable() -> str | None:
     return _EXT.failure
 
 
-def _config_reason(cfg) -> str | None:
+def config_reason(cfg) -> str | None:
     """Every ModelConfig field that changes numerics and step.cpp does not implement."""
     checks = (
         (cfg.norm_kind != "rms", f"norm_kind={cfg.norm_kind!r} (step.cpp has RMSNorm only)"),
@@ -135,7 +135,7 @@ def unsupported(model: nn.Module) -> str | None:
     """Why `model` cannot take the native step (a sentence), or None when it can."""
     if not isinstance(model, Transformer):
         return f"a {type(model).__name__} is not a sluice Transformer"
-    why = _config_reason(model.config) or _hook_reason(model) or _module_reason(model)
+    why = config_reason(model.config) or _hook_reason(model) or _module_reason(model)
     if why is None and kernel() is None:
         why = _EXT.failure
     return why

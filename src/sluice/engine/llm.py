@@ -139,8 +139,8 @@ class LLM:
         if "eos_token_id" not in self.generation_config:
             eos = cfg.eos_token_id
             self.eos_token_ids |= {eos} if isinstance(eos, int) else set(eos or [])
-        self.runner = Runner(self.model, compile=compile)
-        self.draft_runner = self._load_draft(draft, dtype, device) if draft is not None else None
+        self.runner = Runner(self.model, compile=compile, native=kernels is not False)
+        self.draft_runner = self._load_draft(draft, dtype, device, compute, kernels) if draft is not None else None
         self.last_stats = Stats()
         # One request at a time: the runner holds a single KV cache. Taken without waiting, so a
         # second caller (another thread, a generate() inside an open stream()) hears so at once.
@@ -183,14 +183,15 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   max_tokens=self.max_model_len, **template_kwargs)
 
-    def _load_draft(self, draft, dtype, device) -> Runner:
+    def _load_draft(self, draft, dtype, device, compute, kernels) -> Runner:
         """The draft model for speculative decoding, on the target's dtype and device, checked to share its
-        tokenizer (speculative.check_draft)."""
+        tokenizer (speculative.check_draft), in the target's compute mode, with the native step where it fits."""
         path = draft_dir(draft)
         model = load(path, dtype, device=device)
         check_draft(self.model.config, self.tokenizer, self.model_dir, model.config, Tokenizer.from_pretrained(path),
                     path, self.max_model_len)
-        return Runner(model)
+        set_compute(model, self.device, compute, kernels, None)  # as the target: the native step needs fp32 compute
+        return Runner(model, native=kernels is not False)
 
     def _minus_draft(self, budget: int | None, rows: int, slots: int) -> int | None:
         """The memory budget left for the target's batch state once the draft's KV cache is counted."""

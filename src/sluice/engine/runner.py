@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..model.layers import Transformer
+from .fast_step import MAX_CHUNK, FastStep, unsupported
 from .kv_cache import KVCache
 from .mixed import activation_dtype
 
@@ -34,10 +35,18 @@ def prefill_tokens_per_forward(cfg, num_slots: int, itemsize: int) -> int:
 
 
 class Runner:
-    def __init__(self, model: Transformer, compile: bool = False):
+    """native=True lets decode steps and verify chunks go to fast_step.FastStep (step.cpp: the whole
+    forward in one native call) when the model can take it; checked at each prefill, since a hook
+    attached to the model in between (the observatory's) needs the torch modules to run."""
+
+    def __init__(self, model: Transformer, compile: bool = False, native: bool = False):
         self.model = model
         self.cache: KVCache | None = None
         self.pos: torch.Tensor | None = None  # (B,) next position to write, per row
+        self.native = native and not compile
+        self.native_reason: str | None = None if self.native else "not asked for"  # why the torch step runs
+        self._fast: FastStep | None = None  # built on the first request that can use it
+        self._use_fast = False  # for the current request
         wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
         self._step, self._step_hidden = wrap(self._decode), wrap(self._decode_hidden)  # compiled on first use
 
@@ -53,6 +62,7 @@ class Runner:
         dtype, dev = activation_dtype(self.model), self.model.embed.weight.device
         B, T = len(prompts), max(len(p) for p in prompts)
         self.cache = KVCache(cfg, B, num_slots, dtype, dev)
+        self._use_fast = self._native_ok()
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
         budget = prefill_tokens_per_forward(cfg, num_slots, dtype.itemsize)
         rows_per = max(1, budget // T)  # whole prompts per forward; one row's positions split if need be
@@ -84,6 +94,10 @@ class Runner:
     def step(self, tokens: torch.Tensor, hidden: bool = False) -> torch.Tensor:
         """tokens (B,) just sampled -> logits (B, V) for the next ones (hidden states (B, C) if hidden)."""
         pos = self.pos.clamp(max=self.cache.num_slots - 1)  # finished rows idle at the last slot
+        if self._use_fast:
+            out = self._fast(tokens[:, None], pos[:, None], self.cache.k, self.cache.v, hidden)[:, 0]
+            self.pos += 1
+            return out
         out = (self._step_hidden if hidden else self._step)(tokens[:, None], pos[:, None], self.cache.k, self.cache.v)
         self.pos += 1
         return out
@@ -105,8 +119,19 @@ class Runner:
 
     def _forward_chunk(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens, positions (B, T) -> logits (B, T, V), writing the cache. The one place verify() runs
-        the model, so a faster multi-token forward can be put under it alone."""
+        the model: the native step takes chunks of up to MAX_CHUNK tokens per row."""
+        if self._use_fast and tokens.shape[1] <= MAX_CHUNK:
+            return self._fast(tokens, positions, self.cache.k, self.cache.v)
         return self.model(tokens, positions, self.cache)
+
+    def _native_ok(self) -> bool:
+        """Whether this request's steps can take the native step; builds it the first time."""
+        if not self.native:
+            return False
+        self.native_reason = unsupported(self.model)
+        if self.native_reason is None and self._fast is None:
+            self._fast = FastStep(self.model)
+        return self.native_reason is None
 
     @torch.inference_mode()
     def advance(self, n) -> None:
@@ -126,5 +151,6 @@ class Runner:
         return self.model(tokens, positions, KVCache.wrap(k, v), return_hidden=True)[:, 0]  # (B, C)
 
     def release(self) -> None:
+        self._use_fast = False
         self.cache = None
         self.pos = None
