@@ -167,3 +167,63 @@ def test_vs_llama_cpp(tiny_dir, tmp_path, monkeypatch, gguf_from):
     assert lc["tokens_agree_with_sluice"] >= 3  # the same fp32 model, greedy
     assert lc["weight_bytes"] == r["engines"]["sluice"]["weight_bytes"]  # tied: every tensor, once
     assert len(lc["perf"]) == r["settings"]["reps"]
+
+
+@pytest.mark.parametrize("flags,mode,k", [
+    (["--draft-model", "SELF", "--speculative-tokens", "3"], "draft", 3),
+    (["--prompt-lookup", "--speculative-tokens", "auto"], "prompt-lookup", "auto"),
+])
+def test_speculation_flags(tiny_dir, tmp_path, monkeypatch, capsys, flags, mode, k):
+    """--draft-model / --prompt-lookup / --speculative-tokens reach sluice's LLM (and only it), and the
+    acceptance rate and tokens per target forward land under the table and in the JSON."""
+    import sluice.engine.llm as engine_llm
+    seen = []
+
+    class Spy(engine_llm.LLM):
+        def __init__(self, *a, **kw):
+            seen.append(kw)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(engine_llm, "LLM", Spy)
+    flags = [str(tiny_dir) if f == "SELF" else f for f in flags]
+    out = tmp_path / "speed.json"
+    assert main(["bench", "--model", str(tiny_dir), *TINY, *flags, "--json", str(out)]) == 0
+    draft = str(tiny_dir) if mode == "draft" else None
+    assert len(seen) == 1 and seen[0]["speculative"] == mode and seen[0]["num_speculative_tokens"] == k
+    assert seen[0]["draft_model"] == draft
+    r = json.loads(out.read_text())
+    check_result(r, ["sluice"])
+    sp = r["speculation"]
+    assert sp["mode"] == mode and sp["draft_model"] == draft
+    # every timed round's decode tokens: gen per round, over the target forwards it took
+    assert sp["decode_tokens"] == r["settings"]["gen"] * r["settings"]["reps"]
+    assert 0 < sp["target_forwards"] <= sp["decode_tokens"]
+    assert math.isclose(sp["tokens_per_forward"], sp["decode_tokens"] / sp["target_forwards"])
+    assert sp["acceptance_rate"] == (sp["accepted"] / sp["proposed"] if sp["proposed"] else 0.0)
+    if mode == "draft":
+        # the target as its own draft, greedy: every guess is kept, so a round emits up to k + 1 tokens
+        assert sp["k"] == 3 and sp["proposed"] > 0 and sp["accepted"] == sp["proposed"]
+        assert sp["tokens_per_forward"] > 1
+    printed = capsys.readouterr().out
+    assert f"sluice speculates ({mode}" in printed
+    assert f"acceptance rate {sp['acceptance_rate']:.3f}" in printed
+    assert f"{sp['tokens_per_forward']:.2f} tokens per target forward" in printed
+
+
+def test_no_speculation_by_default(tiny_dir, tmp_path):
+    out = tmp_path / "speed.json"
+    assert main(["bench", "--model", str(tiny_dir), *TINY, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["speculation"] is None and r["settings"]["speculation"] is None
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--speculative-tokens", "3"], "--speculative-tokens needs a proposer"),
+    (["--prompt-lookup", "--draft-model", "bundled"], "choose one"),
+    (["--prompt-lookup", "--speculative-tokens", "three"], "--speculative-tokens three"),
+    (["--prompt-lookup", "--speculative-tokens", "99"], "num_speculative_tokens"),
+])
+def test_bad_speculation_flags(tiny_dir, args, named, capsys):
+    assert main(["bench", "--model", str(tiny_dir), *TINY, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sluice bench: error:") and named in err and "\n" not in err

@@ -57,6 +57,13 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-mib", type=int, default=2048,
                    help="size of the read-bandwidth probe between rounds (default 2048; 0 = none)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every sample here as JSON")
+    # Speculative decoding, for sluice only (the peers decode plainly): tg then counts emitted tokens,
+    # and the acceptance rate and tokens per target forward are printed under the table.
+    p.add_argument("--draft-model", default=None, metavar="PATH|bundled",
+                   help="sluice speculates with this draft (same tokenizer; 'bundled' for the bundled model)")
+    p.add_argument("--prompt-lookup", action="store_true", help="sluice speculates by prompt lookup (n-grams)")
+    p.add_argument("--speculative-tokens", default=None, metavar="K|auto",
+                   help="guesses per target forward when speculating (default 4; auto adapts)")
 
 
 def cmd_bench_speed(args) -> int:

@@ -52,10 +52,29 @@ def settings(args) -> dict:
         raise BenchmarkError(f"--probe-mib must be >= 0, got {args.probe_mib}")
     if args.gguf and "llama.cpp" not in vs:
         raise BenchmarkError("--gguf is for --vs llama.cpp, which was not asked for")
+    spec = _speculation(getattr(args, "draft_model", None), getattr(args, "prompt_lookup", False),
+                        getattr(args, "speculative_tokens", None))
     return {"model": args.model, "dtype": args.dtype, "quantize": args.quantize, "prompt": args.prompt,
             "gen": args.gen, "reps": args.reps, "vs": vs, "threads": args.threads, "compile": args.compile,
             "gguf": args.gguf, "llama_python": args.llama_python, "probe_mib": args.probe_mib,
-            "prompt_seed": PROMPT_SEED}
+            "prompt_seed": PROMPT_SEED, "speculation": spec}
+
+
+def _speculation(draft_model, prompt_lookup: bool, tokens) -> dict | None:
+    """The bench flags -> LLM keyword arguments (None: plain decoding). LLM checks k's range itself."""
+    if draft_model is not None and prompt_lookup:
+        raise BenchmarkError("--draft-model and --prompt-lookup are two proposers: choose one")
+    if draft_model is None and not prompt_lookup:
+        if tokens is not None:
+            raise BenchmarkError("--speculative-tokens needs a proposer: --draft-model PATH|bundled or --prompt-lookup")
+        return None
+    if tokens is not None and tokens != "auto":
+        try:
+            tokens = int(tokens)
+        except ValueError:
+            raise BenchmarkError(f"--speculative-tokens {tokens}: an integer or 'auto'") from None
+    return {"speculative": "prompt-lookup" if prompt_lookup else "draft", "draft_model": draft_model,
+            "num_speculative_tokens": tokens}
 
 
 def read_bandwidth(nbytes: int, reps: int = 3) -> dict:
@@ -79,7 +98,7 @@ def _load(s: dict, model_dir: Path, params_read: int) -> dict:
         llama_python = find_llama_python(s["llama_python"])
         gguf = gguf_for(model_dir, s["quantize"] or s["dtype"], s["gguf"])
     t0 = time.perf_counter()
-    engines["sluice"] = SluiceEngine(model_dir, s["dtype"], s["quantize"], s["compile"])
+    engines["sluice"] = SluiceEngine(model_dir, s["dtype"], s["quantize"], s["compile"], s["speculation"])
     load_s["sluice"] = time.perf_counter() - t0
     if "transformers" in s["vs"]:
         t0 = time.perf_counter()
@@ -116,7 +135,7 @@ def run(args) -> dict:
     engines = loaded["engines"]
     try:
         sl = engines["sluice"]
-        cfg = sl.llm.model.config
+        cfg, spec_k = sl.llm.model.config, sl.llm.num_speculative_tokens  # the engine closes before the summary
         P, G = s["prompt"], s["gen"]
         if P + G + 1 > cfg.max_position_embeddings:
             raise BenchmarkError(f"--prompt {P} + --gen {G} does not fit the model's context of "
@@ -131,7 +150,7 @@ def run(args) -> dict:
             # a compiled step is traced per cache size, which the request's length decides
             e.round(prompt, G if name == "sluice" and s["compile"] else min(G, 4))
         names, samples, tokens = list(engines), {n: {"pp_s": [], "tg_s": []} for n in engines}, {}
-        perf = {n: [] for n in engines}
+        perf, spec_rounds = {n: [] for n in engines}, []
         for r in range(s["reps"]):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 out = engines[name].round(prompt, G)
@@ -140,6 +159,8 @@ def run(args) -> dict:
                 tokens[name] = out["tokens"]
                 if out.get("perf"):
                     perf[name].append(out["perf"])
+                if out.get("speculation"):
+                    spec_rounds.append(out["speculation"])
                 print(f"sluice bench: round {r + 1}/{s['reps']} {name}: pp {P / out['pp_s']:.1f} tok/s, "
                       f"tg {G / out['tg_s']:.2f} tok/s", file=sys.stderr, flush=True)
             if probe_bytes:
@@ -175,7 +196,18 @@ def run(args) -> dict:
             "model": {"dir": str(model_dir), "params_read_per_token": params_read,
                       "layers": cfg.num_layers, "kv_per_layer": cfg.num_kv_heads * cfg.head_dim, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
             "prompt_head": prompt[:16], "machine": machine, "read_GB_s": read_bw, "engines": engine_info,
-            "rows": rows, "loadavg_at_end": list(os.getloadavg())}
+            "rows": rows, "speculation": _spec_summary(s["speculation"], spec_rounds, spec_k),
+            "loadavg_at_end": list(os.getloadavg())}
+
+
+def _spec_summary(spec: dict | None, rounds: list[dict], k) -> dict | None:
+    """sluice's speculation over all timed rounds: guesses kept / made, decode tokens per target forward."""
+    if spec is None:
+        return None
+    tot = {k: sum(r[k] for r in rounds) for k in ("proposed", "accepted", "target_forwards", "decode_tokens")}
+    return {"mode": spec["speculative"], "draft_model": spec["draft_model"], "k": k, **tot,
+            "acceptance_rate": tot["accepted"] / tot["proposed"] if tot["proposed"] else 0.0,
+            "tokens_per_forward": tot["decode_tokens"] / tot["target_forwards"] if tot["target_forwards"] else 0.0}
 
 
 def _agree(a: list[int], b: list[int]) -> int:
@@ -203,6 +235,12 @@ def print_tables(r: dict) -> None:
         share = f"{100 * row['bandwidth_share']:.0f}%" if row.get("bandwidth_share") else ""
         print(f"| {row['engine']} | {row['precision']} | {row['test']} | {t['mean']:.2f} ± {t['std']:.2f} "
               f"| {row['vs_sluice']:.2f}x | {gb} | {share} |")
+    sp = r.get("speculation")
+    if sp:
+        print(f"\nsluice speculates ({sp['mode']}{', draft ' + str(sp['draft_model']) if sp['draft_model'] else ''}, "
+              f"k={sp['k']}; tg counts emitted tokens): acceptance rate {sp['acceptance_rate']:.3f} "
+              f"({sp['accepted']}/{sp['proposed']} guesses kept), {sp['tokens_per_forward']:.2f} tokens per "
+              f"target forward ({sp['decode_tokens']} tokens / {sp['target_forwards']} forwards over {s['reps']} rounds)")
     agree = {n: e["tokens_agree_with_sluice"] for n, e in r["engines"].items() if n != "sluice"}
     if agree:
         print("\nleading greedy tokens equal to sluice's: "

@@ -66,10 +66,12 @@ def _gguf_weight_bytes(path: Path) -> int | None:
 class SluiceEngine:
     name = "sluice"
 
-    def __init__(self, model_dir: Path, dtype: str, quantize: str | None, compile: bool):
-        from ..engine.llm import LLM
+    def __init__(self, model_dir: Path, dtype: str, quantize: str | None, compile: bool,
+                 speculation: dict | None = None):
+        from ..engine import llm as engine_llm  # the module, so a test can watch what LLM is given
         from ..engine.sampling import SamplingParams
-        kwargs = {"dtype": dtype, "compile": compile}
+        LLM = engine_llm.LLM
+        kwargs = {"dtype": dtype, "compile": compile, **(speculation or {})}
         if quantize:
             if "quantize" not in inspect.signature(LLM).parameters:
                 raise BenchmarkError(f"--quantize {quantize}: this sluice has no weight quantization yet")
@@ -86,7 +88,10 @@ class SluiceEngine:
         params = self._params(max_tokens=gen + 1, temperature=0, ignore_eos=True)
         out = self.llm.generate([prompt], params)[0]
         s = self.llm.last_stats
-        return {"pp_s": s.prefill_seconds, "tg_s": s.decode_seconds, "tokens": out.token_ids}
+        spec = None if s.speculative == "off" else {
+            "proposed": s.proposed, "accepted": s.accepted, "target_forwards": s.row_forwards,
+            "decode_tokens": max(s.generated_tokens - s.rows, 0)}
+        return {"pp_s": s.prefill_seconds, "tg_s": s.decode_seconds, "tokens": out.token_ids, "speculation": spec}
 
     def close(self) -> None:
         self.llm = None
