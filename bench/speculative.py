@@ -1,0 +1,304 @@
+"""Speculative decoding measured: acceptance rate, tokens per target forward, decode tok/s, plain vs
+speculation, on the bundled model (its shipped draft, and prompt lookup) and on random Qwen3-0.6B
+shapes with a random small draft (acceptance ~0), plus the cost model that says when speculation pays.
+
+    flock /tmp/sluice-bench.lock timeout 900 .venv/bin/python bench/speculative.py \
+        --json docs/bench-speculative.json
+
+Method: one LLM per target holds the draft; each configuration (mode, k) is selected per request
+by setting the LLM's speculative / num_speculative_tokens fields (read when a request starts, so
+the same weights and caches serve every configuration). Configurations run interleaved, one
+warm-up round then --reps timed rounds; each cell is the median over rounds of the set's decode
+tok/s (its decode tokens / its decode seconds), with acceptance and tokens per forward summed over
+the set. Greedy outputs of every configuration are compared with plain decoding's.
+
+Cost model: with acceptance a and k guesses a round yields (1 - a^(k+1)) / (1 - a) tokens for one
+draft pass (a 2-token catch-up forward and k-1 steps, proposers.py) plus one target verify of k+1
+tokens; plain decoding yields 1 token per target step. Speculation pays when
+tokens(a) / (t_draft_round + t_verify(k)) > 1 / t_step; the break-even a is found by bisection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sluice import LLM, SamplingParams
+from sluice.benchmarks.common import environment
+from sluice.engine.gemv import cpu_flags
+from sluice.engine.runner import Runner
+
+CODE_PROMPTS = [
+    "def merge_sort(items):\n",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+    "def read_config(path):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def fibonacci(n):\n",
+    "def parse_args(argv=None):\n",
+]
+
+EDIT_FUNCTION = '''def summarize_orders(orders, currency="EUR"):
+    """Return totals per customer, the largest order and the number of refunds."""
+    totals = {}
+    largest = None
+    refunds = 0
+    for order in orders:
+        customer = order["customer"]
+        amount = order["amount"]
+        if order.get("currency", currency) != currency:
+            rate = order.get("rate", 1.0)
+            amount = amount * rate
+        if amount < 0:
+            refunds += 1
+            continue
+        if customer not in totals:
+            totals[customer] = 0.0
+        totals[customer] += amount
+        if largest is None or amount > largest["amount"]:
+            largest = {"customer": customer, "amount": amount}
+    names = sorted(totals)
+    lines = []
+    for name in names:
+        total = totals[name]
+        if total > 1000:
+            label = "large"
+        elif total > 100:
+            label = "medium"
+        else:
+            label = "small"
+        lines.append(f"{name}: {total:.2f} {currency} ({label})")
+    report = "\\n".join(lines)
+    result = {
+        "totals": totals,
+        "largest": largest,
+        "refunds": refunds,
+        "report": report,
+    }
+    return result
+'''
+EDIT_PROMPT = (EDIT_FUNCTION + "\n\n# The same function again, with the variable `order` renamed to `item`:\n"
+               + EDIT_FUNCTION.splitlines()[0] + "\n")
+
+SETS = {"code": (CODE_PROMPTS, 128), "edit": ([EDIT_PROMPT], 256)}
+CONFIGS = [("off", None), ("draft", 2), ("draft", 4), ("draft", "auto"), ("prompt-lookup", 4), ("prompt-lookup", "auto")]
+TEMPS = {"greedy": 0.0, "sampled": 0.8}
+SEED = 1234
+
+
+def name_of(mode, k) -> str:
+    return "plain" if mode == "off" else f"{mode} k={k}"
+
+
+def configure(llm: LLM, mode: str, k) -> None:
+    llm.speculative, llm.num_speculative_tokens = mode, (0 if mode == "off" else k)
+
+
+def run_set(llm: LLM, prompts: list[str], new: int, temp: float) -> dict:
+    """Each prompt alone (batch 1); the set's totals and each prompt's tokens."""
+    tot = {"tokens": 0, "seconds": 0.0, "proposed": 0, "accepted": 0, "row_forwards": 0}
+    outs = []
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_tokens=new, temperature=temp, seed=SEED + i, ignore_eos=True)
+        outs.append(llm.generate([p], params)[0].token_ids)
+        s = llm.last_stats
+        tot["tokens"] += s.generated_tokens - s.rows
+        tot["seconds"] += s.decode_seconds
+        tot["proposed"] += s.proposed
+        tot["accepted"] += s.accepted
+        tot["row_forwards"] += s.row_forwards if s.speculative != "off" else s.generated_tokens - s.rows
+    return {**tot, "outputs": outs}
+
+
+def bench_target(llm: LLM, sets: dict, configs: list, temps: dict, reps: int) -> list[dict]:
+    cells = {}
+    for rep in range(reps + 1):  # round 0 is the warm-up
+        for set_name, (prompts, new) in sets.items():
+            for tname, temp in temps.items():
+                for mode, k in configs:
+                    configure(llm, mode, k)
+                    r = run_set(llm, prompts, new, temp)
+                    label = f"{set_name} {tname} {name_of(mode, k)}"
+                    print(f"  round {rep}: {label}: {r['tokens'] / r['seconds']:.1f} tok/s", file=sys.stderr, flush=True)
+                    if rep:
+                        cells.setdefault((set_name, tname, mode, k), []).append(r)
+    rows = []
+    for (set_name, tname, mode, k), rs in cells.items():
+        plain = cells[(set_name, tname, "off", None)]
+        last = rs[-1]
+        row = {"set": set_name, "temperature": TEMPS[tname], "config": name_of(mode, k),
+               "tok_s": statistics.median(r["tokens"] / r["seconds"] for r in rs),
+               "tok_s_samples": [round(r["tokens"] / r["seconds"], 2) for r in rs],
+               "acceptance_rate": last["accepted"] / last["proposed"] if last["proposed"] else None,
+               "tokens_per_forward": last["tokens"] / last["row_forwards"] if last["row_forwards"] else None}
+        row["speedup"] = row["tok_s"] / statistics.median(r["tokens"] / r["seconds"] for r in plain)
+        if tname == "greedy":
+            row["greedy_identical_to_plain"] = all(r["outputs"] == plain[0]["outputs"] for r in rs)
+        rows.append(row)
+    return rows
+
+
+def _time(fn, n: int) -> float:
+    fn()  # warm
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+@torch.inference_mode()
+def cost_model(llm: LLM, ks=(1, 2, 4, 8), context: int = 64, n: int = 10) -> dict:
+    """Per-forward times at `context` tokens of cache, batch 1, through the engine's own runners."""
+    prompt = list(range(10, 10 + context))
+    target, draft = llm.runner, llm.draft_runner
+    slots = Runner.slots_for(context + 64)
+    target.prefill([prompt], slots)
+    draft.prefill([prompt], slots)
+    tok = torch.tensor([11])
+
+    def step(r):  # one step, then back to the same position, so every sample sees the same context
+        r.step(tok)
+        r.advance(-1)
+
+    t_step, t_draft = _time(lambda: step(target), n), _time(lambda: step(draft), n)
+    t_draft2 = _time(lambda: draft.verify(torch.tensor([[11, 12]])), n)
+    out = {"context": context, "t_step_ms": t_step * 1e3, "t_draft_step_ms": t_draft * 1e3,
+           "t_draft_catchup2_ms": t_draft2 * 1e3, "per_k": []}
+    for k in ks:
+        t_verify = _time(lambda: target.verify(torch.tensor([[11] * (k + 1)])), n)  # noqa: B023
+        t_round = t_draft2 + (k - 1) * t_draft + t_verify
+        out["per_k"].append({"k": k, "t_verify_ms": t_verify * 1e3, "t_round_draft_ms": t_round * 1e3,
+                             "break_even_acceptance": break_even(k, t_round / t_step),
+                             "break_even_acceptance_lookup": break_even(k, t_verify / t_step),
+                             "speedup_at_a0": t_step / t_round})
+    target.release()
+    draft.release()
+    return out
+
+
+def expected_tokens(a: float, k: int) -> float:
+    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def break_even(k: int, cost_ratio: float) -> float | None:
+    """The acceptance a at which expected_tokens(a, k) equals a round's cost in plain steps (None: never pays)."""
+    if expected_tokens(1.0, k) < cost_ratio:
+        return None
+    if expected_tokens(0.0, k) >= cost_ratio:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < cost_ratio else (lo, mid)
+    return hi
+
+
+def make_random_draft(target: Path, out: Path) -> Path:
+    """A 2-layer, hidden-256 Qwen3 with the target's vocabulary and tokenizer files, random weights."""
+    if (out / "config.json").is_file():
+        return out
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    tcfg = json.loads((target / "config.json").read_text())
+    cfg = Qwen3Config(vocab_size=tcfg["vocab_size"], hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+                      max_position_embeddings=tcfg["max_position_embeddings"], bos_token_id=tcfg["bos_token_id"],
+                      eos_token_id=tcfg["eos_token_id"])
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / f, out / f)
+    return out
+
+
+def _f(x, fmt="{:.2f}") -> str:
+    return "" if x is None else fmt.format(x)
+
+
+def markdown(r: dict) -> str:
+    """The tables of docs/speculative.md from a result."""
+    out = []
+    for title, rows in [("bundled model, fp32", r.get("bundled"))] + [
+            (f"random Qwen3-0.6B shapes, {d}, random 2-layer draft", v.get("rows")) for d, v in r.get("q06", {}).items()]:
+        if not rows:
+            continue
+        out += [f"**{title}**\n", "| prompts | temp | config | decode tok/s | vs plain | acceptance | tokens/forward "
+                "| greedy = plain |", "|---|---:|---|---:|---:|---:|---:|---|"]
+        for x in rows:
+            same = {True: "yes", False: "**NO**"}.get(x.get("greedy_identical_to_plain"), "")
+            out.append(f"| {x['set']} | {x['temperature']} | {x['config']} | {x['tok_s']:.1f} | {x['speedup']:.2f}x "
+                       f"| {_f(x['acceptance_rate'], '{:.3f}')} | {_f(x['tokens_per_forward'])} | {same} |")
+        out.append("")
+    for title, c in [("bundled model, fp32", r.get("bundled_cost"))] + [
+            (f"random Qwen3-0.6B shapes, {d}", v.get("cost")) for d, v in r.get("q06", {}).items()]:
+        if not c:
+            continue
+        out += [f"**cost model: {title}** (context {c['context']}): t_step {c['t_step_ms']:.2f} ms, draft step "
+                f"{c['t_draft_step_ms']:.2f} ms, draft 2-token catch-up {c['t_draft_catchup2_ms']:.2f} ms\n",
+                "| k | t_verify(k) ms | verify / step | draft round ms | break-even a (draft) | break-even a (lookup) "
+                "| speedup at a=0 (draft) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for p in c["per_k"]:
+            out.append(f"| {p['k']} | {p['t_verify_ms']:.2f} | {p['t_verify_ms'] / c['t_step_ms']:.2f} "
+                       f"| {p['t_round_draft_ms']:.2f} | {_f(p['break_even_acceptance'], '{:.3f}') or 'never'} "
+                       f"| {_f(p['break_even_acceptance_lookup'], '{:.3f}') or 'never'} | {p['speedup_at_a0']:.2f}x |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--q06", default="/tmp/sluice-speed-q06", help="random Qwen3-0.6B-shape checkpoint ('' skips)")
+    ap.add_argument("--q06-draft", default="/tmp/sluice-speed-q06-draft")
+    ap.add_argument("--q06-new", type=int, default=32)
+    ap.add_argument("--only", default=None, help="comma list of parts: bundled,bundled-cost,q06 (default all)")
+    ap.add_argument("--quick", action="store_true", help="one prompt per set, 32 tokens, 1 rep (a smoke run)")
+    ap.add_argument("--markdown", default=None, metavar="JSON", help="only print the tables of a saved result")
+    a = ap.parse_args()
+    if a.markdown:
+        print(markdown(json.loads(Path(a.markdown).read_text())))
+        return
+    parts = set((a.only or "bundled,bundled-cost,q06").split(","))
+    sets, reps = SETS, a.reps
+    if a.quick:
+        sets, reps = {"code": (CODE_PROMPTS[:1], 32), "edit": ([EDIT_PROMPT], 32)}, 1
+    result = {"benchmark": "speculative", **environment(), "cpu_flags": sorted(cpu_flags()),
+              "threads": torch.get_num_threads(), "reps": reps, "seed": SEED}
+
+    def save():
+        if a.json:
+            Path(a.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    if parts & {"bundled", "bundled-cost"}:
+        llm = LLM(draft_model="bundled")
+        if "bundled" in parts:
+            result["bundled"] = bench_target(llm, sets, CONFIGS, TEMPS, reps)
+            save()
+        if "bundled-cost" in parts:
+            result["bundled_cost"] = cost_model(llm)
+            save()
+        del llm
+    if "q06" in parts and a.q06:
+        draft = make_random_draft(Path(a.q06), Path(a.q06_draft))
+        q_sets = {"code": (CODE_PROMPTS[:1], a.q06_new)}
+        result["q06"] = {}
+        for dtype in ("float32", "bfloat16"):
+            llm = LLM(a.q06, dtype=dtype, draft_model=draft)
+            # requests first: the engine settles its kernels / compute mode at the first request
+            rows = bench_target(llm, q_sets, [("off", None), ("draft", 2), ("draft", 4)],
+                                {"greedy": 0.0}, 1 if a.quick else min(reps, 2))
+            result["q06"][dtype] = {"rows": rows, "cost": cost_model(llm, ks=(2, 4), n=5)}
+            save()
+            del llm
+    save()
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
