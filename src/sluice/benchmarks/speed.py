@@ -238,7 +238,7 @@ def print_tables(r: dict) -> None:
     sp = r.get("speculation")
     if sp:
         print(f"\nsluice speculates ({sp['mode']}{', draft ' + str(sp['draft_model']) if sp['draft_model'] else ''}, "
-              f"k={sp['k']}; tg counts emitted tokens): acceptance rate {sp['acceptance_rate']:.3f} "
+              f"k={sp['k']}; tg t/s and GB/s count emitted tokens, not target forwards): acceptance rate {sp['acceptance_rate']:.3f} "
               f"({sp['accepted']}/{sp['proposed']} guesses kept), {sp['tokens_per_forward']:.2f} tokens per "
               f"target forward ({sp['decode_tokens']} tokens / {sp['target_forwards']} forwards over {s['reps']} rounds)")
     agree = {n: e["tokens_agree_with_sluice"] for n, e in r["engines"].items() if n != "sluice"}
