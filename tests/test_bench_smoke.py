@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -32,8 +34,9 @@ def test_decode_speed_quick(tmp_path):
     for row in rows.values():
         assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
         assert row["prefill_vs_transformers"] > 0 and row["decode_vs_transformers"] > 0
-    # fp32 weights are twice the bytes of bf16 ones.
-    assert r["weight_bytes_per_token"]["float32"] == 2 * r["weight_bytes_per_token"]["bfloat16"]
+    # fp32 weights are twice the bytes of bf16 ones, but for the norm gains, which the engine's "bf16
+    # weights, fp32 compute" mode (the default where the native step runs) keeps in fp32.
+    assert r["weight_bytes_per_token"]["float32"] == pytest.approx(2 * r["weight_bytes_per_token"]["bfloat16"], rel=0.01)
 
 
 def test_train_speed_quick(tmp_path):
