@@ -93,12 +93,9 @@ def _kv_budget(args) -> None:
         parse_size(args.kv_cache_memory, "--kv-cache-memory")
 
 
-def _load_llm(args):
-    """Load with a spinner on stderr, so a slow load never looks like a hang."""
-    from rich.console import Console
-
-    from ..engine import LLM
-    console = Console(stderr=True)
+def llm_kwargs(args) -> dict:
+    """The LLM(...) arguments of the model flags (_model_args) and the speculative ones, checked: one
+    reading for generate, chat, demo and serve."""
     draft, lookup = getattr(args, "draft_model", None), getattr(args, "prompt_lookup", False)
     if draft is not None and lookup:
         raise ConfigError("--draft-model and --prompt-lookup are two ways to guess tokens: pick one")
@@ -109,7 +106,17 @@ def _load_llm(args):
             raise ConfigError("--speculative-tokens needs --draft-model or --prompt-lookup")
         from ..engine.speculative import check_num_tokens
         k = check_num_tokens(int(k) if k.strip().lstrip("+-").isdigit() else k, "--speculative-tokens")
+    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
+                device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory,
+                compute=args.compute, speculative=speculative, draft_model=draft, num_speculative_tokens=k)
+
+
+def _load_llm(args):
+    """Load with a spinner on stderr, so a slow load never looks like a hang."""
+    from rich.console import Console
+
+    from ..engine import LLM
+    console = Console(stderr=True)
+    kwargs = llm_kwargs(args)
     with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype}, {args.device})..."):
-        return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
-                   device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory, compute=args.compute,
-                   speculative=speculative, draft_model=draft, num_speculative_tokens=k)
+        return LLM(**kwargs)

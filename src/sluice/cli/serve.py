@@ -14,7 +14,7 @@ import threading
 import time
 
 from ..errors import ConfigError, SluiceError
-from .common import _kv_budget, _model_args
+from .common import _kv_budget, _model_args, _speculative_args, llm_kwargs
 
 
 def add_serve_parser(sub) -> None:
@@ -24,6 +24,7 @@ def add_serve_parser(sub) -> None:
                        epilog="exit status: 0 after a clean shutdown (SIGTERM or Ctrl-C drains), 2 bad input "
                               "or a model that failed to load")
     _model_args(p)
+    _speculative_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine "
                                                         "only; 0.0.0.0 exposes the server to the network)")
     p.add_argument("--port", type=int, default=8000)
@@ -43,7 +44,7 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def _check(args) -> None:
+def _check(args) -> dict:
     """Refuse bad flags before the (slow) imports and load."""
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
@@ -54,6 +55,7 @@ def _check(args) -> None:
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     _kv_budget(args)
+    return llm_kwargs(args)  # the speculative flags checked too, before anything is bound or loaded
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -72,7 +74,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args) -> int:
-    _check(args)
+    kwargs = _check(args)
     try:
         import uvicorn
 
@@ -93,9 +95,7 @@ def cmd_serve(args) -> int:
 
     def make_llm():
         t0 = time.perf_counter()
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
-                  device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory,
-                  compute=args.compute)
+        llm = LLM(**kwargs)
         print(f"sluice serve: {name} loaded in {time.perf_counter() - t0:.1f} s; ready", file=sys.stderr)
         return llm
 
