@@ -81,8 +81,8 @@ def cmd_serve(args) -> int:
         from ..server import LLMEngine, create_app
         from ..server.app import DEFAULT_MAX_BODY_BYTES
     except ImportError as e:
-        raise SluiceError(f"sluice serve needs the server extra ({e.name} is missing): "
-                          "pip install 'sluice-llm[server]'") from None
+        raise SluiceError(f"sluice serve needs fastapi, uvicorn and pydantic ({e.name} is missing): "
+                          "pip install fastapi uvicorn pydantic") from None
     from ..engine import LLM
     from ..model.loading import BUNDLED_MODEL
 
