@@ -44,8 +44,7 @@ def kernel():
 
 
 def why_unavailable() -> str | None:
-    kernel()
-    return _EXT.failure
+    return _EXT.why_unavailable()
 
 
 def config_reason(cfg) -> str | None:
@@ -135,10 +134,7 @@ def unsupported(model: nn.Module) -> str | None:
     """Why `model` cannot take the native step (a sentence), or None when it can."""
     if not isinstance(model, Transformer):
         return f"a {type(model).__name__} is not a sluice Transformer"
-    why = config_reason(model.config) or _hook_reason(model) or _module_reason(model)
-    if why is None and kernel() is None:
-        why = _EXT.failure
-    return why
+    return config_reason(model.config) or _hook_reason(model) or _module_reason(model) or why_unavailable()
 
 
 class FastStep:

@@ -59,8 +59,7 @@ def available() -> bool:
 
 
 def why_unavailable() -> str | None:
-    kernel()
-    return _EXT.failure
+    return _EXT.why_unavailable()
 
 
 @torch.library.custom_op("sluice::gemv", mutates_args=())

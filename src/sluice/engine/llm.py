@@ -41,7 +41,8 @@ class LLM:
         request starts. A request over it is refused before any compute, with its numbers.
         compute: for bf16 weights, "bfloat16" runs the plain bf16 forward; "float32" keeps the linear
         weights in bf16 and computes the rest in fp32 (engine/mixed.py: faster on a CPU without bf16
-        instructions); "auto" picks "float32" on such a CPU for a model past cpu_paths.AUTO_KERNEL_BYTES.
+        instructions); "auto" picks "float32" wherever the native step (fast_step.py) runs the model, and on
+        such a CPU for a model past cpu_paths.AUTO_KERNEL_BYTES (cpu_paths.set_compute).
         speculative: "off", "draft" (a smaller model with the same tokenizer guesses, draft_model= names it:
         a directory, a cached repo id, or "bundled") or "prompt-lookup" (n-gram matches in the text so far
         guess); None = "draft" if draft_model is given, else "off". num_speculative_tokens: guesses per

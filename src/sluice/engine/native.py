@@ -75,3 +75,8 @@ class NativeExtension:
                 if self._module is not None and not self._module.has_avx2():
                     self.failure = f"the {self.what} was built without AVX2 + FMA"
         return self._module if self.failure is None else None
+
+    def why_unavailable(self) -> str | None:
+        """None when the extension builds and loads here, else why not (building it on first call)."""
+        self.module()
+        return self.failure

@@ -39,7 +39,7 @@ class DraftProposer:
         pair = torch.tensor([h[-2:] for h in spec.history], device=dev).clamp_min(0)  # (B, 2)
         logits = r.verify(pair)[:, 1]  # (B, V)
         r.advance(2)
-        greedy = not spec.sampled_rows and not spec.penalty
+        greedy = spec.greedy
         seen = spec.sampler.seen.clone() if spec.penalty else None  # grows with each guess, as the context does
         rows = [i for i in spec.sampled_rows if i in active]
         tokens = torch.zeros(B, k, dtype=torch.long, device=dev)
@@ -49,7 +49,7 @@ class DraftProposer:
             if i:
                 logits = r.step(tokens[:, i - 1])
             finite[:, i] = logits.isfinite().all(-1)
-            if greedy:  # temperature 0 everywhere: q would be one-hot, and the rule only compares argmaxes
+            if greedy:
                 tokens[:, i] = logits.argmax(-1)
                 continue
             probs = filtered_probs(logits, spec.params, seen)  # the target's processing, on the draft's logits

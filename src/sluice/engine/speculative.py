@@ -31,7 +31,6 @@ MODES = ("off", "draft", "prompt-lookup")
 MAX_SPECULATIVE_TOKENS = 16  # past this a guess is almost never kept whole, and the verify forward grows
 DEFAULT_SPECULATIVE_TOKENS = 4
 AUTO_MAX_TOKENS = 8  # num_speculative_tokens="auto" guesses between 1 and this many per round
-BUNDLED_DRAFT = "sluice-stdlib-draft"  # next to the bundled model in assets/ (issue 11, part 2)
 
 
 # ---------------------------------------------------------------- the acceptance rule, alone
@@ -104,6 +103,8 @@ class Speculator:
         self.generators = sampler._generators  # the rows' own streams, shared with the first (prefill) token
         self.sampled_rows = [i for i, p in enumerate(self.params) if p.temperature > 0]
         self.penalty = any(p.repetition_penalty != 1 for p in self.params)
+        # Temperature 0 everywhere and no penalty: q would be one-hot and the rule compares argmaxes only.
+        self.greedy = not self.sampled_rows and not self.penalty
         self.history: list[list[int]] = []  # per row: prompt + emitted tokens, the last not yet in the cache
         self.proposed = self.accepted = self.forwards = self.row_forwards = 0
 
@@ -151,7 +152,7 @@ class Speculator:
             self.runner.advance(-1)  # the rows move below, by what they emit
         else:
             logits = self.runner.verify(torch.cat([last[:, None], draft], 1))  # (B, K+1, V)
-        if not self.sampled_rows and not self.penalty:
+        if self.greedy:
             n, final = accept_greedy(logits.argmax(-1), draft, lengths)
         else:
             n, final = accept(self.probs(logits, self.seen_stack(draft)), q, draft, lengths,
@@ -232,13 +233,9 @@ def resolve_mode(speculative, draft_model, num_tokens, target_is_bundled: bool) 
 
 def draft_dir(draft_model) -> Path:
     from ..model.hub import resolve_model_dir
-    from ..model.loading import bundled_model_dir
+    from ..model.loading import bundled_draft_dir
     if isinstance(draft_model, str) and draft_model == "bundled":
-        path = bundled_model_dir().parent / BUNDLED_DRAFT
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"the bundled draft model is not installed (looked in {path}); pass "
-                              "draft_model= / --draft-model with a checkpoint directory")
-        return path
+        return bundled_draft_dir()  # refuses a missing one by name
     if not isinstance(draft_model, (str, Path)):
         raise ConfigError(f"draft_model must be a checkpoint directory, repo id or 'bundled', got {draft_model!r}")
     return resolve_model_dir(draft_model)
