@@ -32,9 +32,12 @@ def add_serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on every /v1 route (/health and /metrics stay open)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id clients send (default: --model as given, or sluice-stdlib)")
-    p.add_argument("--max-num-seqs", type=int, default=1, metavar="N",
-                   help="sequences generated at once (today's engine runs one request at a time; the "
-                        "continuous-batching scheduler will use this)")
+    p.add_argument("--max-num-seqs", type=int, default=8, metavar="N",
+                   help="sequences decoded together by the continuous-batching engine (a request with n "
+                        "choices takes n; default 8)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, metavar="N",
+                   help="tokens one engine step may take: a long prompt is prefilled in chunks of this, "
+                        "between decode steps of the others (default 256)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for the engine; past it, 429 with Retry-After (default 64)")
     p.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
@@ -49,13 +52,16 @@ def _check(args) -> dict:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-queue", args.max_queue),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens),
                         ("--max-body-bytes", args.max_body_bytes)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     _kv_budget(args)
-    return llm_kwargs(args)  # the speculative flags checked too, before anything is bound or loaded
+    kwargs = llm_kwargs(args)  # the speculative flags checked too, before anything is bound or loaded
+    kwargs.update(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    return kwargs
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -78,7 +84,7 @@ def cmd_serve(args) -> int:
     try:
         import uvicorn
 
-        from ..server import LLMEngine, create_app
+        from ..server import BatchServingEngine, LLMEngine, create_app
         from ..server.app import DEFAULT_MAX_BODY_BYTES
     except ImportError as e:
         raise SluiceError(f"sluice serve needs fastapi, uvicorn and pydantic ({e.name} is missing): "
@@ -86,9 +92,11 @@ def cmd_serve(args) -> int:
     from ..engine import LLM
     from ..model.loading import BUNDLED_MODEL
 
-    if args.max_num_seqs > 1:
-        print(f"sluice serve: note: --max-num-seqs {args.max_num_seqs} has no effect yet; this engine generates "
-              "one request at a time (the rest wait in the queue)", file=sys.stderr)
+    # Speculative decoding and --compile run on the static one-request path (engine/llm.py): requests queue.
+    static = kwargs["speculative"] != "off" or kwargs["compile"]
+    if static and args.max_num_seqs > 1:
+        print("sluice serve: note: with speculative decoding or --compile requests run one at a time (the "
+              "continuous-batching engine does neither yet); --max-num-seqs has no effect", file=sys.stderr)
     sock = _bind(args.host, args.port)
     name = args.served_model_name or args.model or BUNDLED_MODEL
     server: list = []  # filled below; a failed load (on the worker thread) stops it
@@ -103,7 +111,8 @@ def cmd_serve(args) -> int:
         if server:
             server[0].should_exit = True
 
-    engine = LLMEngine(make_llm, name, max_queue=args.max_queue, on_load_error=load_failed)
+    make_engine = LLMEngine if static else BatchServingEngine
+    engine = make_engine(make_llm, name, max_queue=args.max_queue, on_load_error=load_failed)
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     # uvicorn's own drain timeout is the backstop for a connection that will not close after ours
     config = uvicorn.Config(app, log_level="info", lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout + 5)

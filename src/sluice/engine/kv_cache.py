@@ -120,6 +120,23 @@ def check_budget(cfg: ModelConfig, batch_size: int, num_slots: int, dtype: torch
         f"the prompts, or raise LLM(kv_cache_memory=...) / --kv-cache-memory if the memory is there")
 
 
+class CacheLayer:
+    """One layer's static cache, k and v (B, K, S, D), as Attention sees it: write() stores a chunk's
+    keys and values at their positions and returns the whole cache to attend over (engine/paged_cache.py
+    has the paged counterpart, same interface)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (B, T, K, D) at positions (B, T) -> the cache's (B, K, S, D) keys and values."""
+        # Through a (B, S, K, D) view, so each KV head's slots stay contiguous in memory.
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        self.k.transpose(1, 2)[rows, positions] = k.to(self.k.dtype)
+        self.v.transpose(1, 2)[rows, positions] = v.to(self.v.dtype)
+        return self.k, self.v
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, batch_size: int, num_slots: int,
                  dtype: torch.dtype = torch.float32, device="cpu"):
@@ -137,8 +154,8 @@ class KVCache:
         cache.batch_size, cache.num_slots = k.shape[1], k.shape[3]
         return cache
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+    def layer(self, i: int) -> "CacheLayer":
+        return CacheLayer(self.k[i], self.v[i])
 
     @staticmethod
     def nbytes_for(cfg: ModelConfig, batch_size: int, num_slots: int, dtype: torch.dtype) -> int:

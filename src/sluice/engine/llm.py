@@ -21,6 +21,7 @@ from .kv_cache import KVCache, check_budget, default_budget, parse_size
 from .requests import as_prompt_list, token_ids
 from .proposers import DraftProposer, PromptLookup
 from .runner import Runner
+from .batching import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, BatchEngine
 from .speculative import Speculator, check_draft, draft_dir, resolve_mode
 from .sampling import NONFINITE, Sampler, SamplingParams
 from .streaming import TextStream
@@ -35,7 +36,8 @@ class LLM:
                  device: str | torch.device = "cpu", quantize: str | None = None, kernels: bool | str = "auto",
                  kv_cache_memory: int | str | None = None, compute: str = "auto",
                  speculative: str | None = None, draft_model: str | Path | None = None,
-                 num_speculative_tokens: int | None = None):
+                 num_speculative_tokens: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, batching: bool = True):
         """kv_cache_memory: the most a request's batch state (KV cache plus per-row sampling buffers)
         may take, as bytes or a size such as "4GiB"; None = half of the memory available when each
         request starts. A request over it is refused before any compute, with its numbers.
@@ -46,13 +48,29 @@ class LLM:
         speculative: "off", "draft" (a smaller model with the same tokenizer guesses, draft_model= names it:
         a directory, a cached repo id, or "bundled") or "prompt-lookup" (n-gram matches in the text so far
         guess); None = "draft" if draft_model is given, else "off". num_speculative_tokens: guesses per
-        target forward (default 4), or "auto" (adapted to how often guesses are kept, 1..8). The output's distribution is the target's either way (speculative.py)."""
+        target forward (default 4), or "auto" (adapted to how often guesses are kept, 1..8). The output's distribution is the target's either way (speculative.py).
+        max_num_seqs, max_num_batched_tokens: the continuous-batching engine's batch (sequences decoding
+        together) and per-step token budget (a long prompt is prefilled in chunks of it); see batching.py.
+
+        Requests run on the continuous-batching engine (batching.py, scheduler.py): generate(), stream()
+        and chat() may be called from several threads, and several stream()s may be open at once, all
+        sharing one batch. Speculative decoding, compile=True and fused_head=True run on the static
+        one-request path instead (runner.py), which the scheduler does not implement; there a second
+        request while one runs is an error. batching=False sends every request there."""
         # The default is read per request, not here: what is free changes while the process runs.
         self.kv_cache_memory = None if kv_cache_memory is None else parse_size(kv_cache_memory)
         if fused_head not in (True, False, "auto"):
             raise ConfigError(f"fused_head must be True, False or 'auto', got {fused_head!r}")
         if kernels not in (True, False, "auto"):
             raise ConfigError(f"kernels must be True, False or 'auto', got {kernels!r}")
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.compile = compile
+        if not isinstance(batching, bool):
+            raise ConfigError(f"batching must be True or False, got {batching!r}")
+        self.batching = batching
         if not isinstance(compile, bool):
             raise ConfigError(f"compile must be True or False, got {compile!r}")
         if compute not in COMPUTE_CHOICES:  # before the (slow) load
@@ -85,20 +103,32 @@ class LLM:
         if "eos_token_id" not in self.generation_config:
             eos = cfg.eos_token_id
             self.eos_token_ids |= {eos} if isinstance(eos, int) else set(eos or [])
-        self.runner = Runner(self.model, compile=compile, native=kernels is not False)
+        self._native = kernels is not False
+        self.runner = Runner(self.model, compile=compile, native=self._native)
         self.draft_runner = self._load_draft(draft, dtype, device, compute, kernels) if draft is not None else None
         self.last_stats = Stats()
         # One request at a time: the runner holds a single KV cache. Taken without waiting, so a
         # second caller (another thread, a generate() inside an open stream()) hears so at once.
         self._busy = threading.Lock()
+        self._batch: BatchEngine | None = None  # built at the first request that uses it
+        self._batch_init = threading.Lock()
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists), decoding them as one batch."""
         outputs, params = self._start(as_prompt_list(prompts), params)
-        for _ in self._run(outputs, params):
-            pass
+        if self.static_path:
+            for _ in self._run(outputs, params):
+                pass
+            return outputs
+        engine, t0 = self.batch_engine(), time.perf_counter()
+        self._swap_kernels(len(outputs))
+        seqs = [engine.add(o.prompt_token_ids, p) for o, p in zip(outputs, params, strict=True)]
+        try:
+            engine.run(seqs)
+        finally:
+            self._collect(outputs, seqs, t0)
         return outputs
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
@@ -109,7 +139,57 @@ class LLM:
                 raise RequestError(f"stream() takes one prompt, got {len(prompt)}")
             prompt = prompt[0]
         outputs, params = self._start([prompt], params)  # a bad request fails here, at the call
-        return self._stream(outputs, params)
+        if self.static_path:
+            return self._stream(outputs, params)
+        return self._stream_batched(outputs[0], params[0])
+
+    def _stream_batched(self, out: RequestOutput, params: SamplingParams) -> Iterator[str]:
+        engine, t0 = self.batch_engine(), time.perf_counter()
+        self._swap_kernels(1)
+        seq = engine.add(out.prompt_token_ids, params)  # at the first next(): an unstarted stream holds nothing
+        try:
+            for update in engine.updates(seq):
+                if update.text:
+                    yield update.text
+        finally:
+            self._collect([out], [seq], t0)
+            self.last_output = out
+
+    @property
+    def static_path(self) -> bool:
+        """Whether requests take the static one-request path (runner.py) rather than the scheduler."""
+        return not self.batching or self.speculative != "off" or self.compile or self.fused_head is True
+
+    def batch_engine(self) -> BatchEngine:
+        """The continuous-batching engine, built (its KV pool sized) at the first request that needs it."""
+        with self._batch_init:
+            if self._batch is None:
+                budget = self.kv_cache_memory or default_budget(self.device)
+                self._batch = BatchEngine(self.model, self.tokenizer.decode, self.eos_token_ids, self.max_model_len,
+                                          budget, self.kv_cache_memory is not None, self.max_num_seqs,
+                                          self.max_num_batched_tokens, native=self._native)
+            return self._batch
+
+    def _swap_kernels(self, rows: int) -> None:
+        if self._kernels_pending and (rows >= 2 or kernels_pay_off(self.model, self.device)):
+            self._kernels_pending = False  # swapped (or not) once, for good
+            self.kernels_in_use = use_kernels(self.model, self.device, required=False)
+
+    def _collect(self, outputs: list[RequestOutput], seqs: list, t0: float) -> None:
+        """Copy finished (or aborted) sequences into their outputs and last_stats; a sequence whose
+        logits went non-finite raises NumericsError, as the static path does."""
+        end = time.perf_counter()
+        firsts = [s.first_token_at for s in seqs if s.first_token_at is not None]
+        first = max(firsts) if firsts else end
+        self.last_stats = Stats(prompt_tokens=sum(s.prompt_len for s in seqs), rows=len(seqs),
+                                generated_tokens=sum(len(s.token_ids) for s in seqs),
+                                prefill_seconds=first - t0, decode_seconds=end - first)
+        for out, s in zip(outputs, seqs, strict=True):
+            out.token_ids, out.text = list(s.token_ids), s.text
+            out.finish_reason = s.finish_reason if s.finish_reason != "abort" else None
+        bad = next((s for s in seqs if s.finish_reason == "error"), None)
+        if bad is not None:
+            raise NumericsError(f"prompt {seqs.index(bad)}: {bad.error}")
 
     def _stream(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[str]:
         run = self._run(outputs, params)
@@ -193,12 +273,18 @@ class LLM:
             if p.max_tokens >= limit:
                 raise RequestError(f"prompt {i} asks for max_tokens={p.max_tokens}, which leaves no room for a "
                                    f"prompt in the context of {limit} tokens (lower max_tokens)")
-        budget = self.kv_cache_memory or default_budget(self.device)
+        static = self.static_path
+        budget = self.kv_cache_memory or default_budget(self.device) if static else None
         dtype = activation_dtype(self.model)  # the KV cache's
         # Every row needs at least one prompt token: refuse a hopeless batch before tokenizing it.
         slots = Runner.slots_for(1 + min(p.max_tokens for p in params))
-        check_budget(cfg, len(prompts), slots, dtype, self._minus_draft(budget, len(prompts), slots),
-                     self.kv_cache_memory is not None)
+        if static:
+            check_budget(cfg, len(prompts), slots, dtype, self._minus_draft(budget, len(prompts), slots),
+                         self.kv_cache_memory is not None)
+        else:  # the pool has a fixed size; each request must fit it alone (it then never fails, see scheduler.py)
+            engine = self.batch_engine()
+            for i, p in enumerate(params):
+                engine.scheduler.check_fits(1, p.max_tokens, f"prompt {i}: ")
         outputs = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             text = prompt if isinstance(prompt, str) else None
@@ -217,6 +303,10 @@ class LLM:
                     f"{len(ids) + p.max_tokens} tokens do not fit the context of {limit} "
                     f"tokens (shorten the prompt or lower max_tokens)")
             outputs.append(RequestOutput(prompt_token_ids=ids, prompt=text))
+        if not static:
+            for i, (o, p) in enumerate(zip(outputs, params, strict=True)):
+                engine.scheduler.check_fits(len(o.prompt_token_ids), p.max_tokens, f"prompt {i}: ")
+            return outputs, params
         needed = max(len(o.prompt_token_ids) + p.max_tokens for o, p in zip(outputs, params, strict=True))
         slots = Runner.slots_for(needed)
         check_budget(cfg, len(outputs), slots, dtype, self._minus_draft(budget, len(outputs), slots),

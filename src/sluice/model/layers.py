@@ -182,14 +182,10 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         q = q.transpose(1, 2)  # (B, H, T, D)
         if kv is not None:
-            # Static cache (B, K, S, D), each head's slots contiguous: write the new keys at their
-            # positions (through a (B, S, K, D) view), attend over all slots; the mask hides slots
-            # that are empty or in the future.
-            k_cache, v_cache = kv
-            rows = torch.arange(B, device=x.device)[:, None]
-            k_cache.transpose(1, 2)[rows, positions] = k.to(k_cache.dtype)
-            v_cache.transpose(1, 2)[rows, positions] = v.to(v_cache.dtype)
-            k, v = k_cache, v_cache
+            # A cache layer (engine/kv_cache.py: static; engine/paged_cache.py: blocks) stores the new
+            # keys at their positions and gives back all S slots (B, K, S, D); slot s holds position s,
+            # and the mask hides slots that are empty or in the future.
+            k, v = kv.write(k, v, positions)
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, K, T, D)
         if self.softcap is None and T == 1 and kv is not None:  # a decode step

@@ -69,12 +69,17 @@ class LLMEngine:
             if not self._ready.is_set():
                 raise NotReady(f"the model failed to load: {self.load_error}" if self.load_error
                                else "the model is still loading")
-            if len(self._waiting) >= self.max_queue:
+            queued = self._queued()
+            if queued >= self.max_queue:
                 self.metrics.record("rejected")
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-queue {self.max_queue})")
+                raise QueueFull(f"{queued} requests are already waiting (--max-queue {self.max_queue})")
             self._waiting.append(handle)
             self._cond.notify()
         return handle
+
+    def _queued(self) -> int:
+        """Requests accepted and not yet generating (what --max-queue bounds)."""
+        return len(self._waiting)
 
     def abort(self, handle: RequestHandle, reason: Exception | None = None) -> None:
         handle.abort(reason)
@@ -113,16 +118,26 @@ class LLMEngine:
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ the worker
-    def _work(self) -> None:
+    def _load(self) -> bool:
+        """Build the LLM on this (the worker's) thread; on failure keep the error and say so."""
         try:
             self._llm = self._make_llm()
             self.max_model_len = self._llm.max_model_len
+            self._loaded()
         except BaseException as e:  # noqa: BLE001 -- reported to the CLI, which exits with it
             self.load_error = e
             if self._on_load_error:
                 self._on_load_error(e)
-            return
+            return False
         self._ready.set()
+        return True
+
+    def _loaded(self) -> None:
+        """What a subclass prepares once the LLM exists, before the server says ready."""
+
+    def _work(self) -> None:
+        if not self._load():
+            return
         while True:
             with self._cond:
                 while not self._waiting and not self._closed:

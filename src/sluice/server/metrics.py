@@ -48,6 +48,8 @@ class Snapshot:
     finished: dict[str, int]  # requests by outcome: stop, length, error, aborted, rejected
     ttft: Histogram
     tpot: Histogram
+    kv: object = None  # engine.paged_cache.PoolStats of the continuous-batching engine; None on LLMEngine
+    preemptions: int = 0
 
 
 class Metrics:
@@ -98,6 +100,22 @@ def render(s: Snapshot, model: str) -> str:
     metric("generation_tokens_total", "counter", "Tokens generated.", [(f"{{{label}}}", s.generation_tokens)])
     metric("request_finished_total", "counter", "Generations finished, by outcome (a request of n choices counts n).",
            [(f'{{{label},finished_reason="{k}"}}', v) for k, v in sorted(s.finished.items())])
+    if s.kv is not None:
+        kv = s.kv
+        metric("kv_blocks_total", "gauge", "KV cache blocks in the pool.", [(f"{{{label}}}", kv.total)])
+        metric("kv_blocks_used", "gauge", "KV cache blocks held by running requests.", [(f"{{{label}}}", kv.used)])
+        metric("kv_blocks_free", "gauge", "KV cache blocks free (including cached prefixes nobody holds).",
+               [(f"{{{label}}}", kv.free)])
+        metric("kv_blocks_cached", "gauge", "Free blocks still holding a prefix a later prompt may reuse.",
+               [(f"{{{label}}}", kv.cached)])
+        metric("prefix_cache_queries_total", "counter", "Full prompt blocks looked up in the prefix cache.",
+               [(f"{{{label}}}", kv.queries)])
+        metric("prefix_cache_hits_total", "counter", "Full prompt blocks found in the prefix cache.",
+               [(f"{{{label}}}", kv.hits)])
+        metric("prefix_cache_hit_rate", "gauge", "prefix_cache_hits_total / prefix_cache_queries_total.",
+               [(f"{{{label}}}", kv.hit_rate)])
+        metric("num_preemptions_total", "counter", "Sequences preempted (blocks given back, recomputed later).",
+               [(f"{{{label}}}", s.preemptions)])
     for name, help_, h in (("time_to_first_token_seconds", "From arrival to the first token (queue + prefill).",
                             s.ttft),
                            ("time_per_output_token_seconds", "Decode time per token after the first.", s.tpot)):

@@ -1,0 +1,102 @@
+"""BatchEngine: the continuous-batching scheduler with its KV pool, driven by whoever asks for output.
+
+An `LLM` has one. There is no background thread: whoever needs output (a generate() call, the next()
+of a stream() generator, on any thread) runs scheduler steps until its sequences have some, under a
+lock, and every sequence in the batch advances with them. So two streams interleaved on one LLM
+both progress, and a stream closed early aborts its sequence, whose blocks go back at once.
+
+The pool is sized once, when the engine is built: the KV budget (LLM(kv_cache_memory=) or half of
+the memory available then, kv_cache.default_budget) minus the sampling buffers of max_num_seqs
+rows, and never more than max_num_seqs sequences of the full context would use. Its memory is
+committed as blocks are written (paged_cache._lazy_zeros).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+from ..errors import RequestError
+from ..model.layers import Transformer
+from .kv_cache import STEP_BYTES_PER_LOGIT, _fmt
+from .mixed import activation_dtype
+from .paged_cache import DEFAULT_BLOCK_SIZE, BlockPool
+from .sampling import SamplingParams
+from .scheduler import Scheduler, Seq, Update
+
+DEFAULT_MAX_NUM_SEQS = 8
+DEFAULT_MAX_BATCHED_TOKENS = 256  # per step: a long prompt's chunk; decodes wait at most one such chunk
+
+
+def pool_blocks(model: Transformer, max_model_len: int, max_num_seqs: int, block_size: int,
+                budget: int | None, given: bool) -> int:
+    """How many blocks the pool gets (see the module docstring); refuses a budget below one block."""
+    cfg = model.config
+    per_block = BlockPool.block_bytes(cfg, block_size, activation_dtype(model))
+    useful = max_num_seqs * -(-max_model_len // block_size)
+    if budget is None:
+        return useful
+    room = budget - max_num_seqs * cfg.vocab_size * STEP_BYTES_PER_LOGIT
+    if room < per_block:
+        where = "kv_cache_memory" if given else "the default (half of the memory available now)"
+        raise RequestError(f"the KV cache budget of {_fmt(budget)} ({where}) does not hold one block of "
+                           f"{block_size} tokens ({_fmt(per_block)}) next to the sampling buffers of "
+                           f"{max_num_seqs} sequences; raise it or lower max_num_seqs")
+    return min(useful, room // per_block)
+
+
+class BatchEngine:
+    def __init__(self, model: Transformer, decode, eos_ids, max_model_len: int, budget: int | None,
+                 budget_given: bool, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
+                 native: bool = True, nonfinite_origin=None):
+        blocks = pool_blocks(model, max_model_len, max_num_seqs, block_size, budget, budget_given)
+        self.pool = BlockPool(model.config, blocks, block_size, activation_dtype(model), model.embed.weight.device)
+        self.scheduler = Scheduler(model, self.pool, decode, max_num_seqs, max_num_batched_tokens, native,
+                                   nonfinite_origin)
+        self.eos_ids = frozenset(eos_ids)
+        self._lock = threading.Lock()
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> Seq:
+        return self.scheduler.add(prompt_ids, params, self.eos_ids)
+
+    def step(self) -> list[Update]:
+        with self._lock:
+            return self.scheduler.step()
+
+    def run(self, seqs: list[Seq]) -> None:
+        """Step until every one of `seqs` has finished (others in the batch advance too). If this is
+        interrupted (an exception, KeyboardInterrupt), the unfinished ones are aborted."""
+        try:
+            while not all(s.finished for s in seqs):
+                self.step()
+        finally:
+            self.abort([s for s in seqs if not s.finished])
+
+    def updates(self, seq: Seq) -> Iterator[Update]:
+        """seq's updates as they come, stepping when it has none waiting; closing the iterator early
+        aborts seq."""
+        try:
+            while True:
+                while seq.pending:
+                    update = seq.pending.popleft()
+                    yield update
+                    if update.finished:
+                        return
+                self.step()
+        finally:
+            if not seq.finished:
+                self.abort([seq])
+
+    def abort(self, seqs: list[Seq]) -> None:
+        if not seqs:
+            return
+        for s in seqs:
+            self.scheduler.abort(s)
+        # Free the blocks now when nobody is stepping; else (another thread's step, or a generator
+        # finalised inside one) the next step frees them.
+        if self._lock.acquire(blocking=False):
+            try:
+                self.scheduler.apply_aborts()
+            finally:
+                self._lock.release()

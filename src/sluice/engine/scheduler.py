@@ -1,0 +1,353 @@
+"""Continuous batching: requests join and leave the running batch at every step.
+
+One `step()`:
+1. applies aborts (a request's blocks go back to the pool now);
+2. schedules, oldest request first: a decoding sequence takes 1 token, a prefilling one a chunk of
+   its prompt within the step's token budget (max_num_batched_tokens), so a long prompt is prefilled
+   over several steps while the others keep decoding; then waiting requests are admitted while the
+   batch has room (max_num_seqs), the budget lasts and the pool has blocks. A new request first
+   takes its prompt's blocks from the prefix cache (paged_cache.py): a shared system prompt is
+   computed once;
+3. runs the model: every 1-token row in one forward, each prefill chunk in its own;
+4. samples a token for every sequence whose computed tokens reached its end, each with its own
+   Sampler (its own generator and penalty state), so a request draws exactly what it would alone;
+5. keys the blocks that filled up, and frees the blocks of sequences that finished.
+
+Preemption is by recompute: when a sequence needs a block and none is free, the most recently
+admitted sequence gives all of its blocks back and returns to the front of the queue, keeping what it
+generated and its sampler; when readmitted it prefills prompt + generated tokens again (much of it
+from the prefix cache, if its blocks were not reused meanwhile) and continues. Swapping to host
+memory would buy nothing on a CPU, where the pool already is host memory.
+
+Thread use: add() and abort() may be called from any thread; step() from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import RequestError
+from ..model.layers import Transformer
+from .fast_step import MAX_CHUNK, FastStep, unsupported
+from .paged_cache import BlockPool, PagedView
+from .sampling import NONFINITE, Sampler, SamplingParams
+from .streaming import TextStream
+
+
+@dataclass
+class Seq:
+    """One generation: a prompt and one SamplingParams (a request with n choices is n of these)."""
+    id: int
+    prompt_len: int
+    ids: list[int]  # prompt + generated so far
+    params: SamplingParams
+    sampler: Sampler
+    stream: TextStream
+    stop_ids: set[int]
+    arrival: float
+    blocks: list[int] = field(default_factory=list)
+    serials: list[int] = field(default_factory=list)  # prefix names of this sequence's keyed blocks
+    num_computed: int = 0  # tokens whose keys and values are in `blocks`
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    text: str = ""
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    preemptions: int = 0
+    logprobs: list = field(default_factory=list)  # TokenLogprob per generated token, if asked for
+    pending: collections.deque = field(default_factory=collections.deque)  # updates not yet read
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.ids[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Update:
+    """What one step did to one sequence: the text it released, the tokens and their logprobs."""
+    seq: Seq
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+    finished: bool
+
+
+_serials = itertools.count()
+
+
+class Scheduler:
+    def __init__(self, model: Transformer, pool: BlockPool, decode: Callable[[list[int]], str],
+                 max_num_seqs: int = 8, max_num_batched_tokens: int = 256, native: bool = True,
+                 nonfinite_origin: Callable[[list[int]], str] | None = None):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise RequestError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got "
+                               f"{max_num_seqs} and {max_num_batched_tokens}")
+        self.model, self.pool, self.decode = model, pool, decode
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.vocab_size = model.config.vocab_size
+        self.device = model.embed.weight.device
+        self.native = native
+        self.native_reason: str | None = None if native else "not asked for"
+        self._fast: FastStep | None = None
+        self._use_fast = False
+        self.nonfinite_origin = nonfinite_origin  # ids -> where a NaN starts (the observatory's, from the server)
+        self.waiting: collections.deque[Seq] = collections.deque()
+        self.running: list[Seq] = []  # in admission order
+        self._incoming: collections.deque[Seq] = collections.deque()
+        self._aborts: set[int] = set()
+        self._lock = threading.Lock()
+        self.preemptions = 0
+        self._preempted_now = False
+        self.steps = 0
+
+    # ------------------------------------------------------------------ requests in, out
+    def add(self, prompt_ids: list[int], params: SamplingParams, eos_ids=frozenset()) -> Seq:
+        """Queue a generation. params must be resolved (with_defaults) and checked against the context
+        by the caller; here it is refused only if it could never fit the whole pool."""
+        self.check_fits(len(prompt_ids), params.max_tokens)
+        sampler = Sampler([params], self.vocab_size, self.device)
+        sampler.add_context(0, prompt_ids)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        seq = Seq(next(_serials), len(prompt_ids), list(prompt_ids), params, sampler,
+                  TextStream(self.decode, params.stop), stop_ids, time.perf_counter())
+        with self._lock:
+            self._incoming.append(seq)
+        return seq
+
+    def check_fits(self, prompt_len: int, max_tokens: int, what: str = "") -> None:
+        """Refuse a generation that could not fit the whole pool even alone (RequestError, with numbers)."""
+        need = self.blocks_for(prompt_len + max_tokens)
+        if need > self.pool.num_blocks:
+            bs, nb = self.pool.block_size, self.pool.num_blocks
+            raise RequestError(
+                f"{what}a prompt of {prompt_len} tokens with max_tokens={max_tokens} needs {need} KV blocks of {bs} "
+                f"tokens, and the whole pool has {nb} ({nb * bs} tokens); lower max_tokens or shorten the prompt, "
+                "or raise the KV cache memory (kv_cache_memory= / --kv-cache-memory)")
+
+    def abort(self, seq: Seq) -> None:
+        """End `seq` at the start of the next step (its blocks are freed there)."""
+        with self._lock:
+            self._aborts.add(seq.id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._incoming)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.pool.block_size)
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self) -> list[Update]:
+        updates = self.apply_aborts()
+        if not self.running and self.waiting:  # a busy period starts: hooks may have come or gone
+            self._use_fast = self._native_ok()
+        batch = self._schedule()
+        if not batch:
+            return updates
+        self.steps += 1
+        logits = self._execute(batch)  # (N, V) for the sequences that reached their end, in batch order
+        done = [s for s, n in batch if s.num_computed == len(s.ids)]
+        self._key_full_blocks([s for s, _ in batch])
+        if done:
+            updates += self._sample(done, logits)
+        return updates
+
+    def apply_aborts(self) -> list[Update]:
+        """Take in new requests and end the aborted ones now (step() does this first)."""
+        with self._lock:
+            self.waiting.extend(self._incoming)
+            self._incoming.clear()
+            aborts, self._aborts = self._aborts, set()
+        return [self._finish(s, "abort") for s in [*self.running, *self.waiting] if s.id in aborts]
+
+    def _finish(self, seq: Seq, reason: str, error: str | None = None) -> Update:
+        seq.finish_reason, seq.error, seq.finished_at = reason, error, time.perf_counter()
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.release_all(seq.blocks)
+        seq.blocks, seq.serials = [], []
+        update = Update(seq, "", [], None, True)
+        seq.pending.append(update)
+        return update
+
+    def _preempt(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        self.pool.release_all(seq.blocks)
+        seq.blocks, seq.serials, seq.num_computed = [], [], 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self._preempted_now = True
+        self.waiting.appendleft(seq)
+
+    def _grow(self, seq: Seq, tokens: int) -> bool:
+        """Give seq blocks for its first `tokens` slots, preempting the newest others if need be;
+        False if seq itself had to go (it was the newest)."""
+        need = self.blocks_for(tokens) - len(seq.blocks)
+        while need > self.pool.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.blocks += [self.pool.take() for _ in range(need)]
+        return True
+
+    def _schedule(self) -> list[tuple[Seq, int]]:
+        budget, batch = self.max_num_batched_tokens, []
+        self._preempted_now = False
+        for seq in list(self.running):  # oldest first; victims come from the newest, not yet scheduled
+            if seq not in self.running:
+                continue  # preempted for an older one in this loop
+            left = len(seq.ids) - seq.num_computed
+            n = 1 if left == 1 else min(left, budget)  # a decode always goes; a chunk within the budget
+            if n == 0 or not self._grow(seq, seq.num_computed + n):
+                continue
+            batch.append((seq, n))
+            budget -= n
+        # No admissions in a step that preempted: the blocks just freed went to an older sequence.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not self._preempted_now:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget):
+                break  # the oldest waits for blocks; the younger wait behind it (first come, first served)
+            self.waiting.popleft()
+            self.running.append(seq)
+            n = min(len(seq.ids) - seq.num_computed, budget)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _admit(self, seq: Seq, budget: int) -> bool:
+        """Take the prompt's cached blocks and the blocks for its first chunk, or nothing."""
+        bs, pool = self.pool.block_size, self.pool
+        hits, serial = [], 0
+        queries, hits_before = pool.queries, pool.hits
+        # At least one token is left to compute: its logits give the first new token.
+        for j in range((len(seq.ids) - 1) // bs):
+            b = pool.lookup(pool.key(serial, seq.ids[j * bs:(j + 1) * bs]))
+            if b is None:
+                break
+            hits.append(b)
+            serial = pool.serial(b)
+        computed = len(hits) * bs
+        n = min(len(seq.ids) - computed, budget)
+        need = self.blocks_for(computed + n) - len(hits)
+        if need > pool.num_free:
+            pool.release_all(hits)
+            pool.queries, pool.hits = queries, hits_before  # a failed attempt is not counted; the admission will be
+            return False
+        seq.blocks = hits + [pool.take() for _ in range(need)]
+        seq.serials = [pool.serial(b) for b in hits]
+        seq.num_computed = seq.cached_tokens = computed
+        return True
+
+    def _key_full_blocks(self, seqs: list[Seq]) -> None:
+        bs = self.pool.block_size
+        for seq in seqs:
+            for j in range(len(seq.serials), seq.num_computed // bs):
+                prev = seq.serials[-1] if seq.serials else 0
+                seq.serials.append(self.pool.register(seq.blocks[j], self.pool.key(prev, seq.ids[j * bs:(j + 1) * bs])))
+
+    # ------------------------------------------------------------------ the model
+    def _native_ok(self) -> bool:
+        if not self.native:
+            return False
+        self.native_reason = unsupported(self.model)
+        if self.native_reason is None and self._fast is None:
+            self._fast = FastStep(self.model)
+        return self.native_reason is None
+
+    def _forward(self, seqs: list[Seq], tokens: torch.Tensor, positions: torch.Tensor, final: bool) -> torch.Tensor:
+        """tokens, positions (B, T) of `seqs` -> logits (B, V) at each row's last token (final), or None."""
+        view = PagedView(self.pool, [s.blocks for s in seqs], self.device)
+        T = tokens.shape[1]
+        if self._use_fast and T <= MAX_CHUNK:
+            if T == 1:
+                return self._fast(tokens, positions, self.pool.k, self.pool.v, block_table=view.table)[:, -1]
+            h = self._fast(tokens, positions, self.pool.k, self.pool.v, hidden=True, block_table=view.table)
+            return self.model.logits(h[:, -1:].to(self.model.lm_head.weight.dtype))[:, 0] if final else None
+        last = torch.full((len(seqs),), T - 1, device=self.device)
+        out = self.model(tokens, positions, view, logits_at=last if final else None, return_hidden=not final)
+        return out[:, 0] if final else None
+
+    def _execute(self, batch: list[tuple[Seq, int]]) -> torch.Tensor | None:
+        dev, rows = self.device, []
+        decodes = [s for s, n in batch if n == 1]
+        if decodes:
+            tokens = torch.tensor([[s.ids[s.num_computed]] for s in decodes], device=dev)
+            positions = torch.tensor([[s.num_computed] for s in decodes], device=dev)
+            out = self._forward(decodes, tokens, positions, True)
+            for s in decodes:
+                s.num_computed += 1
+            # a 1-token prefill chunk rides with the decodes; only rows at their end are sampled
+            rows += [(s, o) for s, o in zip(decodes, out, strict=True) if s.num_computed == len(s.ids)]
+        for s, n in batch:
+            if n == 1:
+                continue
+            start = s.num_computed
+            tokens = torch.tensor([s.ids[start:start + n]], device=dev)
+            positions = torch.arange(start, start + n, device=dev)[None]
+            s.num_computed += n
+            final = s.num_computed == len(s.ids)
+            out = self._forward([s], tokens, positions, final)
+            if final:
+                rows.append((s, out[0]))
+        order = {s.id: i for i, (s, _) in enumerate(batch)}
+        rows.sort(key=lambda r: order[r[0].id])
+        return torch.stack([r for _, r in rows]) if rows else None
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[Update]:
+        tokens = torch.cat([s.sampler(logits[i:i + 1]) for i, s in enumerate(seqs)]).tolist()  # one host sync
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        lps = self._logprobs(want, [seqs[i] for i in want], logits[want], [tokens[i] for i in want]) if want else {}
+        now, updates = time.perf_counter(), []
+        for i, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
+            if tok == NONFINITE:
+                where = self.nonfinite_origin(seq.ids) if self.nonfinite_origin else "`sluice inspect` shows where"
+                msg = (f"the model produced non-finite logits (NaN or inf) at step {len(seq.token_ids)} of this "
+                       f"request; {where}")
+                updates.append(self._finish(seq, "error", msg))
+                continue
+            seq.first_token_at = seq.first_token_at or now
+            seq.ids.append(tok)
+            lp = lps.get(i)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            if tok in seq.stop_ids:
+                delta, reason = seq.stream.finish(), "stop"
+            else:
+                delta = seq.stream.push(tok)
+                reason = "stop" if seq.stream.stopped else None
+                if reason is None and len(seq.token_ids) >= seq.params.max_tokens:
+                    delta, reason = delta + seq.stream.finish(), "length"
+            seq.text += delta
+            update = Update(seq, delta, [tok], [lp] if lp is not None else None, reason is not None)
+            if reason is not None:
+                seq.finish_reason, seq.finished_at = reason, now
+                self.running.remove(seq)
+                self.pool.release_all(seq.blocks)
+                seq.blocks, seq.serials = [], []
+            seq.pending.append(update)
+            updates.append(update)
+        return updates
+
+    def _logprobs(self, index: list[int], seqs: list[Seq], logits: torch.Tensor, tokens: list[int]) -> dict:
+        """{index in the step's list: TokenLogprob} for the sequences that asked for logprobs."""
+        from .logprobs import token_logprobs
+        out = token_logprobs(logits, torch.tensor(tokens), [s.params.logprobs for s in seqs],
+                             lambda t: self.decode([t]))
+        return dict(zip(index, out, strict=True))
