@@ -2,7 +2,7 @@
 
 Logits are processed in fp32 in the order HF's generate and vLLM use:
 
-    repetition penalty -> temperature -> top_k -> top_p -> min_p -> sample
+    repetition penalty -> presence / frequency penalties -> temperature -> top_k -> top_p -> min_p -> sample
 
 Each filter sees the distribution the previous one left (top_p renormalises over the top_k
 survivors). The top-1 token always survives, so no filter can leave a row empty.
@@ -14,6 +14,9 @@ Conventions where the reference libraries differ or are vague:
   Equal probabilities are ordered by token id (stable sort), which decides ties at the cut.
 - min_p: keep tokens with p >= min_p * p_max. The ratio does not change under renormalisation,
   so it does not matter whether min_p sees probabilities before or after top_p renormalised them.
+- presence / frequency penalties (OpenAI's): logit[t] -= presence * (count[t] > 0) + frequency * count[t],
+  where count[t] is how often t was *generated* so far (the prompt does not count, unlike the
+  repetition penalty's mask). Subtracted after the repetition penalty, as vLLM does.
 - temperature 0 is greedy: argmax of the penalised logits, no filters, no randomness.
 
 Sampling is the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability
@@ -45,7 +48,8 @@ def _row_values(p: SamplingParams, vocab_size: int) -> tuple:
     greedy = p.temperature == 0
     top_k = vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size)
     # Greedy rows never use the filtered logits; temperature 1 just keeps the division finite.
-    return (1.0 if greedy else p.temperature, greedy, top_k, p.top_p, p.min_p, p.repetition_penalty)
+    return (1.0 if greedy else p.temperature, greedy, top_k, p.top_p, p.min_p, p.repetition_penalty,
+            p.presence_penalty, p.frequency_penalty)
 
 
 _COLUMNS = (
@@ -55,6 +59,8 @@ _COLUMNS = (
     ("top_p", torch.float32),
     ("min_p", torch.float32),
     ("penalty", torch.float32),
+    ("presence", torch.float32),
+    ("frequency", torch.float32),
 )
 
 
@@ -68,6 +74,17 @@ def _penalize(x: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> tor
     # makes a seen token less likely whatever the sign of its logit.
     p = penalty[:, None]
     return torch.where(seen, torch.where(x < 0, x * p, x / p), x)
+
+
+def _penalize_counts(x: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                     frequency: torch.Tensor) -> torch.Tensor:
+    # A row with both penalties 0 subtracts exact zeros, so it is left bit-identical.
+    c = counts.to(x.dtype)
+    return x - presence[:, None] * (c > 0) - frequency[:, None] * c
+
+
+def _uses_counts(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0
 
 
 def _filter(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool, use_min_p: bool) -> torch.Tensor:
@@ -107,13 +124,15 @@ def _flags(params: list[SamplingParams]) -> tuple[bool, bool, bool]:
 
 
 def filtered_probs(
-    logits: torch.Tensor, params: SamplingParams | list[SamplingParams], seen: torch.Tensor | None = None
+    logits: torch.Tensor, params: SamplingParams | list[SamplingParams], seen: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The exact distribution the sampler draws from: (V,) or (B, V) logits -> fp32 probs.
 
     params is one SamplingParams for every row or a list with one per row. seen is an optional
-    bool mask of the same shape (tokens the repetition penalty applies to). Greedy rows get a
-    one-hot on the argmax.
+    bool mask of the same shape (tokens the repetition penalty applies to); counts an optional
+    tensor of the same shape, how often each token was generated (for the presence / frequency
+    penalties). Greedy rows get a one-hot on the argmax.
     """
     single = logits.dim() == 1
     x = logits.float().reshape(-1, logits.shape[-1])
@@ -123,6 +142,8 @@ def filtered_probs(
     rows = _row_tensors(plist, V, x.device)
     if seen is not None:
         x = _penalize(x, seen.reshape(B, V), rows["penalty"])
+    if counts is not None:
+        x = _penalize_counts(x, counts.reshape(B, V), rows["presence"], rows["frequency"])
     probs = _filter(x, rows, *_flags(plist)).softmax(-1)
     one_hot = F.one_hot(x.argmax(-1), V).to(probs.dtype)
     probs = torch.where(rows["greedy"][:, None], one_hot, probs)
@@ -152,6 +173,10 @@ class Sampler:
         B = len(self.params)
         self.rows = _row_tensors(self.params, vocab_size, self.device)
         self.seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=self.device)  # (B, V)
+        # (B, V) fp32 generated-token counts, made only once some row has a presence / frequency
+        # penalty: a batch without them pays nothing (4 bytes a vocabulary entry a row otherwise).
+        self.counts: torch.Tensor | None = None
+        self._ones = torch.ones(B, 1, device=self.device)  # what one step adds to the counts
         self._noise: torch.Tensor | None = None  # (B, V) fp32, made on first use (engine/fused_head.py needs none)
         self._generators = [_generator(p.seed, self.device) for p in self.params]
         self._refresh_flags()
@@ -160,10 +185,14 @@ class Sampler:
         self._sampled_rows = [i for i, p in enumerate(self.params) if p.temperature > 0]
         self._any_greedy = len(self._sampled_rows) < len(self.params)
         self._use_penalty = any(p.repetition_penalty != 1 for p in self.params)
+        self._use_counts = any(_uses_counts(p) for p in self.params)
+        if self._use_counts and self.counts is None:
+            # Rows that ran before had no such penalty, so their missing history matters to nobody.
+            self.counts = torch.zeros(self.seen.shape, device=self.device)
         self._filters = _flags(self.params)
 
     def set_row(self, row: int, params: SamplingParams, context=()) -> None:
-        """Give a batch slot to a new request: new params, fresh generator, fresh penalty mask.
+        """Give a batch slot to a new request: new params, fresh generator, fresh penalty state.
 
         The other rows keep their generators, so their streams are unaffected (continuous batching).
         """
@@ -174,6 +203,8 @@ class Sampler:
             self.rows[name][row] = value
         self._generators[row] = _generator(p.seed, self.device)
         self.seen[row] = False
+        if self.counts is not None:
+            self.counts[row] = 0
         self.add_context(row, context)
         self._refresh_flags()
 
@@ -182,14 +213,32 @@ class Sampler:
         ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device).reshape(-1)
         self.seen[row, ids] = True
 
+    def add_generated(self, row: int, token_ids) -> None:
+        """Record tokens that were generated without passing through __call__ (a speculative round's
+        accepted guesses): marked seen and, where counts are kept, counted."""
+        ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device).reshape(-1)
+        self.seen[row, ids] = True
+        if self.counts is not None:
+            self.counts[row].index_add_(0, ids, torch.ones(ids.shape, device=self.device))
+
+    def penalize(self, x: torch.Tensor, rows=None, start: int = 0) -> torch.Tensor:
+        """Every penalty the rows use, on fp32 logits x (n, c): the rows `rows` (all if None) and the
+        vocabulary columns start..start+c (a chunk, as engine/fused_head.py computes them)."""
+        pick = slice(None) if rows is None else rows
+        cols = slice(start, start + x.shape[1])
+        if self._use_penalty:
+            x = _penalize(x, self.seen[pick, cols], self.rows["penalty"][pick])
+        if self._use_counts:
+            x = _penalize_counts(x, self.counts[pick, cols], self.rows["presence"][pick], self.rows["frequency"][pick])
+        return x
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V) logits of any float dtype -> (B,) int64 next tokens, NONFINITE for a row whose
         logits are not all finite."""
         assert logits.shape == self.seen.shape, f"logits {tuple(logits.shape)} != {tuple(self.seen.shape)}"
         x = logits.float()
         broken = ~x.isfinite().all(-1)  # (B,)
-        if self._use_penalty:
-            x = _penalize(x, self.seen, self.rows["penalty"])
+        x = self.penalize(x)
         tokens = None
         if self._sampled_rows:
             filtered = _filter(x, self.rows, *self._filters)
@@ -205,4 +254,6 @@ class Sampler:
             tokens = greedy if tokens is None else torch.where(self.rows["greedy"], greedy, tokens)
         if self._use_penalty:
             self.seen.scatter_(1, tokens[:, None], True)
+        if self._use_counts:
+            self.counts.scatter_add_(1, tokens[:, None], self._ones)
         return tokens.masked_fill(broken, NONFINITE)

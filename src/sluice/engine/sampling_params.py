@@ -32,6 +32,8 @@ _LIBRARY_DEFAULTS = {
     "top_p": 1.0,
     "min_p": 0.0,
     "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
 }
 
 
@@ -53,7 +55,11 @@ _RULES = {
     "top_p": ("a number in (0, 1]", lambda v: _is_real(v) and 0 < v <= 1),
     "min_p": ("a number in [0, 1]", lambda v: _is_real(v) and 0 <= v <= 1),
     "repetition_penalty": ("a finite number > 0", lambda v: _is_real(v) and 0 < v < math.inf),
+    "presence_penalty": ("a number in [-2, 2]", lambda v: _is_real(v) and -2 <= v <= 2),
+    "frequency_penalty": ("a number in [-2, 2]", lambda v: _is_real(v) and -2 <= v <= 2),
     "seed": ("an integer", _is_int),
+    "logprobs": ("an integer in [0, 20] (how many alternatives to report; None = off)",
+                 lambda v: _is_int(v) and 0 <= v <= 20),
 }
 
 
@@ -71,10 +77,14 @@ class SamplingParams:
     top_p: float | None = None  # (0, 1]; 1 = off
     min_p: float | None = None  # [0, 1]; 0 = off
     repetition_penalty: float | None = None  # > 0; 1 = off; over prompt + generated tokens
+    # OpenAI's, over generated tokens only: logit -= presence * (count > 0) + frequency * count
+    presence_penalty: float | None = None  # [-2, 2]; 0 = off
+    frequency_penalty: float | None = None  # [-2, 2]; 0 = off
     seed: int | None = None  # None -> nondeterministic; any int (taken mod 2**64)
     stop: str | list[str] | None = None  # stop strings, excluded from the output
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; n = each token's logprob and its n most likely alternatives
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,7 +120,7 @@ class SamplingParams:
             _fail("ignore_eos", "a bool", self.ignore_eos)
 
     def with_defaults(self, generation_config: dict | None = None) -> SamplingParams:
-        """A new, validated copy with every field but seed filled.
+        """A new, validated copy with every field but seed and logprobs (None = off) filled.
 
         Precedence: the request, then the model's generation_config.json, then the library
         defaults. As in HF, do_sample false in the config means greedy (temperature 0) unless
@@ -136,10 +146,11 @@ class SamplingParams:
         }
         out = replace(self, **filled, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []))
         # Normalise numpy scalars and ints-for-floats only after replace() has validated them.
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             setattr(out, name, float(getattr(out, name)))
         for name in ("max_tokens", "top_k"):
             setattr(out, name, int(getattr(out, name)))
-        if out.seed is not None:
-            out.seed = int(out.seed)
+        for name in ("seed", "logprobs"):  # optional: None stays None
+            if getattr(out, name) is not None:
+                setattr(out, name, int(getattr(out, name)))
         return out
