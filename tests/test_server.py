@@ -124,8 +124,9 @@ def test_stop_string_cuts_the_text(client):
 
 @pytest.mark.parametrize("field,value", [("temperature", 3.0), ("temperature", "hot"), ("top_p", 0), ("n", "2"),
                                          ("n", 0), ("max_tokens", 0), ("max_tokens", True), ("seed", 1.5),
-                                         ("stop", [""]), ("stop", "x" * 257), ("stop", ["a"] * 17), ("top_k", -2), ("stream", "yes"), ("logprobs", True),
-                                         ("presence_penalty", 0.5), ("messages", []), ("min_p", float("nan"))])
+                                         ("stop", [""]), ("stop", "x" * 257), ("stop", ["a"] * 17), ("top_k", -2), ("stream", "yes"), ("logprobs", "yes"),
+                                         ("presence_penalty", 2.5), ("top_logprobs", 21), ("messages", []),
+                                         ("min_p", float("nan"))])
 def test_bad_fields_are_400s_naming_the_parameter(served, field, value):
     body = {"model": MODEL, "messages": MESSAGES, field: value}
     status, _, raw = request(served.port, "POST", "/v1/chat/completions", body)
@@ -147,8 +148,8 @@ def test_bad_bodies_are_400s(served):
 
 def test_unsupported_fields_are_named(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="x", logprobs=2)
-    assert e.value.status_code == 400 and e.value.body["param"] == "logprobs"
+        client.completions.create(model=MODEL, prompt="x", echo=True)
+    assert e.value.status_code == 400 and e.value.body["param"] == "echo"
     assert "not supported" in e.value.body["message"]
 
 

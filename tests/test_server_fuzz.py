@@ -58,7 +58,10 @@ TYPED = {
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "ignore_eos": st.booleans(),
-    "presence_penalty": st.just(0),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "logprobs": st.one_of(st.none(), st.booleans(), st.integers(0, 5)),  # a bool for chat, an int for completions
+    "top_logprobs": st.integers(0, 20),
     "user": st.text(max_size=5),
 }
 # Every field either endpoint knows, with junk mixed in, and ones this server refuses by name.
@@ -67,10 +70,10 @@ JUNK = {
     "model": st.one_of(st.just(MODEL), st.text(max_size=10), anything),
     "n": st.one_of(st.integers(-1, 4), st.integers(15, 20), anything),
     "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=20), anything),
-    "presence_penalty": st.one_of(st.floats(-2, 2), anything),
-    "frequency_penalty": st.one_of(st.just(0), st.floats(-2, 2), anything),
-    "logprobs": st.one_of(st.none(), st.booleans(), st.integers(0, 5)),
-    "top_logprobs": st.one_of(st.none(), st.integers(0, 5)),
+    "presence_penalty": st.one_of(st.floats(-3, 3), anything),
+    "frequency_penalty": st.one_of(st.floats(-3, 3), anything),
+    "logprobs": st.one_of(st.none(), st.booleans(), st.integers(-1, 25), anything),
+    "top_logprobs": st.one_of(st.none(), st.integers(-1, 25), anything),
     "logit_bias": st.one_of(st.none(), st.just({}), anything),
     "echo": st.one_of(st.none(), st.booleans()),
     "best_of": st.one_of(st.none(), st.integers(0, 3)),

@@ -62,6 +62,7 @@ class Started:
 class Delta:
     index: int
     text: str
+    logprobs: list | None = None  # engine.logprobs.TokenLogprob of the tokens consumed since the last Delta
 
 
 @dataclass

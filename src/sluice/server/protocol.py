@@ -2,14 +2,15 @@
 
 Requests validate in strict mode: "0.5" is not a temperature and true is not an n, as in OpenAI's
 own API, so a client bug is named instead of guessed at. Unknown fields are ignored (clients send
-"user", "store", "metadata"...), but fields this server knows and cannot honour yet (logprobs,
-presence / frequency penalties, tools...) are refused by `unsupported()` rather than dropped
-silently, so nobody reads made-up numbers.
+"user", "store", "metadata"...), but fields this server knows and cannot honour yet (logit_bias,
+tools, echo...) are refused by `unsupported()` rather than dropped silently, so nobody reads
+made-up numbers. Ranges OpenAI documents (penalties in [-2, 2], top_logprobs 0..20, the legacy
+logprobs 0..5) are pydantic constraints, so their 400 names the parameter.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -18,6 +19,11 @@ MAX_STOPS = 16
 # Holding back text that may start a stop string costs up to len(stop)**2 character compares per token
 # (engine/streaming.py), so a megabyte-long stop string would stall the engine: bound it.
 MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI
+
+# OpenAI's range; NaN fails both bounds. Checked again by SamplingParams.
+Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
 class _Request(BaseModel):
@@ -55,8 +61,8 @@ class _Sampling(_Request):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     stop: Union[str, list[str], None] = Field(default=None)
     seed: int | None = None
@@ -68,9 +74,6 @@ class _Sampling(_Request):
 
     def unsupported(self) -> str | None:
         """The first field that asks for something this server cannot do yet, or None."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):  # 0 and None mean "off", which is what we do
-                return name
         if self.logit_bias:
             return "logit_bias"
         return None
@@ -89,16 +92,12 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: Union[str, dict, None] = None
     response_format: dict | None = None
 
     def unsupported(self) -> str | None:
-        if self.logprobs:
-            return "logprobs"
-        if self.top_logprobs:
-            return "top_logprobs"
         if self.tools:
             return "tools"
         if self.tool_choice not in (None, "none", "auto"):
@@ -111,14 +110,12 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     # A text, or token ids; a list holding one of those is the same single prompt.
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
     def unsupported(self) -> str | None:
-        if self.logprobs is not None:
-            return "logprobs"
         if self.echo:
             return "echo"
         if self.suffix:
@@ -141,11 +138,38 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(BaseModel):
+    """Chat's logprobs: one entry per generated token, with its top_logprobs alternatives."""
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions' logprobs: parallel lists, one entry per generated token.
+
+    top_logprobs[i] maps token text -> logprob for the top alternatives plus the chosen token (so up
+    to logprobs + 1 entries, as OpenAI documents); text_offset[i] is where token i starts in the
+    completion's text, counting the token texts before it."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -174,7 +198,7 @@ class ChunkChoice(BaseModel):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -192,7 +216,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):

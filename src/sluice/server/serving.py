@@ -5,6 +5,11 @@ carries the role (chat); each choice gets exactly one finish_reason; with
 stream_options.include_usage every chunk has "usage": null and a last chunk with no choices carries
 the usage; then `data: [DONE]`. Headers go out only once the engine has accepted the prompt, so a
 bad prompt is still a plain 400, not a broken stream.
+
+Logprobs: the engine's Delta events carry the TokenLogprobs of the tokens they consumed (a Delta may
+hold text "" and logprobs, when text is held back); chat reports them as {"content": [...]} per
+choice or chunk, completions as the legacy parallel lists, whose text_offset runs on per choice
+across chunks.
 """
 
 from __future__ import annotations
@@ -15,12 +20,47 @@ import secrets
 import time
 from typing import AsyncIterator
 
+from ..engine.logprobs import TokenLogprob
 from ..engine.sampling_params import SamplingParams
 from ..errors import RequestError, SluiceError
 from .engine import Aborted, Delta, Done, Draining, Failed, Finished, GenerationRequest, RequestHandle, ServingEngine
 from .errors import RETRY_AFTER_S, ServerError, from_sluice
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-                       ChunkChoice, Completion, CompletionChoice, CompletionRequest, Delta as DeltaOut, Usage)
+                       ChatLogprobs, ChatTokenLogprob, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs,
+                       CompletionRequest, Delta as DeltaOut, TopLogprobOut, Usage)
+
+# OpenAI's stand-in for log 0 (a token the model rules out): JSON has no -inf.
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN fails the test too: the floor
+
+
+def chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(token=t.token, logprob=_lp(t.logprob), bytes=t.bytes, top_logprobs=[
+            TopLogprobOut(token=a.token, logprob=_lp(a.logprob), bytes=a.bytes) for a in t.top])
+        for t in items])
+
+
+def completion_logprobs(items: list[TokenLogprob], offset: int) -> tuple[CompletionLogprobs, int]:
+    """The legacy shape for items whose first token starts at text offset `offset`; and the next offset.
+
+    top_logprobs is keyed by token text, so tokens with the same text (byte-fallback pieces) share
+    one entry, the more likely one's; the chosen token is always in it (OpenAI's "logprobs + 1")."""
+    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for t in items:
+        top: dict[str, float] = {}
+        for alt in t.top:
+            top.setdefault(alt.token, _lp(alt.logprob))
+        top.setdefault(t.token, _lp(t.logprob))
+        out.tokens.append(t.token)
+        out.token_logprobs.append(_lp(t.logprob))
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(t.token)
+    return out, offset
 
 
 def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationRequest:
@@ -35,10 +75,15 @@ def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationR
     if chat and req.max_completion_tokens is not None:
         max_tokens, aliases = req.max_completion_tokens, {"max_tokens": "max_completion_tokens"}
     n = req.n or 1
+    if chat and req.top_logprobs is not None and not req.logprobs:
+        raise ServerError(400, "top_logprobs: logprobs must be set to true to use top_logprobs", param="top_logprobs")
+    # chat: logprobs true, with top_logprobs alternatives (0 if unset); completions: logprobs = alternatives
+    logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
     try:
         base = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                              min_p=req.min_p, repetition_penalty=req.repetition_penalty, seed=req.seed,
-                              stop=req.stop, ignore_eos=bool(req.ignore_eos))
+                              min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                              seed=req.seed, stop=req.stop, ignore_eos=bool(req.ignore_eos), logprobs=logprobs)
     except RequestError as e:
         raise from_sluice(e, "messages" if chat else "prompt", aliases) from None
     # Choice i is seeded seed + i: n > 1 gives n different samples, and each is reproducible alone.
@@ -69,6 +114,7 @@ class Run:
     def __init__(self, engine: ServingEngine, req, gen: GenerationRequest, receive):
         self.engine, self.req, self.chat = engine, req, isinstance(req, ChatCompletionRequest)
         self.n = len(gen.params)
+        self.logprobs = gen.params[0].logprobs is not None  # every choice asks the same
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.handle = engine.submit(gen)  # NotReady / Draining / QueueFull: the app answers them
@@ -101,11 +147,12 @@ class Run:
 
     async def collect(self, prompt_tokens: int) -> dict:
         """The whole response (stream=false)."""
-        texts, finished = [""] * self.n, {}
+        texts, finished, logprobs = [""] * self.n, {}, [[] for _ in range(self.n)]
         try:
             async for event in self.handle:
                 if isinstance(event, Delta):
                     texts[event.index] += event.text
+                    logprobs[event.index] += event.logprobs or []
                 elif isinstance(event, Finished):
                     finished[event.index] = event
                 elif isinstance(event, Failed):
@@ -121,25 +168,29 @@ class Run:
         usage = self._usage(prompt_tokens, sum(f.completion_tokens for f in finished.values()))
         if self.chat:
             choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]),
-                                  finish_reason=finished[i].finish_reason) for i in range(self.n)]
+                                  finish_reason=finished[i].finish_reason,
+                                  logprobs=chat_logprobs(logprobs[i]) if self.logprobs else None)
+                       for i in range(self.n)]
             return ChatCompletion(id=self.id, created=self.created, model=self.engine.model_name,
                                   choices=choices, usage=usage).model_dump()
-        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=finished[i].finish_reason)
+        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=finished[i].finish_reason,
+                                    logprobs=completion_logprobs(logprobs[i], 0)[0] if self.logprobs else None)
                    for i in range(self.n)]
         return Completion(id=self.id, created=self.created, model=self.engine.model_name, choices=choices,
                           usage=usage).model_dump()
 
     def _chunk(self, index: int | None, text: str | None = None, finish: str | None = None,
-               role: str | None = None, usage: Usage | None = None, error: str | None = None) -> str:
+               role: str | None = None, usage: Usage | None = None, error: str | None = None,
+               logprobs=None) -> str:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         model, why = self.engine.model_name, {} if error is None else {"error": error}
         if self.chat:
             choices = [] if index is None else [ChunkChoice(index=index, delta=DeltaOut(role=role, content=text),
-                                                            finish_reason=finish, **why)]
+                                                            finish_reason=finish, logprobs=logprobs, **why)]
             chunk = ChatCompletionChunk(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
         else:
             choices = [] if index is None else [CompletionChoice(index=index, text=text or "", finish_reason=finish,
-                                                                 **why)]
+                                                                 logprobs=logprobs, **why)]
             chunk = Completion(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
         # usage appears (as null until the last chunk) only when the client asked for it
         return f"data: {chunk.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
@@ -148,13 +199,20 @@ class Run:
         """SSE lines (stream=true). Cancelled when the client leaves: the finally clause aborts."""
         self._stop_watching()  # from here the streaming response listens for the client leaving
         completion_tokens, open_choices, why = 0, set(range(self.n)), "internal error (see the server log)"
+        offsets = [0] * self.n  # completions: where each choice's next token starts in its text
         try:
             if self.chat:
                 for i in range(self.n):
                     yield self._chunk(i, "", role="assistant")
             async for event in self.handle:
-                if isinstance(event, Delta) and event.text:
-                    yield self._chunk(event.index, event.text)
+                if isinstance(event, Delta) and (event.text or (self.logprobs and event.logprobs)):
+                    logprobs = None
+                    if self.logprobs and self.chat:
+                        logprobs = chat_logprobs(event.logprobs or [])
+                    elif self.logprobs:
+                        logprobs, offsets[event.index] = completion_logprobs(event.logprobs or [],
+                                                                             offsets[event.index])
+                    yield self._chunk(event.index, event.text, logprobs=logprobs)
                 elif isinstance(event, Finished):
                     completion_tokens += event.completion_tokens
                     open_choices.discard(event.index)
