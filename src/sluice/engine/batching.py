@@ -57,8 +57,8 @@ class BatchEngine:
         self.eos_ids = frozenset(eos_ids)
         self._lock = threading.Lock()
 
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> Seq:
-        return self.scheduler.add(prompt_ids, params, self.eos_ids)
+    def add(self, prompt_ids: list[int], params: SamplingParams, label: str | None = None) -> Seq:
+        return self.scheduler.add(prompt_ids, params, self.eos_ids, label)
 
     def step(self) -> list[Update]:
         with self._lock:

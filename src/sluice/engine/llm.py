@@ -124,7 +124,7 @@ class LLM:
             return outputs
         engine, t0 = self.batch_engine(), time.perf_counter()
         self._swap_kernels(len(outputs))
-        seqs = [engine.add(o.prompt_token_ids, p) for o, p in zip(outputs, params, strict=True)]
+        seqs = [engine.add(o.prompt_token_ids, p, f"prompt {i}") for i, (o, p) in enumerate(zip(outputs, params, strict=True))]
         try:
             engine.run(seqs)
         finally:
@@ -146,7 +146,7 @@ class LLM:
     def _stream_batched(self, out: RequestOutput, params: SamplingParams) -> Iterator[str]:
         engine, t0 = self.batch_engine(), time.perf_counter()
         self._swap_kernels(1)
-        seq = engine.add(out.prompt_token_ids, params)  # at the first next(): an unstarted stream holds nothing
+        seq = engine.add(out.prompt_token_ids, params, "prompt 0")  # at the first next(): an unstarted stream holds nothing
         try:
             for update in engine.updates(seq):
                 if update.text:
@@ -187,9 +187,10 @@ class LLM:
         for out, s in zip(outputs, seqs, strict=True):
             out.token_ids, out.text = list(s.token_ids), s.text
             out.finish_reason = s.finish_reason if s.finish_reason != "abort" else None
+            out.logprobs = list(s.logprobs) if s.params.logprobs is not None else None
         bad = next((s for s in seqs if s.finish_reason == "error"), None)
         if bad is not None:
-            raise NumericsError(f"prompt {seqs.index(bad)}: {bad.error}")
+            raise NumericsError(bad.error)
 
     def _stream(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[str]:
         run = self._run(outputs, params)
@@ -270,6 +271,11 @@ class LLM:
         params = [p.with_defaults(self.generation_config) for p in params]
         for i, p in enumerate(params):
             p.validate(vocab)
+            if self.static_path and (p.logprobs is not None or p.presence_penalty or p.frequency_penalty):
+                raise RequestError(
+                    f"prompt {i} asks for logprobs or presence/frequency penalties, which only the continuous-"
+                    "batching engine implements; this LLM runs the static path (speculative decoding, "
+                    "compile=True, fused_head=True or batching=False)")
             if p.max_tokens >= limit:
                 raise RequestError(f"prompt {i} asks for max_tokens={p.max_tokens}, which leaves no room for a "
                                    f"prompt in the context of {limit} tokens (lower max_tokens)")

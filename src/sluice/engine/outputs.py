@@ -12,6 +12,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)  # includes a final eos / stop token
     finish_reason: str | None = None  # "stop" (eos, stop token or stop string) or "length"
     prompt: str | None = None
+    logprobs: list | None = None  # engine.logprobs.TokenLogprob per generated token, when params.logprobs asked
 
 
 @dataclass

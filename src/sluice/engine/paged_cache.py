@@ -37,8 +37,8 @@ class PoolStats:
     total: int
     used: int  # referenced by a live sequence
     cached: int  # unreferenced, holding a prefix that a later prompt may reuse (counted as free)
-    queries: int  # full prompt blocks looked up in the prefix cache
-    hits: int  # of those, found
+    queries: int  # full prompt blocks that could have come from the prefix cache, over admissions
+    hits: int  # of those, found there
 
     @property
     def free(self) -> int:
@@ -121,12 +121,11 @@ class BlockPool:
         return prev, tuple(tokens)
 
     def lookup(self, key: tuple) -> int | None:
-        """The block cached under `key`, now referenced by the caller, or None."""
-        self.queries += 1
+        """The block cached under `key`, now referenced by the caller, or None. (The caller counts
+        queries and hits: the scheduler counts an admission, not each attempt.)"""
         b = self._block_of.get(key)
         if b is None:
             return None
-        self.hits += 1
         if self.refs[b] == 0:
             del self._idle[b]
         self.refs[b] += 1

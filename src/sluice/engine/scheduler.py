@@ -62,6 +62,7 @@ class Seq:
     first_token_at: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    label: str = "this request"  # how errors name it ("prompt 2")
     logprobs: list = field(default_factory=list)  # TokenLogprob per generated token, if asked for
     pending: collections.deque = field(default_factory=collections.deque)  # updates not yet read
 
@@ -113,15 +114,19 @@ class Scheduler:
         self.steps = 0
 
     # ------------------------------------------------------------------ requests in, out
-    def add(self, prompt_ids: list[int], params: SamplingParams, eos_ids=frozenset()) -> Seq:
-        """Queue a generation. params must be resolved (with_defaults) and checked against the context
-        by the caller; here it is refused only if it could never fit the whole pool."""
+    def add(self, prompt_ids: list[int], params: SamplingParams, eos_ids=frozenset(), label: str | None = None) -> Seq:
+        """Queue a generation. params should be resolved (with_defaults(generation_config)) and checked
+        against the context by the caller; fields left unset get the library defaults here. Refused
+        only if it could never fit the whole pool."""
+        params = params.with_defaults(None)
         self.check_fits(len(prompt_ids), params.max_tokens)
         sampler = Sampler([params], self.vocab_size, self.device)
         sampler.add_context(0, prompt_ids)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         seq = Seq(next(_serials), len(prompt_ids), list(prompt_ids), params, sampler,
                   TextStream(self.decode, params.stop), stop_ids, time.perf_counter())
+        if label:
+            seq.label = label
         with self._lock:
             self._incoming.append(seq)
         return seq
@@ -234,9 +239,9 @@ class Scheduler:
         """Take the prompt's cached blocks and the blocks for its first chunk, or nothing."""
         bs, pool = self.pool.block_size, self.pool
         hits, serial = [], 0
-        queries, hits_before = pool.queries, pool.hits
         # At least one token is left to compute: its logits give the first new token.
-        for j in range((len(seq.ids) - 1) // bs):
+        cacheable = (len(seq.ids) - 1) // bs
+        for j in range(cacheable):
             b = pool.lookup(pool.key(serial, seq.ids[j * bs:(j + 1) * bs]))
             if b is None:
                 break
@@ -247,8 +252,9 @@ class Scheduler:
         need = self.blocks_for(computed + n) - len(hits)
         if need > pool.num_free:
             pool.release_all(hits)
-            pool.queries, pool.hits = queries, hits_before  # a failed attempt is not counted; the admission will be
             return False
+        pool.queries += cacheable
+        pool.hits += len(hits)
         seq.blocks = hits + [pool.take() for _ in range(need)]
         seq.serials = [pool.serial(b) for b in hits]
         seq.num_computed = seq.cached_tokens = computed
@@ -317,9 +323,10 @@ class Scheduler:
         now, updates = time.perf_counter(), []
         for i, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
             if tok == NONFINITE:
-                where = self.nonfinite_origin(seq.ids) if self.nonfinite_origin else "`sluice inspect` shows where"
-                msg = (f"the model produced non-finite logits (NaN or inf) at step {len(seq.token_ids)} of this "
-                       f"request; {where}")
+                where = (self.nonfinite_origin(seq.ids) if self.nonfinite_origin else
+                         "NaN or inf in the weights or the config? `sluice inspect` shows the layer where it starts")
+                msg = (f"the model produced non-finite logits (NaN or inf) at step {len(seq.token_ids)} of "
+                       f"{seq.label}; {where}")
                 updates.append(self._finish(seq, "error", msg))
                 continue
             seq.first_token_at = seq.first_token_at or now
