@@ -1,0 +1,527 @@
+"""Load test of `sluice serve`: C concurrent streaming clients against a real server process, and the
+same load against llama-cpp-python's OpenAI server on the same checkpoint's GGUF (docs/serve-load.md).
+
+    flock /tmp/sluice-bench.lock .venv/bin/python bench/serve_load.py --out docs/serve-load.json
+
+Per model and engine: start the server on a free 127.0.0.1 port, wait until it answers, send one
+untimed warmup request, run C clients (closed loop: each sends its next request when the last one
+ends) and then 1 client over the same seeded requests, read /metrics, stop the server with SIGTERM
+(killed if it does not exit). Every request streams with a fixed output length (sluice: ignore_eos;
+llama.cpp: min_tokens = max_tokens), so both engines generate the same number of tokens.
+tests/test_serve_load.py runs a reduced load through the same functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import httpx
+
+
+ROOT = Path(__file__).resolve().parents[1]
+LCPP_PYTHON = ROOT / ".peers/lcpp-venv/bin/python"
+
+
+@dataclass
+class Load:
+    concurrency: int = 8
+    requests: int = 4          # per client
+    serial: int | None = None  # requests in the concurrency-1 run (None: all C x R)
+    prompt_tokens: tuple[int, int] = (16, 256)
+    max_tokens: tuple[int, int] = (16, 128)
+    sampled: float = 0.5       # fraction of requests sampled (seeded) rather than greedy
+    chat: float = 0.0          # fraction sent to /v1/chat/completions
+    seed: int = 0
+
+
+@dataclass
+class Spec:
+    prompt_tokens: int         # the target; after fit_prompts, the engine's own count of `prompt`
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+    chat: bool = False
+    prompt: str = ""
+
+
+@dataclass
+class Result:
+    ok: bool
+    error: str | None
+    tokens: int                # output tokens: the usage block's count where the server sends one
+    chunks: int                # stream chunks that carried output (text, possibly empty)
+    finish_reason: str | None
+    prompt_tokens: int | None
+    ttft: float | None         # seconds from sending to the first text chunk (queueing + prefill)
+    tpot: float | None         # seconds per output token after the first
+    start: float
+    end: float
+    text: str = ""
+
+
+def make_specs(n: int, prompt_range, max_range, sampled: float, chat: float, seed: int) -> list[Spec]:
+    rng = random.Random(seed)
+    specs = []
+    for _ in range(n):
+        p, m = rng.randint(*prompt_range), rng.randint(*max_range)
+        temp, s = (0.8, rng.randrange(2**31)) if rng.random() < sampled else (0.0, None)
+        specs.append(Spec(p, m, temp, s, rng.random() < chat))
+    return specs
+
+
+def fit_prompts(specs: list[Spec], count, seed: int) -> list[Spec]:
+    """Each spec gets a slice of a stdlib module's source that `count` (the engine's own tokenizer) says
+    is at most its target length: the same text for engines that share a tokenizer."""
+    source = Path(argparse.__file__).read_text()
+    starts = [0] + [i + 1 for i, ch in enumerate(source) if ch == "\n"]
+    rng = random.Random(seed)
+    out = []
+    for spec in specs:
+        start = rng.choice(starts[: len(starts) // 2])
+        lo, hi = 1, min(len(source) - start, 16 * spec.prompt_tokens)
+        while lo < hi:  # the longest slice within the target (token counts grow with length)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if count(source[start:start + mid]) <= spec.prompt_tokens else (lo, mid - 1)
+        text = source[start:start + lo]
+        out.append(replace(spec, prompt=text, prompt_tokens=count(text)))
+    return out
+
+
+def request_body(kind: str, spec: Spec) -> tuple[str, dict]:
+    body = {"max_tokens": spec.max_tokens, "temperature": spec.temperature, "stream": True}
+    if spec.seed is not None:
+        body.update(seed=spec.seed, top_p=0.95)
+    if kind == "sluice":
+        body.update(ignore_eos=True, stream_options={"include_usage": True})
+    else:  # llama-cpp-python: no ignore_eos and no usage in streams; its sampler defaults (top_k 40,
+        # min_p 0.05, repeat_penalty 1.1) set to OpenAI's plain ones, which sluice uses
+        body.update(min_tokens=spec.max_tokens, top_k=0, min_p=0.0, repeat_penalty=1.0)
+        body.setdefault("top_p", 1.0)
+    if spec.chat:
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": spec.prompt}]}
+    return "/v1/completions", {**body, "prompt": spec.prompt}
+
+
+async def _stream(client, base: str, kind: str, spec: Spec) -> Result:
+    path, body = request_body(kind, spec)
+    t0 = time.perf_counter()
+    first = last = finish = usage = error = None
+    chunks, done, pieces = 0, False, []
+    async with client.stream("POST", base + path, json=body) as r:
+        if r.status_code != 200:
+            error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+        else:
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, ': ping' comments
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    error = f"in-stream error: {obj['error']}"
+                usage = obj.get("usage") or usage
+                for c in obj.get("choices") or []:
+                    delta = c.get("delta") or {}
+                    text = c.get("text") if "text" in c else delta.get("content")
+                    # a token's chunk, even with empty text (llama.cpp sends one per token); not a chat
+                    # role header (sent before any token) nor an empty closing chunk with the finish_reason
+                    if text is not None and not delta.get("role") and (text or not c.get("finish_reason")):
+                        pieces.append(text)
+                        last = time.perf_counter()
+                        first, chunks = first or last, chunks + 1
+                    finish = c.get("finish_reason") or finish
+    end = time.perf_counter()
+    # llama.cpp's streams carry no usage; with min_tokens = max_tokens, 'length' means max_tokens came
+    tokens = usage["completion_tokens"] if usage else spec.max_tokens if finish == "length" else chunks
+    if error is None and not done:
+        error = "stream ended without [DONE]"
+    if error is None and finish is None:
+        error = "no finish_reason"
+    if error is None and tokens != spec.max_tokens:
+        error = f"{tokens} tokens, asked for {spec.max_tokens} (finish_reason {finish})"
+    return Result(error is None, error, tokens, chunks, finish,
+                  usage["prompt_tokens"] if usage else spec.prompt_tokens,
+                  None if first is None else first - t0,
+                  (last - first) / (tokens - 1) if first is not None and tokens > 1 else None, t0, end,
+                  "".join(pieces))
+
+
+async def _one(client, base: str, kind: str, spec: Spec, timeout: float) -> Result:
+    t0 = time.perf_counter()
+    try:
+        return await asyncio.wait_for(_stream(client, base, kind, spec), timeout)
+    except (httpx.HTTPError, asyncio.TimeoutError, json.JSONDecodeError, KeyError, TypeError) as e:
+        return Result(False, f"{type(e).__name__}: {e}"[:300], 0, 0, None, None, None, None, t0,
+                      time.perf_counter())
+
+
+async def _load(base: str, kind: str, specs: list[Spec], concurrency: int, timeout: float):
+    results: list[Result | None] = [None] * len(specs)
+    todo = iter(enumerate(specs))  # shared by the clients: each takes the next request when done
+
+    async def client_loop(client):
+        for i, spec in todo:
+            results[i] = await _one(client, base, kind, spec, timeout)
+
+    limits = httpx.Limits(max_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10), limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        return results, time.perf_counter() - t0
+
+
+def run_load(base: str, kind: str, specs: list[Spec], concurrency: int, timeout: float):
+    """`concurrency` clients send `specs` (streaming); returns ([Result], wall seconds)."""
+    return asyncio.run(_load(base, kind, specs, concurrency, timeout))
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    pos = (len(xs) - 1) * q / 100
+    i = int(pos)
+    return xs[i] + (xs[min(i + 1, len(xs) - 1)] - xs[i]) * (pos - i)
+
+
+def summarize(results: list[Result], wall: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    out_tokens = sum(r.tokens for r in ok)
+    ms = lambda v: None if v is None else v * 1000  # noqa: E731
+    return {"n": len(results), "errors": len(results) - len(ok),
+            "error_samples": sorted({r.error for r in results if not r.ok})[:3], "out_tokens": out_tokens,
+            "prompt_tokens_mean": sum(r.prompt_tokens or 0 for r in ok) / max(len(ok), 1),
+            "wall_s": wall, "tok_s": out_tokens / wall if wall else 0.0,
+            "ttft_p50_ms": ms(pct(ttft, 50)), "ttft_p99_ms": ms(pct(ttft, 99)),
+            "tpot_p50_ms": ms(pct(tpot, 50)), "tpot_p99_ms": ms(pct(tpot, 99))}
+
+
+GAUGES = {"kv_blocks_used": "sluice_kv_blocks_used", "kv_blocks_total": "sluice_kv_blocks_total",
+          "running": "sluice_num_requests_running", "waiting": "sluice_num_requests_waiting"}
+
+
+def scrape_metrics(base: str, settle: float = 2.0) -> dict:
+    """The end-of-run gauges (None where the server has no such metric). A finished stream may reach
+    the client a moment before the engine's bookkeeping: poll up to `settle` seconds for all zeros."""
+    deadline = time.monotonic() + settle
+    while True:
+        values: dict[str, float | None] = dict.fromkeys(GAUGES)
+        for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.split("{")[0].split()[0], line.rsplit(None, 1)[-1]
+                for key, metric in GAUGES.items():
+                    if name == metric:
+                        values[key] = (values[key] or 0) + float(value)
+        busy = any(values[k] for k in ("kv_blocks_used", "running", "waiting"))
+        if not busy or time.monotonic() > deadline:
+            return values
+        time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess: its output goes to a log file (a full pipe would stall it)."""
+
+    def __init__(self, cmd: list[str], port: int, ready_path: str, name: str):
+        self.cmd, self.port, self.name, self.ready_path = cmd, port, name, ready_path
+        self.base = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"serve-load-{name}-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     cwd=ROOT)
+
+    def log_tail(self, n: int = 3000) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-n:]
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base + self.ready_path, timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop(5)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 60) -> int | str:
+        """SIGTERM (sluice drains and exits 0); the whole process group is killed past `timeout`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+                return "killed"
+        return self.proc.returncode
+
+
+def sluice_server(model: str | None, dtype: str, max_num_seqs: int, extra: list[str] = ()) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), "--dtype", dtype,
+           "--max-num-seqs", str(max_num_seqs), *(["--model", model] if model else []), *extra]
+    return Server(cmd, port, "/health", "sluice")
+
+
+def llama_server(gguf: Path, python: Path, threads: int, n_ctx: int) -> Server:
+    """llama-cpp-python's server: one Llama (one sequence) behind a global lock, so concurrent requests
+    queue. interrupt_requests defaults to True there, which cuts a running stream short whenever
+    another request arrives; a load test needs it off."""
+    port = free_port()
+    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+           "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+           "--interrupt_requests", "False", "--verbose", "False"]
+    return Server(cmd, port, "/v1/models", "llama.cpp")
+
+
+def sluice_counter(model: str | None):
+    from sluice import Tokenizer
+    from sluice.model.loading import bundled_model_dir
+    tok = Tokenizer.from_pretrained(model or bundled_model_dir())
+    return lambda text: len(tok.encode(text))
+
+
+def llama_counter(base: str):
+    def count(text: str) -> int:
+        r = httpx.post(base + "/extras/tokenize/count", json={"input": text}, timeout=30)
+        r.raise_for_status()
+        return r.json()["count"]
+    return count
+
+
+def measure(server: Server, kind: str, load: Load, count, timeout: float, settle: float = 2.0) -> dict:
+    """Warmup, then the load at concurrency C and at 1, then the end-of-run gauges."""
+    specs = fit_prompts(make_specs(load.concurrency * load.requests, load.prompt_tokens, load.max_tokens,
+                                   load.sampled, load.chat, load.seed), count, load.seed)
+    warm = fit_prompts([Spec(prompt_tokens=16, max_tokens=4)], count, load.seed + 1)
+    run_load(server.base, kind, warm, 1, timeout)
+    out = {"load": {**asdict(load), "serial": load.serial or len(specs)}}
+    res_c, wall_c = run_load(server.base, kind, specs, load.concurrency, timeout)
+    res_1, wall_1 = run_load(server.base, kind, specs[:load.serial or len(specs)], 1, timeout)
+    out[f"c{load.concurrency}"] = summarize(res_c, wall_c)
+    out["c1"] = summarize(res_1, wall_1)
+    out["ratio_c_over_1"] = (out[f"c{load.concurrency}"]["tok_s"] / out["c1"]["tok_s"]) if out["c1"]["tok_s"] else None
+    out["metrics"] = scrape_metrics(server.base, settle) if kind == "sluice" else None
+    # greedy and seeded requests should not depend on what else ran beside them
+    out["same_text_c_vs_1"] = sum(a.text == b.text for a, b in zip(res_c, res_1, strict=False))
+    out["specs"] = [{k: v for k, v in asdict(s).items() if k != "prompt"} for s in specs]
+    out["requests"] = {"concurrent": [asdict(r) for r in res_c], "serial": [asdict(r) for r in res_1]}
+    return out
+
+
+def ensure_q06(path: Path) -> None:
+    """The random Qwen3-0.6B-shape checkpoint of docs/benchmarks.md, made if missing: random_checkpoint.py
+    (seeded, so its weights equal .peers/qwen3-0.6b-*.gguf's) plus a word-level tokenizer 't0'..'tN'."""
+    if (path / "config.json").exists():
+        return
+    subprocess.run([sys.executable, str(ROOT / "bench/random_checkpoint.py"), "qwen3-0.6b", "--dtype", "float32",
+                    "--out", str(path)], check=True, timeout=1800)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    (path / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab)}, "unk_token": "t0"}}))
+
+
+def gguf_matches(ckpt: Path, gguf: Path, name: str = "blk.0.attn_q.weight",
+                 hf: str = "model.layers.0.self_attn.q_proj.weight") -> bool:
+    """Whether the GGUF holds the checkpoint's weights (one matrix compared, at the GGUF's precision)."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from safetensors import safe_open
+    shard = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"][hf]
+    with safe_open(str(ckpt / shard), "pt") as f:
+        want = f.get_tensor(hf).float()
+    t = next(t for t in GGUFReader(str(gguf)).tensors if t.name == name)
+    data = np.asarray(t.data).reshape(-1)
+    if t.tensor_type.name == "BF16":
+        got, want = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16), want.bfloat16().float()
+    else:
+        got = torch.from_numpy(data.astype(np.float32))
+    return got.numel() == want.numel() and bool((got.float().reshape(want.shape) == want).all())
+
+
+def cpu() -> dict:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    lines = text.splitlines()
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+    wanted = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16")
+    return {"model": name, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
+
+
+def run_model(name: str, args, load: Load, sluice_model: str | None, dtype: str, gguf: Path | None) -> dict:
+    result = {"dtype": dtype, "gguf": str(gguf) if gguf else None}
+    if "sluice" in args.engines:
+        srv = sluice_server(sluice_model, dtype, load.concurrency, args.sluice_arg)
+        try:
+            srv.wait_ready(args.load_timeout)
+            result["sluice"] = measure(srv, "sluice", load, sluice_counter(sluice_model), args.request_timeout)
+        finally:
+            result.setdefault("sluice", {})["exit"] = srv.stop(args.shutdown_timeout)
+        print(f"{name} sluice: {brief(result['sluice'], load)}", flush=True)
+    if "llama.cpp" in args.engines and gguf is not None:
+        srv = llama_server(gguf, args.lcpp_python, args.threads, args.n_ctx)
+        try:
+            srv.wait_ready(args.load_timeout)
+            result["llama.cpp"] = measure(srv, "llama.cpp", load, llama_counter(srv.base), args.request_timeout)
+        finally:
+            result.setdefault("llama.cpp", {})["exit"] = srv.stop(args.shutdown_timeout)
+        print(f"{name} llama.cpp: {brief(result['llama.cpp'], load)}", flush=True)
+    s, ll = result.get("sluice", {}), result.get("llama.cpp", {})
+    if s.get("c1") and ll.get("c1"):
+        c = f"c{load.concurrency}"
+        result["sluice_over_llama"] = {k: s[k]["tok_s"] / ll[k]["tok_s"] for k in (c, "c1") if ll[k]["tok_s"]}
+    return result
+
+
+def brief(r: dict, load: Load) -> str:
+    c = r.get(f"c{load.concurrency}")
+    if not c:
+        return "no result"
+    return (f"C={load.concurrency} {c['tok_s']:.1f} tok/s, C=1 {r['c1']['tok_s']:.1f} tok/s, ratio "
+            f"{r['ratio_c_over_1']:.2f}x, errors {c['errors']}+{r['c1']['errors']}")
+
+
+def fmt(v, spec: str = ".1f") -> str:
+    return "n/a" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def markdown(result: dict) -> str:
+    rows = ["| model | engine | clients | requests | errors | out tok/s | C / 1 | same text C / 1 | "
+            "TTFT p50 / p99 ms | TPOT p50 / p99 ms | KV blocks used | running / waiting | exit |", "|" + "---|" * 13]
+    ratios = []
+    for model, r in result["models"].items():
+        for engine in ("sluice", "llama.cpp"):
+            e = r.get(engine)
+            if not e or "c1" not in e:
+                continue
+            m = e.get("metrics") or {}
+            for key in [k for k in e if k.startswith("c") and k[1:].isdigit()]:
+                s, serial = e[key], key == "c1"
+                ratio = "" if serial else fmt(e["ratio_c_over_1"], ".2f") + "x"
+                same = "" if serial else f"{e['same_text_c_vs_1']} of {e['c1']['n']}"
+                rows.append(f"| {model} ({r['dtype']}) | {engine} | {key[1:]} | {s['n']} | {s['errors']} | "
+                            f"{s['tok_s']:.1f} | {ratio} | {same} | {fmt(s['ttft_p50_ms'])} / "
+                            f"{fmt(s['ttft_p99_ms'])} | {fmt(s['tpot_p50_ms'])} / {fmt(s['tpot_p99_ms'])} | "
+                            f"{fmt(m.get('kv_blocks_used'))} | {fmt(m.get('running'))} / {fmt(m.get('waiting'))} | "
+                            f"{e.get('exit')} |")
+        if r.get("sluice_over_llama"):
+            ratios.append(f"- {model}: sluice / llama.cpp output tok/s: " +
+                          ", ".join(f"{k[1:]} client(s) {v:.2f}x" for k, v in r["sluice_over_llama"].items()))
+    return "\n".join(rows + [""] + ratios)
+
+
+def parse_range(s: str) -> tuple[int, int]:
+    lo, _, hi = s.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="bundled,q06", help="comma list of bundled, q06")
+    ap.add_argument("--engines", default="sluice,llama.cpp")
+    ap.add_argument("-c", "--concurrency", type=int, default=8)
+    ap.add_argument("-r", "--requests", type=int, default=4, help="requests per client")
+    ap.add_argument("--serial", type=int, default=None, help="requests in the 1-client run (default all)")
+    ap.add_argument("--prompt-tokens", type=parse_range, default=(16, 256), metavar="LO:HI")
+    ap.add_argument("--max-tokens", type=parse_range, default=(16, 128), metavar="LO:HI")
+    ap.add_argument("--sampled", type=float, default=0.5)
+    ap.add_argument("--chat", type=float, default=0.0, help="fraction of chat requests")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bundled-dtype", default="float32")
+    ap.add_argument("--bundled-gguf", type=Path, default=ROOT / ".peers/bundled-f32.gguf")
+    ap.add_argument("--q06", default="/tmp/sluice-speed-q06", help="random Qwen3-0.6B-shape checkpoint")
+    ap.add_argument("--q06-dtype", default="bfloat16")
+    ap.add_argument("--q06-gguf", type=Path, default=ROOT / ".peers/qwen3-0.6b-bf16.gguf")
+    ap.add_argument("--q06-requests", type=int, default=1, help="requests per client on the 0.6B model")
+    ap.add_argument("--q06-serial", type=int, default=4)
+    ap.add_argument("--q06-prompt-tokens", type=parse_range, default=(16, 128), metavar="LO:HI")
+    ap.add_argument("--q06-max-tokens", type=parse_range, default=(8, 32), metavar="LO:HI")
+    ap.add_argument("--sluice-arg", action="append", default=[], help="extra `sluice serve` argument (repeatable)")
+    ap.add_argument("--lcpp-python", type=Path, default=LCPP_PYTHON)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads")
+    ap.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp context (one sequence)")
+    ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds per request, queueing included")
+    ap.add_argument("--load-timeout", type=float, default=600.0)
+    ap.add_argument("--shutdown-timeout", type=float, default=60.0)
+    ap.add_argument("--out", type=Path, default=None, help="JSON results")
+    args = ap.parse_args(argv)
+    args.engines = args.engines.split(",")
+    if "llama.cpp" in args.engines and not args.lcpp_python.exists():
+        print(f"note: {args.lcpp_python} missing; llama.cpp skipped", file=sys.stderr)
+        args.engines.remove("llama.cpp")
+    base = Load(args.concurrency, args.requests, args.serial, args.prompt_tokens, args.max_tokens,
+                args.sampled, args.chat, args.seed)
+    result = {"env": {"cpu": cpu(), "python": platform.python_version(), "commit": _commit()},
+              "argv": sys.argv[1:], "models": {}}
+    for name in args.models.split(","):
+        if name == "bundled":
+            result["models"][name] = run_model(name, args, base, None, args.bundled_dtype,
+                                               _existing(args.bundled_gguf))
+        elif name == "q06":
+            load = replace(base, requests=args.q06_requests, serial=args.q06_serial,
+                           prompt_tokens=args.q06_prompt_tokens, max_tokens=args.q06_max_tokens)
+            ensure_q06(Path(args.q06))
+            gguf = _existing(args.q06_gguf)
+            if gguf is not None and not gguf_matches(Path(args.q06), gguf):
+                print(f"note: {gguf} does not hold {args.q06}'s weights; llama.cpp skipped for it", file=sys.stderr)
+                gguf = None
+            result["models"][name] = run_model(name, args, load, args.q06, args.q06_dtype, gguf)
+        else:
+            ap.error(f"unknown model {name!r} (bundled, q06)")
+        if args.out:  # after each model: a later failure keeps what was measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
+    print(f"\nCPU: {result['env']['cpu']}")
+    return 0
+
+
+def _existing(p: Path) -> Path | None:
+    if not p.exists():
+        print(f"note: {p} missing; llama.cpp skipped for it", file=sys.stderr)
+        return None
+    return p
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
