@@ -483,8 +483,8 @@ def main(argv=None) -> int:
         args.engines.remove("llama.cpp")
     base = Load(args.concurrency, args.requests, args.serial, args.prompt_tokens, args.max_tokens,
                 args.sampled, args.chat, args.seed)
-    result = {"env": {"cpu": cpu(), "python": platform.python_version(), "commit": _commit()},
-              "argv": sys.argv[1:], "models": {}}
+    result = {"env": {"cpu": cpu(), "python": platform.python_version(), "commit": _commit(),
+                      "loadavg_start": os.getloadavg()}, "argv": sys.argv[1:], "models": {}}
     for name in args.models.split(","):
         if name == "bundled":
             result["models"][name] = run_model(name, args, base, None, args.bundled_dtype,
@@ -503,8 +503,11 @@ def main(argv=None) -> int:
         if args.out:  # after each model: a later failure keeps what was measured
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1))
+    result["env"]["loadavg_end"] = os.getloadavg()
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
     print(markdown(result))
-    print(f"\nCPU: {result['env']['cpu']}")
+    print(f"\n{result['env']}")
     return 0
 
 
@@ -516,9 +519,14 @@ def _existing(p: Path) -> Path | None:
 
 
 def _commit() -> str:
+    """HEAD, plus the source files changed since (what runs is the working tree)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
+        git = ["git", "-C", str(ROOT)]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--", "src"], capture_output=True, text=True,
+                               timeout=10).stdout.split("\n")
+        changed = [ln[3:] for ln in dirty if ln.strip()]
+        return head.stdout.strip() + (f" + uncommitted {', '.join(changed)}" if changed else "")
     except (OSError, subprocess.SubprocessError):
         return "?"
 
