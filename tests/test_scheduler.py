@@ -159,7 +159,7 @@ def test_a_request_larger_than_the_pool_is_refused_with_numbers(tiny_dir, static
                                            r"of 16 tokens, and the whole pool has 4 \(64 tokens\)"):
         llm.generate([list(range(3, 63))], SamplingParams(max_tokens=10))
     assert llm.generate([list(range(3, 40))], SamplingParams(max_tokens=10))[0].token_ids
-    with pytest.raises(RequestError, match="does not hold one block"):
+    with pytest.raises(RequestError, match="one KV block of 16 tokens .* is over the budget of 1000 bytes"):
         sluice.LLM(str(tiny_dir), kv_cache_memory=1000).generate("hi")
 
 
@@ -209,3 +209,24 @@ def test_block_pool_reference_counts_and_lru(tiny_dir, static_llm):
     pool.release(a)
     # the least recently used idle block (b) goes first, and its key with it
     assert pool.take() == b and pool.lookup(pool.key(sa, [3, 4])) is None
+
+
+def test_a_forward_hook_sends_the_scheduler_to_the_torch_modules(tiny_dir):
+    """The native step calls no module, so the observatory's hooks would not fire: with a hook on the
+    model, the next busy period runs the torch modules (native_reason names why), same tokens."""
+    from sluice.engine import fast_step
+    if fast_step.kernel() is None:
+        pytest.skip(f"no native step here: {fast_step.why_unavailable()}")
+    llm = sluice.LLM(str(tiny_dir))
+    p = SamplingParams(max_tokens=6, **GREEDY, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(["def add(a, b):", "x"], p)]
+    sched = llm.batch_engine().scheduler
+    assert sched.native_reason is None and sched._use_fast
+    calls = []
+    handle = llm.model.final_norm.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        assert [o.token_ids for o in llm.generate(["def add(a, b):", "x"], p)] == want
+    finally:
+        handle.remove()
+    assert "hook" in sched.native_reason and len(calls) == 2 + 5  # two prefills, five decode steps
+    assert [o.token_ids for o in llm.generate(["def add(a, b):", "x"], p)] == want and sched.native_reason is None

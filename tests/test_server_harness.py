@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
 import sluice  # noqa: E402
-from sluice.server import LLMEngine, create_app  # noqa: E402
+from sluice.server import BatchServingEngine, LLMEngine, create_app  # noqa: E402
 
 MODEL = "tiny"
 
@@ -88,14 +88,16 @@ class SlowLLM:
 
 
 def make_engine(tiny_dir, slow: bool = False, max_queue: int = 8, **llm_kwargs):
-    """An LLMEngine on its own LLM over tiny_dir, loaded; returns (engine, llm)."""
+    """The engine `sluice serve` runs (BatchServingEngine, continuous batching) on its own LLM over
+    tiny_dir, loaded; returns (engine, llm). slow=True: an LLMEngine (the one-request engine serve uses
+    for speculative decoding) over a SlowLLM, whose deltas a test can hold or slow down."""
     held = {}
 
     def make():
         llm = sluice.LLM(str(tiny_dir), **llm_kwargs)
         held["llm"] = SlowLLM(llm) if slow else llm
         return held["llm"]
-    engine = LLMEngine(make, MODEL, max_queue=max_queue)
+    engine = (LLMEngine if slow else BatchServingEngine)(make, MODEL, max_queue=max_queue)
     assert engine.wait_ready(120), engine.load_error
     return engine, held["llm"]
 

@@ -38,10 +38,10 @@ def pool_blocks(model: Transformer, max_model_len: int, max_num_seqs: int, block
         return useful
     room = budget - max_num_seqs * cfg.vocab_size * STEP_BYTES_PER_LOGIT
     if room < per_block:
-        where = "kv_cache_memory" if given else "the default (half of the memory available now)"
-        raise RequestError(f"the KV cache budget of {_fmt(budget)} ({where}) does not hold one block of "
-                           f"{block_size} tokens ({_fmt(per_block)}) next to the sampling buffers of "
-                           f"{max_num_seqs} sequences; raise it or lower max_num_seqs")
+        where = "kv_cache_memory= / --kv-cache-memory" if given else "the default, half of the memory available now"
+        raise RequestError(f"one KV block of {block_size} tokens ({_fmt(per_block)}) plus the sampling buffers of "
+                           f"{max_num_seqs} sequences ({_fmt(budget - room)}) is over the budget of {_fmt(budget)} "
+                           f"({where}); raise it, or lower max_num_seqs / --max-num-seqs")
     return min(useful, room // per_block)
 
 
@@ -54,7 +54,7 @@ class BatchEngine:
         self.pool = BlockPool(model.config, blocks, block_size, activation_dtype(model), model.embed.weight.device)
         self.scheduler = Scheduler(model, self.pool, decode, max_num_seqs, max_num_batched_tokens, native,
                                    nonfinite_origin)
-        self.eos_ids = frozenset(eos_ids)
+        self.eos_ids = eos_ids  # the LLM's own set, read at each add(): a caller may change it
         self._lock = threading.Lock()
 
     def add(self, prompt_ids: list[int], params: SamplingParams, label: str | None = None) -> Seq:
