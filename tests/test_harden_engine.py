@@ -33,6 +33,13 @@ def test_parse_size_refuses_by_name(value):
         parse_size(value)
 
 
+@pytest.fixture(scope="module")
+def static_llm(tiny_dir):
+    """The static one-request path (runner.py): its batch-wide budget checks and its one-at-a-time rule
+    are tested here; the continuous-batching engine's pool and interleaving in tests/test_scheduler.py."""
+    return sluice.LLM(str(tiny_dir), batching=False)
+
+
 def test_budget_arithmetic_and_message(tiny_llm):
     cfg, f32 = tiny_llm.model.config, torch.float32
     kv = KVCache.nbytes_for(cfg, 3, 128, f32)
@@ -47,7 +54,7 @@ def test_budget_arithmetic_and_message(tiny_llm):
 
 
 def test_over_budget_request_is_refused_before_tokenizing(tiny_dir, monkeypatch):
-    llm = sluice.LLM(str(tiny_dir), kv_cache_memory="200KiB")
+    llm = sluice.LLM(str(tiny_dir), kv_cache_memory="200KiB", batching=False)
     monkeypatch.setattr(llm.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized a hopeless request"))
     with pytest.raises(RequestError, match=r"100 prompts x 64 slots.*budget of 200.0 KiB \(kv_cache_memory\)"):
         llm.generate(["hi"] * 100, SamplingParams(max_tokens=20))
@@ -58,12 +65,12 @@ def test_over_budget_request_is_refused_before_tokenizing(tiny_dir, monkeypatch)
         llm.generate([[5] * 400], SamplingParams(max_tokens=4))
 
 
-def test_default_budget_is_a_share_of_free_memory(tiny_llm, monkeypatch):
+def test_default_budget_is_a_share_of_free_memory(static_llm, monkeypatch):
     monkeypatch.setattr(kv_cache, "available_memory", lambda device: 2 * 2**20)
     with pytest.raises(RequestError, match=r"budget of 1.0 MiB \(the default, 0.5 of the memory available now\)"):
-        tiny_llm.generate(["hi"] * 100, SamplingParams(max_tokens=20))
+        static_llm.generate(["hi"] * 100, SamplingParams(max_tokens=20))
     monkeypatch.setattr(kv_cache, "available_memory", lambda device: None)  # a platform that does not say
-    assert tiny_llm.generate("hi", SamplingParams(max_tokens=2))[0].token_ids
+    assert static_llm.generate("hi", SamplingParams(max_tokens=2))[0].token_ids
 
 
 def refused_in_capped_child(tiny_dir, llm_kwargs: str, setup: str, generate_args: str) -> str:
@@ -72,7 +79,7 @@ def refused_in_capped_child(tiny_dir, llm_kwargs: str, setup: str, generate_args
     r = run_bounded(f"""
         import time, sluice
         from sluice import SamplingParams
-        llm = sluice.LLM({str(tiny_dir)!r}, {llm_kwargs})
+        llm = sluice.LLM({str(tiny_dir)!r}, batching=False, {llm_kwargs})
         {setup}
         t = time.perf_counter()
         try:
@@ -112,17 +119,17 @@ def test_sliced_prefill_equals_one_forward(tiny_llm, monkeypatch):
 
 # ---------------------------------------------------------------- one request at a time (item 2)
 
-def test_second_request_while_a_stream_is_open_is_refused(tiny_llm):
+def test_second_request_while_a_stream_is_open_is_refused(static_llm):
     p = SamplingParams(max_tokens=8, **GREEDY)
-    alone = tiny_llm.generate("abc", p)[0].text
-    s1, s2 = tiny_llm.stream("abc", p), tiny_llm.stream("xyz", p)
+    alone = static_llm.generate("abc", p)[0].text
+    s1, s2 = static_llm.stream("abc", p), static_llm.stream("xyz", p)
     first = next(s1)
     with pytest.raises(RequestError, match="already running a request.*stream\\(\\).*one LLM per thread"):
         next(s2)
     with pytest.raises(RequestError, match="already running"):
-        tiny_llm.generate("xyz", p)
+        static_llm.generate("xyz", p)
     assert first + "".join(s1) == alone  # the open stream was not disturbed
-    assert tiny_llm.generate("abc", p)[0].text == alone  # and it let go when done
+    assert static_llm.generate("abc", p)[0].text == alone  # and it let go when done
 
 
 @pytest.mark.parametrize("how", ["close", "break", "gc"])
@@ -144,12 +151,12 @@ def test_a_stream_closed_early_frees_the_llm(tiny_llm, how):
     assert tiny_llm.generate("abc", SamplingParams(max_tokens=2, **GREEDY))[0].token_ids
 
 
-def test_another_thread_is_refused_while_one_runs(tiny_llm):
+def test_another_thread_is_refused_while_one_runs(static_llm):
     p = SamplingParams(max_tokens=4, **GREEDY)
-    s = tiny_llm.stream("abc", p)
+    s = static_llm.stream("abc", p)
     next(s)
     errors = []
-    t = threading.Thread(target=lambda: errors.append(_catch(lambda: tiny_llm.generate("xyz", p))))
+    t = threading.Thread(target=lambda: errors.append(_catch(lambda: static_llm.generate("xyz", p))))
     t.start()
     t.join()
     assert isinstance(errors[0], RequestError) and "already running" in str(errors[0])
@@ -168,7 +175,7 @@ def _catch(f):
 
 @pytest.fixture
 def nan_llm(tiny_dir):
-    return sluice.LLM(str(tiny_dir))
+    return sluice.LLM(str(tiny_dir), batching=False)  # poisons runner.step; the scheduler: tests/test_scheduler.py
 
 
 @pytest.mark.parametrize("fused", [False, True])
