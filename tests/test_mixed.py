@@ -42,7 +42,7 @@ def test_forward_equals_fp32_of_the_rounded_weights(tiny_dir, monkeypatch):
 def test_llm_compute_float32_generates_what_the_rounded_fp32_model_does(tiny_dir):
     params = sluice.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
-    llm = sluice.LLM(tiny_dir, dtype="bfloat16", compute="float32")
+    llm = sluice.LLM(tiny_dir, dtype="bfloat16", compute="float32", batching=False)  # static: the fused head too
     assert isinstance(llm.model.layers[0].mlp.up, mixed.Bf16WeightLinear)
     ref = sluice.LLM(tiny_dir, kernels=False)
     with torch.no_grad():
@@ -77,11 +77,13 @@ def test_auto_picks_fp32_compute_where_the_native_step_runs_the_model(tiny_dir, 
     llm = sluice.LLM(tiny_dir, dtype="bfloat16")
     assert mixed.activation_dtype(llm.model) == torch.float32
     llm.generate("hello", sluice.SamplingParams(max_tokens=3, temperature=0))
-    assert llm.runner.native and llm.runner.native_reason is None and llm.runner._fast is not None
+    sched = llm.batch_engine().scheduler
+    assert sched.native and sched.native_reason is None and sched._fast is not None
     llm = sluice.LLM(tiny_dir, dtype="bfloat16", kernels=False)  # no native code at all: plain bf16
     assert mixed.activation_dtype(llm.model) == torch.bfloat16
     llm.generate("hello", sluice.SamplingParams(max_tokens=3, temperature=0))
-    assert llm.runner._fast is None and llm.runner.native_reason == "not asked for"
+    sched = llm.batch_engine().scheduler
+    assert sched._fast is None and sched.native_reason == "not asked for"
 
 
 @pytest.mark.parametrize("kwargs,words", [
