@@ -4,7 +4,8 @@ Why: a small model's eager step is hundreds of ATen calls, each with a fixed cos
 allocation, waking the thread pool) that dwarfs its arithmetic: the bundled 6.8 M-parameter model
 spent ~13 ms per decoded token that way, almost none of it in the weights. step.cpp runs the whole
 forward of a (B, T) chunk in one OpenMP parallel region over the model's own tensors (no copies)
-and writes keys and values straight into the engine's KV cache (bench/fast_step.py has the numbers).
+and writes keys and values straight into the engine's KV cache (bench/fast_step.py has the numbers):
+the static (L, B, K, S, D) cache, or a paged pool of blocks read through a block table (below).
 
 Which models: the pre-norm RMSNorm decoders (Llama, Qwen2, Qwen3, Mistral): optional per-head
 qk-norm, GQA, RoPE from the model's own inv_freq (so scaled variants and partial rotary come out
@@ -138,10 +139,19 @@ def unsupported(model: nn.Module) -> str | None:
 
 
 class FastStep:
-    """`step(tokens (B, T), positions (B, T), k, v, hidden=False)` -> fp32 logits (B, T, V), or the
-    final-normed hidden states (B, T, C) with hidden=True; writes the chunk's keys and values into
-    the cache tensors k, v (L, B, K, S, D) at `positions`, as the torch forward does. Token t of a row
-    sees the slots <= its position (Transformer.attention_mask), so a chunk is causal within itself."""
+    """`step(tokens (B, T), positions (B, T), k, v, hidden=False, block_table=None)` -> fp32 logits
+    (B, T, V), or the final-normed hidden states (B, T, C) with hidden=True; writes the chunk's keys and
+    values into the cache tensors k, v at `positions`, as the torch forward does. Token t of a row
+    sees the slots <= its position (Transformer.attention_mask), so a chunk is causal within itself.
+
+    The cache is either static, k, v (L, B, K, S, D) with block_table None, or a paged pool (the
+    continuous-batching scheduler's, engine/paged_cache.py), k, v (L, NB, K, bs, D) fp32 with a block
+    table (B, nb) of int64 (no copy) or int32 block ids: slot s of row b (its position s) is in block
+    block_table[b, s // bs] at offset s % bs. The entries up to each row's highest position must be
+    block ids of the pool; later ones are never read (pad with anything). Both layouts run the same
+    code in step.cpp, so a paged step gives bit for bit the logits of the static one. Bad input (a
+    position past the table, a block id outside the pool) raises RuntimeError before anything runs.
+    """
 
     def __init__(self, model: Transformer):
         why = unsupported(model)
@@ -165,7 +175,7 @@ class FastStep:
                                    eps, offset, float(model.layers[0].attn.scale) if len(model.layers) else 1.0)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 hidden: bool = False) -> torch.Tensor:
+                 hidden: bool = False, block_table: torch.Tensor | None = None) -> torch.Tensor:
         if tokens.shape[-1] > MAX_CHUNK:
             raise RequestError(f"the native step takes up to {MAX_CHUNK} tokens per row, got {tokens.shape[-1]}")
-        return self._step.run(tokens, positions, k, v, hidden)
+        return self._step.run(tokens, positions, k, v, hidden, block_table)

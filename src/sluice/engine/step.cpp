@@ -3,11 +3,16 @@
 // Why: a small model's eager decode step is ~500 ATen calls whose fixed costs (dispatch, allocation,
 // thread pool wake-ups) outweigh the arithmetic; the bundled 6.8 M-parameter model spent 13 ms per
 // token there. This file runs the whole forward (embedding, pre-norm blocks with GQA attention over
-// the static KV cache, SwiGLU MLP, final norm, LM head) in ONE OpenMP parallel region: each phase is
-// an `omp for` over output rows, phases are separated by barriers. It reads the model's own weight
+// the KV cache, SwiGLU MLP, final norm, LM head) in ONE OpenMP parallel region: each phase is an
+// `omp for` over output rows, phases are separated by barriers. It reads the model's own weight
 // tensors in place (fp32 or bf16, widened in registers, fp32 accumulation), writes the new keys and
 // values into the engine's cache tensors exactly where layers.py writes them, and returns fp32
 // logits (or final-normed hidden states). fast_step.py decides which models may take this path.
+//
+// The cache is either the static one, (L, B, K, S, D), or a paged pool (L, NB, K, bs, D) read through
+// a block table (B, nb) for the continuous-batching scheduler: slot s of row b lives in block
+// table[b][s / bs] at offset s % bs. The static cache is the pool whose blocks are whole rows (bs = S,
+// table[b] = {b}), so one code path serves both and the two agree bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -182,6 +187,28 @@ inline void rope(float* x, const float* cs, const float* sn, int64_t half) {
   }
 }
 
+// Visits the slots lo..p of one row and head in order, block by block: f(s, slot s's D floats). head: the
+// head's slot 0 in pool block 0; blocks: the row's block ids, bs slots each, sBlock apart; sS: one slot.
+// Walking block by block costs one division per walk, not one per slot. While a block is read, the same
+// slots of the row's next block are prefetched: blocks lie anywhere in the pool, so the hardware prefetcher,
+// which a static row's one long run of slots keeps streaming, would start cold at each block (bs = 16 ran
+// ~15% slower than the static cache at 2000 slots without this, and on par with it).
+template <typename F>
+inline void for_slots(const float* head, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS, int64_t D,
+                      int64_t lo, int64_t p, F&& f) {
+  for (int64_t j = lo / bs, s = lo; s <= p; ++j) {
+    const int64_t base = blocks[j] * sBlock - j * bs * sS;  // slot s of block j is at head + base + s * sS
+    const int64_t end = std::min(p + 1, (j + 1) * bs);
+    const int64_t ahead = end <= p ? (blocks[j + 1] - blocks[j]) * sBlock : 0;  // from a slot to the next block's
+    for (; s < end; ++s) {
+      const float* slot = head + (base + s * sS);
+      if (ahead)
+        for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(slot + ahead + c);  // 16 floats: a cache line
+      f(s, slot);
+    }
+  }
+}
+
 struct Layer {
   Linear q, k, v, o, gate, up, down;
   const float *attn_norm = nullptr, *mlp_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
@@ -229,7 +256,8 @@ class Step {
     head_.k = C_;
   }
 
-  torch::Tensor run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, bool hidden);
+  torch::Tensor run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, bool hidden,
+                    c10::optional<torch::Tensor> block_table);
 
  private:
   std::vector<torch::Tensor> keep_;  // holds the model's tensors alive; the pointers below point into them
@@ -242,27 +270,62 @@ class Step {
 };
 
 torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc,
-                        bool hidden) {
+                        bool hidden, c10::optional<torch::Tensor> block_table) {
   TORCH_CHECK(tokens.dim() == 2 && positions.sizes() == tokens.sizes(), "step: tokens and positions (B, T)");
   const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, L = layers_.size();
-  TORCH_CHECK(kc.dim() == 5 && kc.sizes() == vc.sizes() && kc.size(0) == L && kc.size(1) == B && kc.size(2) == K_ &&
-                  kc.size(4) == D_, "step: cache (L, B, K, S, D) for this model and batch");
-  TORCH_CHECK(kc.scalar_type() == torch::kFloat32 && vc.scalar_type() == torch::kFloat32, "step: fp32 cache");
+  const bool paged = block_table.has_value() && block_table->defined();
+  TORCH_CHECK(kc.dim() == 5 && kc.sizes() == vc.sizes() && kc.size(0) == L && (paged || kc.size(1) == B) &&
+                  kc.size(2) == K_ && kc.size(4) == D_,
+              paged ? "step: cache pool (L, blocks, K, block size, D) for this model"
+                    : "step: cache (L, B, K, S, D) for this model and batch");
+  TORCH_CHECK(kc.scalar_type() == torch::kFloat32 && vc.scalar_type() == torch::kFloat32 && kc.device().is_cpu() &&
+                  vc.device().is_cpu(), "step: fp32 CPU cache");
   TORCH_CHECK(kc.stride(4) == 1 && vc.stride(4) == 1 && kc.strides() == vc.strides(), "step: cache rows contiguous");
-  const int64_t S = kc.size(3), half = inv_freq_.numel(), G = H_ / K_, HD = H_ * D_, KD = K_ * D_;
+  const int64_t NB = kc.size(1), bs = kc.size(3), half = inv_freq_.numel(), G = H_ / K_, HD = H_ * D_, KD = K_ * D_;
+  // Row b's blocks are table[b * nb ...]: the block table's, or the static cache's one block per row.
+  int64_t nb = 1;
+  std::vector<int64_t> table(B);
+  if (paged) {
+    const torch::Tensor& bt = *block_table;
+    TORCH_CHECK(bt.dim() == 2 && bt.size(0) == B && bt.device().is_cpu(),
+                "step: block_table must be a CPU tensor (B, blocks per row) for the ", B, " rows");
+    TORCH_CHECK(bt.scalar_type() == torch::kLong || bt.scalar_type() == torch::kInt,
+                "step: block_table must be int64 or int32, got ", bt.scalar_type());
+    nb = bt.size(1);
+    auto bt64 = bt.to(torch::kLong).contiguous();
+    table.assign(bt64.data_ptr<int64_t>(), bt64.data_ptr<int64_t>() + B * nb);
+  } else {
+    for (int64_t b = 0; b < B; ++b) table[b] = b;
+  }
+  // Everything is checked before any work, so bad input never reads or writes outside the cache.
   auto tok = tokens.to(torch::kLong).contiguous(), pos = positions.to(torch::kLong).contiguous();
   const int64_t *tp = tok.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
+  std::vector<int64_t> last(B, 0);  // each row's highest position: its slots 0..last are the ones touched
   for (int64_t m = 0; m < M; ++m) {
-    TORCH_CHECK(0 <= pp[m] && pp[m] < S, "step: position ", pp[m], " outside the cache's ", S, " slots");
+    if (paged) {
+      TORCH_CHECK(0 <= pp[m] && pp[m] < nb * bs, "step: position ", pp[m], " of row ", m / T,
+                  " is beyond its block table's ", nb, " blocks of ", bs, " slots");
+    } else {
+      TORCH_CHECK(0 <= pp[m] && pp[m] < bs, "step: position ", pp[m], " outside the cache's ", bs, " slots");
+    }
     TORCH_CHECK(0 <= tp[m] && tp[m] < embed_.size(0), "step: token id ", tp[m], " outside the vocabulary");
+    last[m / T] = std::max(last[m / T], pp[m]);
   }
+  // Only the entries a row reaches are block ids: those past its last position are never read, so a
+  // scheduler may pad a short row's table with anything (-1, say).
+  for (int64_t b = 0; b < B && T > 0; ++b)
+    for (int64_t j = 0; j <= last[b] / bs; ++j)
+      TORCH_CHECK(0 <= table[b * nb + j] && table[b * nb + j] < NB, "step: block_table[", b, "][", j, "] = ",
+                  table[b * nb + j], " is not a block of the pool's ", NB);
   auto out = torch::empty({B, T, hidden ? C_ : V_}, torch::kFloat32);
+  if (M == 0) return out;
+  const int64_t span = *std::max_element(last.begin(), last.end()) + 1;  // attention scores per query, at most
   const int nth = std::max(1, at::get_num_threads());
   // Scratch, fp32: residual x, normed h (one copy per thread), q, k|v, attention out, SwiGLU act, cos|sin, scores per thread.
   std::vector<float> x(M * C_), h(nth * M * C_), q(M * HD), kv(M * 2 * KD), att(M * HD), act(M * I_),
-      glu(nth * 2 * M * kBlock), cs(M * 2 * half), scores(nth * S);
+      glu(nth * 2 * M * kBlock), cs(M * 2 * half), scores(nth * span);
   float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
-  const int64_t sL = kc.stride(0), sB = kc.stride(1), sK = kc.stride(2), sS = kc.stride(3);
+  const int64_t sL = kc.stride(0), sBlock = kc.stride(1), sK = kc.stride(2), sS = kc.stride(3);
   const float* inv = inv_freq_.data_ptr<float>();
   const bool emb16 = embed_.scalar_type() == torch::kBFloat16;
   const float* e32 = emb16 ? nullptr : embed_.data_ptr<float>();
@@ -270,7 +333,7 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
 
 #pragma omp parallel num_threads(nth)
   {
-    float* sc = scores.data() + omp_get_thread_num() * S;
+    float* sc = scores.data() + omp_get_thread_num() * span;
     float* tmp = glu.data() + omp_get_thread_num() * 2 * M * kBlock;
     // Each thread norms every row into its own copy of h: a few us of redundant work instead of a
     // barrier before each product (a barrier costs a time slice when the other core is busy).
@@ -300,14 +363,14 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
       // Per head of each token: qk-norm, RoPE; new keys and values go to their cache slot.
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < M * (H_ + K_); ++i) {
-        const int64_t m = i / (H_ + K_), j = i % (H_ + K_), b = m / T;
+        const int64_t m = i / (H_ + K_), j = i % (H_ + K_), p = pp[m];
         const bool is_q = j < H_;
         float* xh = is_q ? &q[m * HD + j * D_] : &kv[m * 2 * KD + (j - H_) * D_];
         const float* gain = is_q ? Ly.q_norm : Ly.k_norm;
         if (gain) rms_norm(xh, gain, offset_, eps_, D_, xh);
         rope(xh, &cs[m * 2 * half], &cs[m * 2 * half + half], half);
         if (!is_q) {
-          const int64_t at = l * sL + b * sB + (j - H_) * sK + pp[m] * sS;
+          const int64_t at = l * sL + table[m / T * nb + p / bs] * sBlock + (j - H_) * sK + (p % bs) * sS;
           std::copy(xh, xh + D_, kp + at);
           std::copy(xh + KD, xh + KD + D_, vp + at);
         }
@@ -318,22 +381,22 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
         const int64_t m = i / H_, hh = i % H_, b = m / T, p = pp[m];
         const int64_t lo = Ly.window ? std::max<int64_t>(0, p - Ly.window + 1) : 0;
         const float* qh = &q[m * HD + hh * D_];
-        const float* kb = kp + l * sL + b * sB + (hh / G) * sK;
-        const float* vb = vp + l * sL + b * sB + (hh / G) * sK;
+        const int64_t* blocks = &table[b * nb];
+        const float* kh = kp + l * sL + (hh / G) * sK;  // this head's keys in block 0; blocks add their offset
+        const float* vh = vp + l * sL + (hh / G) * sK;
         float mx = -INFINITY;
-        for (int64_t s = lo; s <= p; ++s) {
-          sc[s] = dot<float>(kb + s * sS, qh, D_) * scale_;
+        for_slots(kh, blocks, bs, sBlock, sS, D_, lo, p, [&](int64_t s, const float* ks) {
+          sc[s] = dot<float>(ks, qh, D_) * scale_;
           mx = std::max(mx, sc[s]);
-        }
+        });
         float sum = 0.f;
         for (int64_t s = lo; s <= p; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
         float* o = &att[m * HD + hh * D_];
         std::fill(o, o + D_, 0.f);
-        for (int64_t s = lo; s <= p; ++s) {
+        for_slots(vh, blocks, bs, sBlock, sS, D_, lo, p, [&](int64_t s, const float* vs) {
           const float w = sc[s] / sum;
-          const float* vs = vb + s * sS;
           for (int64_t d = 0; d < D_; ++d) o[d] += w * vs[d];
-        }
+        });
       }
       linear(Ly.o, att.data(), M, x.data(), C_, true);  // x + o(attn)
 #pragma omp barrier
@@ -374,6 +437,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Step>(m, "Step")
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
                           torch::Tensor, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double, double>())
-      .def("run", &Step::run, "tokens (B, T), positions (B, T), k, v cache (L, B, K, S, D), hidden -> (B, T, V|C)",
+      .def("run", &Step::run,
+           "tokens (B, T), positions (B, T), k, v cache (L, B, K, S, D) or pool (L, NB, K, bs, D), hidden, "
+           "block_table (B, nb) or None -> (B, T, V|C)",
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }
