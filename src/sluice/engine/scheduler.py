@@ -317,7 +317,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[Update]:
-        tokens = torch.cat([s.sampler(logits[i:i + 1]) for i, s in enumerate(seqs)]).tolist()  # one host sync
+        tokens = self._draw(seqs, logits).tolist()  # the step's one host sync
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         lps = self._logprobs(want, [seqs[i] for i in want], logits[want], [tokens[i] for i in want]) if want else {}
         now, updates = time.perf_counter(), []
@@ -351,6 +351,15 @@ class Scheduler:
             seq.pending.append(update)
             updates.append(update)
         return updates
+
+    def _draw(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor:
+        """(N,) next tokens. Plain greedy rows (no penalty: nothing of their own to keep) take one
+        argmax together; every other row its own Sampler (its generator, its penalty state)."""
+        plain = [p.temperature == 0 and p.repetition_penalty == 1 and not p.presence_penalty
+                 and not p.frequency_penalty for p in (s.params for s in seqs)]
+        if all(plain):
+            return logits.argmax(-1).masked_fill(~logits.isfinite().all(-1), NONFINITE)  # as Sampler does
+        return torch.cat([s.sampler(logits[i:i + 1]) for i, s in enumerate(seqs)])
 
     def _logprobs(self, index: list[int], seqs: list[Seq], logits: torch.Tensor, tokens: list[int]) -> dict:
         """{index in the step's list: TokenLogprob} for the sequences that asked for logprobs."""
