@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -19,13 +20,13 @@ import sluice  # noqa: E402
 from sluice.server import BatchServingEngine  # noqa: E402
 
 
-def _engine(tiny_dir, **llm_kwargs):
+def _engine(tiny_dir, max_queue: int = 32, **llm_kwargs):
     held = {}
 
     def make():
         held["llm"] = sluice.LLM(str(tiny_dir), **llm_kwargs)
         return held["llm"]
-    engine = BatchServingEngine(make, MODEL, max_queue=32)
+    engine = BatchServingEngine(make, MODEL, max_queue=max_queue)
     assert engine.wait_ready(120), engine.load_error
     return engine, held["llm"]
 
@@ -148,5 +149,33 @@ def test_nan_ends_its_request_with_the_origin_and_the_server_stays_healthy(tiny_
         assert _metric(server.url, 'request_finished_total{model_name="tiny",finished_reason="error"') == 2
         assert _metric(server.url, "kv_blocks_used") == 0
     finally:
+        server.stop()
+        engine.close(10)
+
+
+def test_past_max_queue_is_429_and_the_queued_ones_still_run(tiny_dir, one_torch_thread):  # noqa: F811
+    engine, _ = _engine(tiny_dir, max_queue=2)
+    gate, real = threading.Event(), engine._batch.step
+    engine._batch.step = lambda: (gate.wait(60), real())[1]  # the worker holds at its next step
+    server = LiveServer(engine)
+    body = dict(model=MODEL, prompt="def", max_tokens=3, temperature=0)
+    results = []
+    try:
+        senders = [threading.Thread(target=lambda: results.append(request(server.port, "POST", "/v1/completions",
+                                                                          body))) for _ in range(2)]
+        for t in senders:
+            t.start()
+        deadline = time.monotonic() + 30
+        while _metric(server.url, "num_requests_waiting") < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        status, headers, raw = request(server.port, "POST", "/v1/completions", body)
+        assert status == 429 and json.loads(raw)["error"]["code"] == "queue_full" and int(headers["retry-after"]) >= 1
+        gate.set()
+        for t in senders:
+            t.join(60)
+        assert [r[0] for r in results] == [200, 200]
+        assert _metric(server.url, "kv_blocks_used") == 0
+    finally:
+        gate.set()
         server.stop()
         engine.close(10)
