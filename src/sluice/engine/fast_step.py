@@ -179,3 +179,13 @@ class FastStep:
         if tokens.shape[-1] > MAX_CHUNK:
             raise RequestError(f"the native step takes up to {MAX_CHUNK} tokens per row, got {tokens.shape[-1]}")
         return self._step.run(tokens, positions, k, v, hidden, block_table)
+
+
+def native_check(model: nn.Module, fast: FastStep | None) -> tuple[str | None, FastStep | None]:
+    """For a caller about to run `model`: (why the native step cannot run it now, or None; the FastStep,
+    `fast` as given or built now, the first time it can). The Runner and the Scheduler ask per request
+    or busy period, since a hook may have been attached in between."""
+    why = unsupported(model)
+    if why is None and fast is None:
+        fast = FastStep(model)
+    return why, fast

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..model.layers import Transformer
-from .fast_step import MAX_CHUNK, FastStep, unsupported
+from .fast_step import MAX_CHUNK, FastStep, native_check
 from .kv_cache import KVCache
 from .mixed import activation_dtype
 
@@ -126,12 +126,9 @@ class Runner:
 
     def _native_ok(self) -> bool:
         """Whether this request's steps can take the native step; builds it the first time."""
-        if not self.native:
-            return False
-        self.native_reason = unsupported(self.model)
-        if self.native_reason is None and self._fast is None:
-            self._fast = FastStep(self.model)
-        return self.native_reason is None
+        if self.native:
+            self.native_reason, self._fast = native_check(self.model, self._fast)
+        return self.native and self.native_reason is None
 
     @torch.inference_mode()
     def advance(self, n) -> None:

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import RequestError
 from ..model.layers import Transformer
-from .fast_step import MAX_CHUNK, FastStep, unsupported
+from .fast_step import MAX_CHUNK, FastStep, native_check
 from .paged_cache import BlockPool, PagedView
 from .sampling import NONFINITE, Sampler, SamplingParams
 from .streaming import TextStream
@@ -269,12 +269,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the model
     def _native_ok(self) -> bool:
-        if not self.native:
-            return False
-        self.native_reason = unsupported(self.model)
-        if self.native_reason is None and self._fast is None:
-            self._fast = FastStep(self.model)
-        return self.native_reason is None
+        if self.native:
+            self.native_reason, self._fast = native_check(self.model, self._fast)
+        return self.native and self.native_reason is None
 
     def _forward(self, seqs: list[Seq], tokens: torch.Tensor, positions: torch.Tensor, final: bool) -> torch.Tensor:
         """tokens, positions (B, T) of `seqs` -> logits (B, V) at each row's last token (final), or None."""

@@ -100,22 +100,20 @@ def render(s: Snapshot, model: str) -> str:
     metric("generation_tokens_total", "counter", "Tokens generated.", [(f"{{{label}}}", s.generation_tokens)])
     metric("request_finished_total", "counter", "Generations finished, by outcome (a request of n choices counts n).",
            [(f'{{{label},finished_reason="{k}"}}', v) for k, v in sorted(s.finished.items())])
-    if s.kv is not None:
+    if s.kv is not None:  # the continuous-batching engine's KV pool
         kv = s.kv
-        metric("kv_blocks_total", "gauge", "KV cache blocks in the pool.", [(f"{{{label}}}", kv.total)])
-        metric("kv_blocks_used", "gauge", "KV cache blocks held by running requests.", [(f"{{{label}}}", kv.used)])
-        metric("kv_blocks_free", "gauge", "KV cache blocks free (including cached prefixes nobody holds).",
-               [(f"{{{label}}}", kv.free)])
-        metric("kv_blocks_cached", "gauge", "Free blocks still holding a prefix a later prompt may reuse.",
-               [(f"{{{label}}}", kv.cached)])
-        metric("prefix_cache_queries_total", "counter", "Full prompt blocks looked up in the prefix cache.",
-               [(f"{{{label}}}", kv.queries)])
-        metric("prefix_cache_hits_total", "counter", "Full prompt blocks found in the prefix cache.",
-               [(f"{{{label}}}", kv.hits)])
-        metric("prefix_cache_hit_rate", "gauge", "prefix_cache_hits_total / prefix_cache_queries_total.",
-               [(f"{{{label}}}", kv.hit_rate)])
-        metric("num_preemptions_total", "counter", "Sequences preempted (blocks given back, recomputed later).",
-               [(f"{{{label}}}", s.preemptions)])
+        for name, kind, help_, value in (
+                ("kv_blocks_total", "gauge", "KV cache blocks in the pool.", kv.total),
+                ("kv_blocks_used", "gauge", "KV cache blocks held by running requests.", kv.used),
+                ("kv_blocks_free", "gauge", "KV cache blocks free (including cached prefixes nobody holds).", kv.free),
+                ("kv_blocks_cached", "gauge", "Free blocks still holding a prefix a later prompt may reuse.", kv.cached),
+                ("prefix_cache_queries_total", "counter", "Full prompt blocks that could come from the prefix cache.",
+                 kv.queries),
+                ("prefix_cache_hits_total", "counter", "Full prompt blocks found in the prefix cache.", kv.hits),
+                ("prefix_cache_hit_rate", "gauge", "prefix_cache_hits_total / prefix_cache_queries_total.", kv.hit_rate),
+                ("num_preemptions_total", "counter", "Sequences preempted (blocks given back, recomputed later).",
+                 s.preemptions)):
+            metric(name, kind, help_, [(f"{{{label}}}", value)])
     for name, help_, h in (("time_to_first_token_seconds", "From arrival to the first token (queue + prefill).",
                             s.ttft),
                            ("time_per_output_token_seconds", "Decode time per token after the first.", s.tpot)):
