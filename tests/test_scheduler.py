@@ -230,3 +230,22 @@ def test_a_forward_hook_sends_the_scheduler_to_the_torch_modules(tiny_dir):
         handle.remove()
     assert "hook" in sched.native_reason and len(calls) == 2 + 5  # two prefills, five decode steps
     assert [o.token_ids for o in llm.generate(["def add(a, b):", "x"], p)] == want and sched.native_reason is None
+
+
+def test_penalised_and_sampled_rows_drawn_together_equal_each_alone(tiny_dir):
+    """A step draws all of its sampled rows through one joined Sampler (one sort); each row's
+    generator, seen mask and generated-token counts must come out as if it had sampled alone
+    (max_num_seqs=1: its own Sampler), also with presence/frequency penalties (scheduler only)."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 9, 2, 30)]
+    params = [SamplingParams(max_tokens=24, temperature=0.9, presence_penalty=1.5, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=1.0, frequency_penalty=0.8, top_k=30, seed=12, ignore_eos=True),
+              SamplingParams(max_tokens=16, **GREEDY, frequency_penalty=1.2, repetition_penalty=1.1, ignore_eos=True),
+              SamplingParams(max_tokens=22, temperature=0.7, top_p=0.8, seed=13, ignore_eos=True)]
+    one = sluice.LLM(str(tiny_dir), max_num_seqs=1)
+    alone = [one.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    together = sluice.LLM(str(tiny_dir), max_num_seqs=4).generate(prompts, params)
+    assert [o.token_ids for o in together] == alone
+    plain = sluice.LLM(str(tiny_dir), max_num_seqs=1).generate(
+        [prompts[0]], SamplingParams(max_tokens=24, temperature=0.9, seed=11, ignore_eos=True))[0].token_ids
+    assert plain != alone[0]  # the penalty took part

@@ -191,6 +191,41 @@ class Sampler:
             self.counts = torch.zeros(self.seen.shape, device=self.device)
         self._filters = _flags(self.params)
 
+    @classmethod
+    def joined(cls, samplers: list[Sampler]) -> Sampler:
+        """One sampler over the rows of `samplers` (the continuous-batching scheduler keeps one per
+        sequence), so a step filters and draws for all of them at once. It holds their generators
+        themselves and copies of their penalty state; write_back() returns that state after a call.
+        A row draws exactly what its own sampler would: every operation is per row."""
+        self = cls.__new__(cls)
+        first = samplers[0]
+        self.vocab_size, self.device = first.vocab_size, first.device
+        self.params = [p for s in samplers for p in s.params]
+        self.rows = {k: torch.cat([s.rows[k] for s in samplers]) for k in first.rows}
+        self.seen = torch.cat([s.seen for s in samplers])
+        counted = any(s.counts is not None for s in samplers)
+        self.counts = torch.cat([s.counts if s.counts is not None else torch.zeros_like(s.seen, dtype=torch.float32)
+                                 for s in samplers]) if counted else None
+        self._ones = torch.ones(len(self.params), 1, device=self.device)
+        self._noise = None
+        self._generators = [g for s in samplers for g in s._generators]
+        self._parts = samplers
+        self._refresh_flags()
+        return self
+
+    def write_back(self) -> None:
+        """After a call on a joined() sampler: each part's seen mask and counts as the call left them."""
+        r = 0
+        for s in self._parts:
+            n = len(s.params)
+            if self._use_penalty:
+                s.seen.copy_(self.seen[r:r + n])
+            if self.counts is not None:
+                if s.counts is None:
+                    s.counts = torch.zeros(s.seen.shape, device=s.device)
+                s.counts.copy_(self.counts[r:r + n])
+            r += n
+
     def set_row(self, row: int, params: SamplingParams, context=()) -> None:
         """Give a batch slot to a new request: new params, fresh generator, fresh penalty state.
 

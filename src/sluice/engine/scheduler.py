@@ -356,7 +356,12 @@ class Scheduler:
                  and not p.frequency_penalty for p in (s.params for s in seqs)]
         if all(plain):
             return logits.argmax(-1).masked_fill(~logits.isfinite().all(-1), NONFINITE)  # as Sampler does
-        return torch.cat([s.sampler(logits[i:i + 1]) for i, s in enumerate(seqs)])
+        if len(seqs) == 1:
+            return seqs[0].sampler(logits)
+        joined = Sampler.joined([s.sampler for s in seqs])  # one sort for every filtered row
+        tokens = joined(logits)
+        joined.write_back()
+        return tokens
 
     def _logprobs(self, index: list[int], seqs: list[Seq], logits: torch.Tensor, tokens: list[int]) -> dict:
         """{index in the step's list: TokenLogprob} for the sequences that asked for logprobs."""
