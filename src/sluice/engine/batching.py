@@ -14,12 +14,14 @@ committed as blocks are written (paged_cache._lazy_zeros).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterator
 
 from ..errors import RequestError
 from ..model.layers import Transformer
 from .kv_cache import STEP_BYTES_PER_LOGIT, _fmt
 from .mixed import activation_dtype
+from .outputs import RequestOutput, Stats
 from .paged_cache import DEFAULT_BLOCK_SIZE, BlockPool
 from .sampling import SamplingParams
 from .scheduler import Scheduler, Seq, Update
@@ -100,3 +102,19 @@ class BatchEngine:
                 self.scheduler.apply_aborts()
             finally:
                 self._lock.release()
+
+
+def collect(outputs: list[RequestOutput], seqs: list[Seq], t0: float) -> Stats:
+    """Copy finished (or aborted) sequences into their outputs; return the request's Stats (prefill:
+    from t0 to the last sequence's first token; decode: from there to now)."""
+    end = time.perf_counter()
+    firsts = [s.first_token_at for s in seqs if s.first_token_at is not None]
+    first = max(firsts) if firsts else end
+    stats = Stats(prompt_tokens=sum(s.prompt_len for s in seqs), rows=len(seqs),
+                  generated_tokens=sum(len(s.token_ids) for s in seqs),
+                  prefill_seconds=first - t0, decode_seconds=end - first)
+    for out, s in zip(outputs, seqs, strict=True):
+        out.token_ids, out.text = list(s.token_ids), s.text
+        out.finish_reason = s.finish_reason if s.finish_reason != "abort" else None
+        out.logprobs = list(s.logprobs) if s.params.logprobs is not None else None
+    return stats

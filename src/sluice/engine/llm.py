@@ -21,7 +21,7 @@ from .kv_cache import KVCache, check_budget, default_budget, parse_size
 from .requests import as_prompt_list, token_ids
 from .proposers import DraftProposer, PromptLookup
 from .runner import Runner
-from .batching import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, BatchEngine
+from .batching import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, BatchEngine, collect
 from .speculative import Speculator, check_draft, draft_dir, resolve_mode
 from .sampling import NONFINITE, Sampler, SamplingParams
 from .streaming import TextStream
@@ -176,18 +176,9 @@ class LLM:
             self.kernels_in_use = use_kernels(self.model, self.device, required=False)
 
     def _collect(self, outputs: list[RequestOutput], seqs: list, t0: float) -> None:
-        """Copy finished (or aborted) sequences into their outputs and last_stats; a sequence whose
-        logits went non-finite raises NumericsError, as the static path does."""
-        end = time.perf_counter()
-        firsts = [s.first_token_at for s in seqs if s.first_token_at is not None]
-        first = max(firsts) if firsts else end
-        self.last_stats = Stats(prompt_tokens=sum(s.prompt_len for s in seqs), rows=len(seqs),
-                                generated_tokens=sum(len(s.token_ids) for s in seqs),
-                                prefill_seconds=first - t0, decode_seconds=end - first)
-        for out, s in zip(outputs, seqs, strict=True):
-            out.token_ids, out.text = list(s.token_ids), s.text
-            out.finish_reason = s.finish_reason if s.finish_reason != "abort" else None
-            out.logprobs = list(s.logprobs) if s.params.logprobs is not None else None
+        """Fill the outputs and last_stats; a sequence whose logits went non-finite raises NumericsError,
+        as on the static path."""
+        self.last_stats = collect(outputs, seqs, t0)
         bad = next((s for s in seqs if s.finish_reason == "error"), None)
         if bad is not None:
             raise NumericsError(bad.error)
