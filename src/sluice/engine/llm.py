@@ -38,9 +38,10 @@ class LLM:
                  speculative: str | None = None, draft_model: str | Path | None = None,
                  num_speculative_tokens: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, batching: bool = True):
-        """kv_cache_memory: the most a request's batch state (KV cache plus per-row sampling buffers)
-        may take, as bytes or a size such as "4GiB"; None = half of the memory available when each
-        request starts. A request over it is refused before any compute, with its numbers.
+        """kv_cache_memory: the most the KV cache plus per-row sampling buffers may take, as bytes or a
+        size such as "4GiB"; None = half of the memory available then. The continuous-batching engine
+        sizes its block pool by it at its first request; the static path checks each batch against it
+        when the batch starts. A request that cannot fit is refused before any compute, with its numbers.
         compute: for bf16 weights, "bfloat16" runs the plain bf16 forward; "float32" keeps the linear
         weights in bf16 and computes the rest in fp32 (engine/mixed.py: faster on a CPU without bf16
         instructions); "auto" picks "float32" wherever the native step (fast_step.py) runs the model, and on
@@ -271,7 +272,7 @@ class LLM:
                 raise RequestError(f"prompt {i} asks for max_tokens={p.max_tokens}, which leaves no room for a "
                                    f"prompt in the context of {limit} tokens (lower max_tokens)")
         static = self.static_path
-        budget = self.kv_cache_memory or default_budget(self.device) if static else None
+        budget = (self.kv_cache_memory or default_budget(self.device)) if static else None
         dtype = activation_dtype(self.model)  # the KV cache's
         # Every row needs at least one prompt token: refuse a hopeless batch before tokenizing it.
         slots = Runner.slots_for(1 + min(p.max_tokens for p in params))

@@ -191,6 +191,12 @@ class Sampler:
             self.counts = torch.zeros(self.seen.shape, device=self.device)
         self._filters = _flags(self.params)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether every row is greedy with no penalty: then the argmax of the raw logits is all this
+        sampler does (no generator or penalty state of its own to advance)."""
+        return not self._sampled_rows and not self._use_penalty and not self._use_counts
+
     @classmethod
     def joined(cls, samplers: list[Sampler]) -> Sampler:
         """One sampler over the rows of `samplers` (the continuous-batching scheduler keeps one per

@@ -36,12 +36,13 @@ import torch
 from ..errors import RequestError
 from ..model.layers import Transformer
 from .fast_step import MAX_CHUNK, FastStep, native_check
+from .logprobs import token_logprobs
 from .paged_cache import BlockPool, PagedView
 from .sampling import NONFINITE, Sampler, SamplingParams
 from .streaming import TextStream
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: `in` and remove() compare identity, not every field
 class Seq:
     """One generation: a prompt and one SamplingParams (a request with n choices is n of these)."""
     id: int
@@ -51,11 +52,9 @@ class Seq:
     sampler: Sampler
     stream: TextStream
     stop_ids: set[int]
-    arrival: float
     blocks: list[int] = field(default_factory=list)
     serials: list[int] = field(default_factory=list)  # prefix names of this sequence's keyed blocks
     num_computed: int = 0  # tokens whose keys and values are in `blocks`
-    cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
     text: str = ""
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
@@ -124,7 +123,7 @@ class Scheduler:
         sampler.add_context(0, prompt_ids)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         seq = Seq(next(_serials), len(prompt_ids), list(prompt_ids), params, sampler,
-                  TextStream(self.decode, params.stop), stop_ids, time.perf_counter())
+                  TextStream(self.decode, params.stop), stop_ids)
         if label:
             seq.label = label
         with self._lock:
@@ -178,14 +177,16 @@ class Scheduler:
             aborts, self._aborts = self._aborts, set()
         return [self._finish(s, "abort") for s in [*self.running, *self.waiting] if s.id in aborts]
 
-    def _finish(self, seq: Seq, reason: str, error: str | None = None) -> Update:
+    def _end(self, seq: Seq, reason: str, error: str | None = None) -> None:
+        """Take seq out of the batch or the queue and give its blocks back."""
         seq.finish_reason, seq.error, seq.finished_at = reason, error, time.perf_counter()
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        (self.running if seq in self.running else self.waiting).remove(seq)
         self.pool.release_all(seq.blocks)
         seq.blocks, seq.serials = [], []
+
+    def _finish(self, seq: Seq, reason: str, error: str | None = None) -> Update:
+        """End seq without a token (an abort, non-finite logits): an empty, final update."""
+        self._end(seq, reason, error)
         update = Update(seq, "", [], None, True)
         seq.pending.append(update)
         return update
@@ -257,7 +258,7 @@ class Scheduler:
         pool.hits += len(hits)
         seq.blocks = hits + [pool.take() for _ in range(need)]
         seq.serials = [pool.serial(b) for b in hits]
-        seq.num_computed = seq.cached_tokens = computed
+        seq.num_computed = computed
         return True
 
     def _key_full_blocks(self, seqs: list[Seq]) -> None:
@@ -341,10 +342,7 @@ class Scheduler:
             seq.text += delta
             update = Update(seq, delta, [tok], [lp] if lp is not None else None, reason is not None)
             if reason is not None:
-                seq.finish_reason, seq.finished_at = reason, now
-                self.running.remove(seq)
-                self.pool.release_all(seq.blocks)
-                seq.blocks, seq.serials = [], []
+                self._end(seq, reason)
             seq.pending.append(update)
             updates.append(update)
         return updates
@@ -352,9 +350,7 @@ class Scheduler:
     def _draw(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor:
         """(N,) next tokens. Plain greedy rows (no penalty: nothing of their own to keep) take one
         argmax together; every other row its own Sampler (its generator, its penalty state)."""
-        plain = [p.temperature == 0 and p.repetition_penalty == 1 and not p.presence_penalty
-                 and not p.frequency_penalty for p in (s.params for s in seqs)]
-        if all(plain):
+        if all(s.sampler.plain_greedy for s in seqs):
             return logits.argmax(-1).masked_fill(~logits.isfinite().all(-1), NONFINITE)  # as Sampler does
         if len(seqs) == 1:
             return seqs[0].sampler(logits)
@@ -365,7 +361,6 @@ class Scheduler:
 
     def _logprobs(self, index: list[int], seqs: list[Seq], logits: torch.Tensor, tokens: list[int]) -> dict:
         """{index in the step's list: TokenLogprob} for the sequences that asked for logprobs."""
-        from .logprobs import token_logprobs
         out = token_logprobs(logits, torch.tensor(tokens), [s.params.logprobs for s in seqs],
                              lambda t: self.decode([t]))
         return dict(zip(index, out, strict=True))

@@ -59,6 +59,7 @@ class BatchServingEngine(LLMEngine):
 
     def __init__(self, *args, **kwargs):
         self._live: dict[int, _Live] = {}
+        self._owner: dict[int, tuple[_Live, int]] = {}  # sequence id -> its request and choice index
         self._batch = None
         super().__init__(*args, **kwargs)
 
@@ -155,14 +156,16 @@ class BatchServingEngine(LLMEngine):
             handle.emit(Failed(e))
             return
         seqs = [self._batch.add(ids, p) for p in params]
-        self._live[handle.number] = _Live(handle, seqs, len(ids), set(range(len(seqs))))
+        entry = self._live[handle.number] = _Live(handle, seqs, len(ids), set(range(len(seqs))))
+        self._owner.update((s.id, (entry, i)) for i, s in enumerate(seqs))
         handle.emit(Started(len(ids)))
 
     def _route(self, u) -> None:
-        entry = next((e for e in self._live.values() if u.seq in e.seqs), None)
-        if entry is None:
+        seq = u.seq
+        if seq.id not in self._owner:
             return
-        handle, index, seq = entry.handle, entry.seqs.index(u.seq), u.seq
+        entry, index = self._owner[seq.id] if not u.finished else self._owner.pop(seq.id)
+        handle = entry.handle
         if u.text or u.logprobs:
             handle.emit(Delta(index, u.text, u.logprobs))
         if not u.finished:
