@@ -9,7 +9,7 @@ import gzip
 import hashlib
 import lzma
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,8 @@ class Corpus:
     root: Path
     train: list[Path]
     heldout: list[Path]
+    # Files under corpus.train_only_parts: training tokens after `train`, nothing else.
+    extra: list[Path] = field(default_factory=list)
 
     @staticmethod
     def read(path: Path) -> str:
@@ -47,7 +49,7 @@ def load_corpus(spec: CorpusSpec) -> Corpus:
     if not root.is_dir():
         raise CorpusError(f"corpus directory {root} does not exist")
     inside = root.resolve()
-    excluded = set(spec.exclude_parts)
+    excluded, train_only = set(spec.exclude_parts), set(spec.train_only_parts)
     try:  # the recipe already refused absolute and '..' patterns; this catches malformed ones
         matches = sorted(root.glob(spec.glob))
     except (ValueError, NotImplementedError, OSError) as e:
@@ -65,13 +67,17 @@ def load_corpus(spec: CorpusSpec) -> Corpus:
     if not files:
         raise CorpusError(f"corpus {root} has no non-empty files matching {spec.glob!r} "
                           f"(excluding path parts {sorted(excluded)})")
-    train, heldout = [], []
+    train, heldout, extra = [], [], []
     for p in files:
+        if train_only & set(p.relative_to(root).parts[:-1]):
+            extra.append(p)
+            continue
         h = int.from_bytes(hashlib.sha256(p.relative_to(root).as_posix().encode()).digest()[:8], "big")
         (heldout if h % 100 < spec.heldout_percent else train).append(p)
     if not train:
-        raise CorpusError(f"corpus {root}: every file fell into the held-out split")
-    return Corpus(root, train, heldout)
+        raise CorpusError(f"corpus {root}: every file fell into the held-out split"
+                          + (" or under corpus.train_only_parts" if extra else ""))
+    return Corpus(root, train, heldout, extra)
 
 
 def train_tokenizer(corpus: Corpus, spec: TokenizerSpec) -> HFTokenizer:

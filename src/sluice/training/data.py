@@ -28,10 +28,12 @@ def prepare_data(recipe, data_dir: Path, log) -> dict:
         return _read_meta(meta_path)
     data_dir.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(recipe.corpus)
-    sizes = [p.stat().st_size for p in corpus.train + corpus.heldout]
+    sizes = [p.stat().st_size for p in corpus.train + corpus.extra + corpus.heldout]
     budget.check(budget.data_bytes(sum(sizes), max(sizes), CHUNK_CHARS), f"the corpus {corpus.root}",
                  "train on a subset (corpus.glob, corpus.exclude_parts) or split the largest files")
-    log(f"corpus {corpus.root}: {len(corpus.train)} train files, {len(corpus.heldout)} held-out files")
+    log(f"corpus {corpus.root}: {len(corpus.train)} train files"
+        + (f" + {len(corpus.extra)} train-only files" if corpus.extra else "")
+        + f", {len(corpus.heldout)} held-out files")
     t0 = time.perf_counter()
     if recipe.tokenizer.source == "train":
         tok = train_tokenizer(corpus, recipe.tokenizer)
@@ -41,12 +43,13 @@ def prepare_data(recipe, data_dir: Path, log) -> dict:
         shutil.copyfile(tokenizer_file(recipe.tokenizer), data_dir / "tokenizer.json")
         log(f"tokenizer: {tokenizer_file(recipe.tokenizer)} ({tok.get_vocab_size()} tokens), reused")
     sep = tok.token_to_id(recipe.tokenizer.special_tokens[0])
-    train_ids, train_bytes = encode_paths(tok, corpus.train, sep)
+    train_ids, train_bytes = encode_paths(tok, corpus.train + corpus.extra, sep)
     held_texts = corpus.texts("heldout")
     held_ids, held_bytes = encode_paths(tok, held_texts, sep)
     np.save(data_dir / "train.npy", train_ids)
     np.save(data_dir / "heldout.npy", held_ids)
-    meta = {"root": str(corpus.root), "train_files": len(corpus.train),
+    meta = {"root": str(corpus.root), "train_files": len(corpus.train) + len(corpus.extra),
+            "train_only_files": len(corpus.extra),
             "heldout_files": len(corpus.heldout), "train_bytes": train_bytes, "heldout_bytes": held_bytes,
             "train_tokens": int(train_ids.size), "heldout_tokens": int(held_ids.size),
             "vocab_size": tok.get_vocab_size(), "sep_id": sep,

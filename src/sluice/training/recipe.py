@@ -24,6 +24,9 @@ class CorpusSpec:
     source: str = spec("stdlib", Str())
     glob: str = spec("**/*.py", RelativeGlob())
     exclude_parts: tuple = spec(("test", "tests", "idle_test", "site-packages", "__pycache__"), StrList())
+    # Path parts whose files only add training tokens: never held out, never read by the tokenizer's
+    # BPE training. So the held-out split and a trained tokenizer are those of the corpus without them.
+    train_only_parts: tuple = spec((), StrList())
     # 0 would leave nothing to evaluate on; 100 nothing to train on.
     heldout_percent: float = spec(3, Float(0, 100))
 
