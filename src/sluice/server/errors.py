@@ -4,10 +4,12 @@ and 500 only for a bug in sluice."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from pydantic import ValidationError
 
+from ..engine.sampling_params import SamplingParams
 from ..errors import NumericsError, RequestError, SluiceError, TemplateError
 from .protocol import FIELD_NAMES, ErrorDetail, ErrorResponse
 
@@ -46,9 +48,10 @@ class ContextOverflow(RequestError):
                          "shorten the prompt or lower max_tokens")
 
 
-# SamplingParams' messages start with the field's name: "temperature must be ...".
-_FIELD_FIRST = re.compile(r"^(max_tokens|temperature|top_k|top_p|min_p|repetition_penalty|seed|stop|"
-                          r"stop_token_ids|ignore_eos) must be ")
+# SamplingParams' messages start with the field's name: "temperature must be ...". Built from its
+# fields, so a new sampling field's refusal names its parameter without an edit here.
+_FIELD_FIRST = re.compile(r"^(%s) must be " % "|".join(
+    sorted((f.name for f in dataclasses.fields(SamplingParams)), key=len, reverse=True)))
 # The engine's and tokenizer's refusals of a prompt that cannot fit (byte bound or token count).
 _TOO_LONG = re.compile(r"fit the context|more than the context|leaves no room")
 
