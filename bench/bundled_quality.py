@@ -6,7 +6,8 @@
 Per model: held-out stdlib bits per byte (its training.json, written by train.write_card at export;
 --recompute evaluates again), bits per byte on code from outside the standard library (the packages
 in quality.OUTSIDE_PACKAGES, versions recorded) next to gzip -9 and xz -9e on the same text, and
-how many greedy completions of quality.PROMPTS parse with `ast` once cut at their last complete line.
+how many greedy completions of quality.PROMPTS parse with `ast` once cut at their last complete line
+(as typed, and again after the corpus' file separator <|endoftext|>, which says "a file starts here").
 Models are evaluated in fp32 on non-overlapping windows of the recipe's train.seq_len.
 """
 
@@ -60,11 +61,14 @@ def one(model_dir: Path, outside_texts: list[str], recompute: bool, max_tokens: 
         heldout = card["heldout"]
     outside = bpb(model, tok, outside_texts, seq_len)
     del model
-    parse = quality.completion_parse_share(sluice.LLM(model_dir), max_tokens=max_tokens)
+    llm = sluice.LLM(model_dir)
+    parse = quality.completion_parse_share(llm, max_tokens=max_tokens)
+    # The same prompts after the corpus' file separator: "this starts a file" (a top-level def)
+    parse_start = quality.completion_parse_share(llm, max_tokens=max_tokens, start_token="<|endoftext|>")
     return {"model": str(model_dir), "params": card.get("params"), "tokens_seen": card.get("tokens_seen"),
             "train_wall_seconds": card.get("train_wall_seconds"),
             "heldout_bpb": heldout["bpb"], "heldout": heldout, "heldout_baselines": card.get("baselines", {}),
-            "outside_bpb": outside["bpb"], "outside": outside, "parse": parse,
+            "outside_bpb": outside["bpb"], "outside": outside, "parse": parse, "parse_file_start": parse_start,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -91,7 +95,8 @@ def main() -> None:
         res["models"].append(r)
         print(f"{d}: held-out stdlib {r['heldout_bpb']:.3f} bits/byte, outside {r['outside_bpb']:.3f} "
               f"({r['outside_bpb'] / base['xz-9e'] - 1:+.1%} vs xz -9e), completions parsing "
-              f"{r['parse']['parsed']}/{r['parse']['prompts']}  [{r['seconds']} s]", flush=True)
+              f"{r['parse']['parsed']}/{r['parse']['prompts']} ({r['parse_file_start']['parsed']} after the file "
+              f"separator)  [{r['seconds']} s]", flush=True)
     save_json(args.json, res)
 
 

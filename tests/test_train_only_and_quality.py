@@ -121,3 +121,19 @@ def test_bundled_model_completions_are_counted():
     r = quality.completion_parse_share(sluice.LLM(), prompts=quality.PROMPTS[:4], max_tokens=24)
     assert r["prompts"] == 4 and len(r["rows"]) == 4 and r["parsed"] == sum(x["parses"] for x in r["rows"])
     assert all(row["completion"] for row in r["rows"])
+
+
+def test_start_token_goes_before_each_prompt():
+    class Ids(_Fixed):
+        tokenizer = sluice.Tokenizer.from_pretrained(sluice.model.loading.bundled_model_dir())
+
+        def generate(self, prompts, params):
+            self.seen = prompts
+            return [type("Out", (), {"text": "\n    return 1\n"})() for _ in prompts]
+
+    llm = Ids({})
+    r = quality.completion_parse_share(llm, prompts=("def f():",), max_tokens=16, start_token="<|endoftext|>")
+    sep = llm.tokenizer.token_to_id("<|endoftext|>")
+    assert llm.seen == [[sep, *llm.tokenizer.encode("def f():", add_special_tokens=False)]] and r["parsed"] == 1
+    with pytest.raises(quality.QualityError, match="not in the model's vocabulary"):
+        quality.completion_parse_share(llm, prompts=("def f():",), max_tokens=16, start_token="<|nope|>")

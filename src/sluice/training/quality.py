@@ -94,18 +94,26 @@ def parses(source: str) -> bool:
     return True
 
 
-def completion_parse_share(llm, prompts=PROMPTS, max_tokens: int = 64) -> dict:
+def completion_parse_share(llm, prompts=PROMPTS, max_tokens: int = 64, start_token: str | None = None) -> dict:
     """Greedy completions of the prompts, each cut at its last complete line: how many parse.
 
     A prompt plus a completion that has not finished one line is the bare prompt, which does not
-    parse (a header without a body): a model that never ends a line scores 0."""
+    parse (a header without a body): a model that never ends a line scores 0. start_token (the
+    corpus' file separator, "<|endoftext|>") goes before each prompt's tokens: it tells a model
+    trained on separated files that the prompt starts a file, not the middle of one."""
     from ..engine.sampling import SamplingParams
 
-    outs = llm.generate(list(prompts), SamplingParams(max_tokens=max_tokens, temperature=0))
+    todo = list(prompts)
+    if start_token is not None:
+        start = llm.tokenizer.token_to_id(start_token)
+        if start is None:
+            raise QualityError(f"start_token {start_token!r} is not in the model's vocabulary")
+        todo = [[start, *llm.tokenizer.encode(p, add_special_tokens=False)] for p in prompts]
+    outs = llm.generate(todo, SamplingParams(max_tokens=max_tokens, temperature=0))
     rows = []
     for prompt, out in zip(prompts, outs, strict=True):
         source = cut_at_last_line(prompt + out.text)
         rows.append({"prompt": prompt, "completion": out.text, "parses": parses(source)})
     ok = sum(r["parses"] for r in rows)
     return {"parsed": ok, "prompts": len(rows), "share": ok / len(rows), "max_tokens": max_tokens,
-            "rows": rows}
+            "start_token": start_token, "rows": rows}
