@@ -245,14 +245,19 @@ def plan_checkpoint(cfg, model_dir: Path) -> dict[str, Planned]:
 
 
 def load_weights(model: torch.nn.Module, model_dir: Path, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", plan: dict[str, Planned] | None = None) -> None:
+                 device: torch.device | str = "cpu", plan: dict[str, Planned] | None = None,
+                 slices=None) -> None:
     """Fill `model` (built on the meta device) from the checkpoint in `model_dir`, cast to `dtype`.
 
     `plan` is plan_checkpoint's answer (made here when not given): every expected tensor is present
     with the expected shape, and anything unexpected was an error, because a silently ignored
     tensor means silently wrong numbers. Fused HF tensors (GPT-2's c_attn, NeoX's query_key_value)
     are split into q, k, v and Conv1D weights transposed, so inside sluice every family has the
-    same named parameters."""
+    same named parameters.
+
+    `slices` (tensor parallelism, parallel/sharding.py): a function of a sluice tensor name giving
+    the index (a tuple of slices) of the part this process keeps, or None for the whole tensor. Only
+    that part is read from the file, so no process materialises a full matrix it shards."""
     plan = plan_checkpoint(model.config, Path(model_dir)) if plan is None else plan
     by_file: dict[Path, list[tuple[str, Planned]]] = {}
     for hf_name, p in plan.items():
@@ -265,7 +270,11 @@ def load_weights(model: torch.nn.Module, model_dir: Path, dtype: torch.dtype,
             raise CheckpointError(f"cannot read {path.name}: {e}") from None
         with f:
             for hf_name, p in tensors:
-                t = f.get_tensor(hf_name)
+                index = slices(p.names[0]) if slices is not None else None
+                if index is not None and p.split is not None:
+                    raise CheckpointError(f"{shown(hf_name)} is a fused tensor ({p.split}); reading a "
+                                          "shard of it is not implemented")
+                t = f.get_tensor(hf_name) if index is None else f.get_slice(hf_name)[index]
                 pieces = _split(t, p.split, list(p.shapes), model.config.head_dim)
                 for n, piece in zip(p.names, pieces, strict=True):
                     loaded[n] = piece.to(device=device, dtype=dtype).contiguous()
