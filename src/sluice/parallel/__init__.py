@@ -1,0 +1,16 @@
+"""Tensor parallelism on torch.distributed: a model split over N processes (ranks).
+
+group.py     the process group, its timeout, and every collective (failures -> ParallelError)
+sharding.py  which slice of each tensor a rank keeps, and what cannot be split
+layers.py    the row-parallel linear and the vocabulary-parallel embedding
+loading.py   a rank's model: sluice's Transformer on the rank's config, filled with its slices only
+sampling.py  log Z, greedy and seeded sampling over the vocabulary shards, no logits gathered
+"""
+
+from .group import ParallelError, Ranks, init, shutdown
+from .loading import build_rank_model, load_rank, resident_bytes
+from .sampling import ParallelSampler, greedy, log_z
+from .sharding import check_shardable, rank_config, vocab_range
+
+__all__ = ["ParallelError", "ParallelSampler", "Ranks", "build_rank_model", "check_shardable", "greedy", "init",
+           "load_rank", "log_z", "rank_config", "resident_bytes", "shutdown", "vocab_range"]

@@ -1,0 +1,68 @@
+"""One rank's part of a checkpoint: sluice's own Transformer built on the rank's config, with o,
+down, the embedding and the LM head swapped for their parallel forms, and filled with only this
+rank's slices of each tensor (sluice's loader reads them with safetensors' get_slice).
+
+The model's forward returns this rank's shard of the logits, (B, T, V/N) for the vocabulary ids
+vocab_range(cfg, rank, world); parallel/sampling.py turns shards into tokens and log Z without
+gathering them.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from ..model.config import ModelConfig
+from ..model.hub import resolve_model_dir
+from ..model.layers import Transformer
+from ..model.loading import parse_device, parse_dtype
+from ..model.weights import load_weights, plan_checkpoint
+from . import group
+from .layers import RowParallelLinear, VocabParallelEmbedding
+from .sharding import rank_config, slice_of, vocab_range
+
+
+def build_rank_model(cfg: ModelConfig, rank: int, world: int) -> Transformer:
+    """The model of rank `rank`, on the meta device (no memory), ready for load_state_dict(assign=True)."""
+    local = rank_config(cfg, world)
+    with torch.device("meta"):
+        model = Transformer(local)
+        start = vocab_range(cfg, rank, world).start
+        model.embed = VocabParallelEmbedding(local.vocab_size, local.hidden_size, start)
+        for block in model.layers:
+            o, down = block.attn.o, block.mlp.down
+            block.attn.o = RowParallelLinear(o.in_features, o.out_features, bias=o.bias is not None)
+            block.mlp.down = RowParallelLinear(down.in_features, down.out_features, bias=down.bias is not None)
+        model.tie_weights()
+    model.full_config = cfg  # the whole model's config, for what needs the global sizes
+    model.rank, model.world = rank, world
+    return model
+
+
+def load_rank(path_or_repo_id: str | Path, ranks: group.Ranks, dtype="float32", device="cpu") -> Transformer:
+    """This rank's part of the checkpoint, in eval mode. Every rank checks the whole checkpoint
+    against its config (headers only) and that all ranks read the same one, before reading data."""
+    torch_dtype, dev = parse_dtype(dtype), parse_device(device)
+    model_dir = resolve_model_dir(path_or_repo_id)
+    cfg = ModelConfig.from_hf(model_dir)
+    plan = plan_checkpoint(cfg, model_dir)  # the full checkpoint, so a bad file fails as it would unsharded
+    group.check_same_checkpoint(model_dir)
+    model = build_rank_model(cfg, ranks.rank, ranks.world)
+    load_weights(model, model_dir, torch_dtype, dev, plan,
+                 slices=partial(slice_of, cfg, ranks.rank, ranks.world))
+    model.tie_weights()
+    model.reset_rope(dev)
+    model.model_dir = model_dir
+    return model.eval().requires_grad_(False)
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct parameters the model holds (a tied weight once; RoPE tables not counted)."""
+    seen, total = set(), 0
+    for t in model.parameters():
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total

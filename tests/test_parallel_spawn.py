@@ -1,0 +1,72 @@
+"""Running a function on N gloo ranks from a test, and the collectives' own checks.
+
+run_ranks starts N spawned processes, each joining a fresh gloo group through a file store, and
+collects what each wrote; a worker's traceback is shown in the failing test. The parity and error
+tests (test_parallel_parity.py, test_parallel_errors.py) run their workers through it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def _entry(target, rank: int, world: int, store: str, out: str, timeout_s: float, args) -> None:
+    torch.set_num_threads(1)  # N ranks share this machine's cores
+    from sluice import parallel as P
+    try:
+        ranks = P.init(rank, world, store, timeout_s=timeout_s)
+        result = target(ranks, *args)
+        Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(("ok", result)))
+    except BaseException as e:  # report everything, including a ParallelError the test expects
+        Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(("error", (type(e).__name__, str(e),
+                                                                         traceback.format_exc()))))
+    finally:
+        P.shutdown()
+
+
+def run_ranks(tmp: Path, world: int, target, *args, timeout_s: float = 60.0, wait_s: float = 600.0) -> list:
+    """target(ranks, *args) on `world` ranks -> [("ok", result) or ("error", (type, message, traceback))
+    or ("missing", exitcode)] by rank. Processes still alive after wait_s are killed."""
+    tmp = Path(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    store = tmp / "store"
+    store.unlink(missing_ok=True)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(target, r, world, f"file://{store}", str(tmp), timeout_s, args))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(wait_s)
+    results = []
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            p.join()
+        f = tmp / f"rank{r}.pkl"
+        results.append(pickle.loads(f.read_bytes()) if f.exists() else ("missing", p.exitcode))
+    return results
+
+
+def ok(results: list) -> list:
+    """The results, after failing the test with the first worker error."""
+    for r, (kind, value) in enumerate(results):
+        assert kind == "ok", f"rank {r}: {kind}: {value if kind == 'missing' else value[2]}"
+    return [v for _, v in results]
+
+
+def _sums(ranks):
+    from sluice.parallel import group
+    t = torch.full((3,), float(ranks.rank + 1))
+    gathered = group.all_gather(torch.tensor([ranks.rank]))
+    return group.all_reduce(t).tolist(), gathered.flatten().tolist()
+
+
+def test_collectives_on_two_ranks(tmp_path):
+    for sums, gathered in ok(run_ranks(tmp_path, 2, _sums)):
+        assert sums == [3.0, 3.0, 3.0] and gathered == [0, 1]
