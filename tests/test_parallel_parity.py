@@ -1,7 +1,8 @@
 """Tensor parallelism on 2 and 4 gloo ranks equals the single-process sluice model.
 
 One spawn per world size runs every check on every family (starting ranks is the slow part) and the
-tests assert on what rank 0 measured. Families: Llama (KV heads split), Qwen2 (q/k/v biases, KV
+tests assert on what rank 0 measured. Families: Llama (KV heads split, biases on q/k/v/o and the
+MLP: the row-parallel o and down add theirs once, after the all-reduce), Qwen2 (q/k/v biases, KV
 heads replicated at 4 ranks), Qwen3 (per-head qk-norm, tied embeddings, one KV head replicated on
 every rank), Gemma 2 (sandwich norms, attention and final soft-caps, embedding scale).
 """
@@ -14,7 +15,7 @@ import torch
 from test_parallel_spawn import ok, run_ranks
 
 _SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8)
-FAMILIES = {"llama": dict(num_key_value_heads=4), "qwen2": dict(num_key_value_heads=2),
+FAMILIES = {"llama": dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True), "qwen2": dict(num_key_value_heads=2),
             "qwen3": dict(num_key_value_heads=1, tie_word_embeddings=True),
             "gemma2": dict(num_key_value_heads=2)}
 PROMPT = [[3, 17, 42, 5, 88, 60, 11], [9, 9, 70, 1, 33, 47, 95], [50, 2, 64, 31, 7, 80, 22]]
@@ -106,7 +107,8 @@ def _check_family(ranks, d):
                    ref_greedy=_loop(ref, prompt, lambda x: x.argmax(-1), NEW),
                    ref_sampled=_loop(ref, prompt, Sampler(params, ref.config.vocab_size), NEW),
                    ref_bytes=P.resident_bytes(ref), cfg=ref.config,
-                   norm_bytes=sum(p.numel() * 4 for n, p in ref.named_parameters() if "norm" in n),
+                   repl_bytes=sum(p.numel() * 4 for n, p in ref.named_parameters()  # replicated on every rank
+                                  if "norm" in n or n.endswith(("attn.o.bias", "mlp.down.bias"))),
                    kv_bytes=sum(p.numel() * 4 for n, p in ref.named_parameters() if ".attn.k." in n or ".attn.v." in n))
     return res
 
@@ -167,14 +169,15 @@ def test_greedy_and_seeded_generation_equal_single_process(world_run, fam):
 def test_each_rank_holds_about_one_nth_of_the_weights(world_run, fam):
     world, results = world_run
     r0 = results[0]["families"][fam]
-    cfg, full, norms, kv = r0["cfg"], r0["ref_bytes"], r0["norm_bytes"], r0["kv_bytes"]
+    cfg, full, repl, kv = r0["cfg"], r0["ref_bytes"], r0["repl_bytes"], r0["kv_bytes"]
     kv_rank = kv * max(1, cfg.num_kv_heads // world) // cfg.num_kv_heads  # replicated KV heads count whole
-    expected = (full - norms - kv) // world + norms + kv_rank
+    expected = (full - repl - kv) // world + repl + kv_rank
     got = [res["families"][fam]["bytes"] for res in results]
     print(f"{fam} world={world} full={full} per rank={got} expected={expected}")
     assert got == [expected] * world
-    for res in results:  # sharded tensors were read as slices; only 1-D replicated ones whole
-        assert all("norm" in n for n in res["families"][fam]["whole"]), res["families"][fam]["whole"]
+    for res in results:  # sharded tensors were read as slices; only replicated ones whole
+        whole = res["families"][fam]["whole"]
+        assert all("norm" in n or n.endswith(("o_proj.bias", "down_proj.bias")) for n in whole), whole
 
 
 def test_sampler_equals_single_process_sampler(world_run):
