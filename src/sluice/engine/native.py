@@ -22,6 +22,26 @@ import torch
 # is compiled with OpenMP; without it the pragma is dropped and the kernel runs on one core (what the
 # first measurements in docs/benchmarks.md saw: 9-10 GB/s against 13-16 with two threads).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# torch's build lock (a file named `lock` in the build directory) is removed by the process that
+# built; one killed mid-build leaves it, and every later load would wait on it forever. A build takes
+# about a minute here: a lock this much older than that belongs to no live build.
+STALE_LOCK_SECONDS = 15 * 60
+
+
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Remove build_dir/lock if it is older than STALE_LOCK_SECONDS; True if it did."""
+    import time
+    lock = Path(build_dir) / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except OSError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False
+    print(f"sluice: removing a stale build lock {lock} ({age / 60:.0f} min old; a killed build left it)",
+          file=sys.stderr, flush=True)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def cpu_flags() -> set[str]:
@@ -51,7 +71,9 @@ class NativeExtension:
         tag = hashlib.sha256(self.source.read_bytes() + " ".join(sorted(cpu_flags()) + CFLAGS).encode()
                              + torch.__version__.encode()).hexdigest()[:12]
         name = f"sluice_{self.source.stem}_{tag}"
-        if not any(Path(_get_build_directory(name, verbose=False)).glob("*.so")):
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        clear_stale_lock(build_dir)
+        if not any(build_dir.glob("*.so")):
             print(f"sluice: building its {self.what} (once per machine, about a minute)...",
                   file=sys.stderr, flush=True)
         return load(name=name, sources=[str(self.source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
