@@ -50,8 +50,7 @@ class ContextOverflow(RequestError):
 
 # SamplingParams' messages start with the field's name: "temperature must be ...". Built from its
 # fields, so a new sampling field's refusal names its parameter without an edit here.
-_FIELD_FIRST = re.compile(r"^(%s) must be " % "|".join(
-    sorted((f.name for f in dataclasses.fields(SamplingParams)), key=len, reverse=True)))
+_FIELD_FIRST = re.compile(r"^(%s) must be " % "|".join(f.name for f in dataclasses.fields(SamplingParams)))
 # The engine's and tokenizer's refusals of a prompt that cannot fit (byte bound or token count).
 _TOO_LONG = re.compile(r"fit the context|more than the context|leaves no room")
 
