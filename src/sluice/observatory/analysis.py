@@ -111,17 +111,23 @@ class _Tokens:
         return self.cache[i]
 
 
-def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict:
+def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict | None:
     """Measure everything the observatory knows about one forward of `prompt` (see module doc).
 
-    progress: None = show a progress bar on stderr for long prompts or big models."""
-    cfg = model.config
+    progress: None = show a progress bar on stderr for long prompts or big models.
+    On a tensor-parallel rank model (parallel.load_rank), every rank calls this with the same prompt;
+    the probes and the lens reduce over the ranks (observatory/sharded.py) and rank 0 gets the dict
+    a single process would build, the other ranks None."""
+    sharded = getattr(model, "world", 1) > 1
+    root = getattr(model, "rank", 0) == 0
+    cfg = getattr(model, "full_config", model.config)  # a rank model's own config is its narrow part
     # max_tokens: a prompt too long for the context is refused from its byte count, before tokenizing
     ids = tokenizer.encode(prompt, max_tokens=cfg.max_position_embeddings) if prompt else []
     check_prompt(prompt, ids, cfg.max_position_embeddings)
     T = len(ids)
     text = _Tokens(tokenizer)
     show = progress if progress is not None else (T >= PROGRESS_TOKENS or cfg.num_params >= PROGRESS_PARAMS)
+    show = show and root
     data: dict = {"schema": SCHEMA, "prompt": prompt,
                   "model": {"name": Path(getattr(model, "model_dir", "model")).name,
                             "path": str(getattr(model, "model_dir", "")),
@@ -143,18 +149,19 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict
                 stack.callback(h.remove)
             h = model.layers[-1].register_forward_hook(lambda _m, _i, out: last.update(x_L=out.detach()))
             stack.callback(h.remove)
-            logits = model(x)[0]  # (T, V) fp32
+            logits = model(x)[0]  # (T, V) fp32; (T, V/N) on a tensor-parallel rank
         _probes(data, obs, text)
         nonfinite = data["nonfinite"]["first"] is not None
         steps = bar.add_task("lens, softmax safety, growth fit", total=3)
         _attempt(data, "lens", nonfinite, lambda: _lens(data, model, x, text))
         bar.advance(steps)
-        _attempt(data, "softmax_safety", nonfinite, lambda: _softmax(data, model, logits, last["x_L"][0]))
+        _attempt(data, "softmax_safety", nonfinite,
+                 lambda: _softmax(data, model, logits, last["x_L"][0], sharded))
         bar.advance(steps)
         ms = [float(np.mean(np.square(r))) for r in data["residual"]["rms"]]  # mean square per layer
         _attempt(data, "growth", nonfinite, lambda: data.update(growth=fit_growth(ms)))
         bar.advance(steps)
-    return data
+    return data if root else None
 
 
 def _attempt(data: dict, name: str, nonfinite: bool, fn) -> None:
@@ -220,11 +227,18 @@ def _lens(data: dict, model, x: torch.Tensor, text) -> None:
                     "entropy": _rows(lens.entropy), "predicted": lens.predicted[0].tolist()}
 
 
-def _softmax(data: dict, model, logits: torch.Tensor, x_last: torch.Tensor) -> None:
+def _softmax(data: dict, model, logits: torch.Tensor, x_last: torch.Tensor, sharded: bool = False) -> None:
     """The softmax check on the real logits, and on what the LM head gives when the final norm is
-    bypassed (x_L straight into the head): the case the final norm exists to prevent."""
+    bypassed (x_L straight into the head): the case the final norm exists to prevent. Under tensor
+    parallelism both (T, V) are gathered to rank 0, which alone computes this part (sharded.py)."""
     with torch.inference_mode():
-        raw = head_logits(model, x_last, final_norm=False).float()  # (T, V)
+        raw = head_logits(model, x_last, final_norm=False).float()  # (T, V), or (T, V/N) on a rank
+    if sharded:
+        from .sharded import gather_to_root
+        both = gather_to_root(torch.stack([logits.float(), raw]))  # (2, T, V) on rank 0
+        if both is None:
+            return
+        logits, raw = both[0], both[1]
     data["softmax_safety"] = {"with_final_norm": softmax_safety(logits),
                               "without_final_norm": softmax_safety(raw)}
     per_pos = lambda z: {"max": z.amax(-1).tolist(), "logsumexp": torch.logsumexp(z, -1).tolist()}  # noqa: E731

@@ -85,7 +85,10 @@ def logit_lens(model: Transformer, ids: torch.Tensor, topk: int = 5,
     """Apply the logit lens to every layer for input ids (B, T); see LensResult for what comes back.
 
     max_bytes: refuse (ObservatoryError, naming the size) when the captured stream plus the logits
-    working set would exceed it."""
+    working set would exceed it. A tensor-parallel rank model takes observatory/sharded.py's lens."""
+    if getattr(model, "world", 1) > 1:
+        from .sharded import sharded_lens
+        return sharded_lens(model, ids, topk, max_bytes)
     if ids.ndim != 2:
         raise ObservatoryError(f"logit_lens takes token ids of shape (B, T), got {tuple(ids.shape)}")
     V = model.config.vocab_size

@@ -373,5 +373,9 @@ def observe(model: Transformer, topk: int = 4, capacity: tuple[int, int] = (1, 1
 
     topk: how many largest-magnitude channels to keep per token and layer. capacity: (batch,
     tokens) to preallocate for (a larger forward re-allocates once). max_bytes: refuse statistics
-    buffers larger than this."""
+    buffers larger than this. On one rank of a tensor-parallel model (parallel.load_rank) the probes
+    reduce over the ranks to the single-process numbers (observatory/sharded.py)."""
+    if getattr(model, "world", 1) > 1:
+        from .sharded import ParallelObservation
+        return ParallelObservation(model, topk=topk, capacity=capacity, max_bytes=max_bytes)
     return Observation(model, topk=topk, capacity=capacity, max_bytes=max_bytes)

@@ -182,6 +182,12 @@ def _scale_branches(model: Transformer, factors: dict[str, float], undo: list, n
         f"{b} x{f:g}" for b, f in factors.items()) + f" (a hook on each {where} output)")
 
 
+def _refuse_sharded(model) -> None:
+    if getattr(model, "world", 1) > 1:  # its before/after measures read whole logits and sample greedily
+        raise SurgeryError("surgery is not implemented under tensor parallelism (a rank model holds a "
+                           "shard of the logits): run it on one process, without --tp")
+
+
 @contextmanager
 def apply(model: Transformer, surgeries):
     """Apply `surgeries` (strings or Surgery) to `model` for the `with` block; yields an Applied.
@@ -190,6 +196,7 @@ def apply(model: Transformer, surgeries):
     reverse order, so the model is exactly what it was (same module objects, attributes, hooks)."""
     if not isinstance(model, Transformer):
         raise SurgeryError(f"surgery works on a sluice Transformer, got {type(model).__name__}")
+    _refuse_sharded(model)
     done = Applied(parse(surgeries))
     undo: list = []
     factors: dict[str, float] = {}
@@ -229,6 +236,7 @@ def compare(model: Transformer, tokenizer, surgeries, text: str | None = None,
     model (the bundled model has one), else the bundled model's, with a note. prompt: what the
     greedy continuations continue; default the start of the text. See surgery_eval.py."""
     from . import surgery_eval as ev
+    _refuse_sharded(model)
     plan = parse(surgeries)
     inputs = ev.prepare(model, tokenizer, text, prompt, max_new_tokens)
     with apply(model, plan) as done:  # first, so a surgery that does not apply is refused at once
