@@ -6,32 +6,42 @@ ranks:
   log Z = M + log sum_r s_r exp(m_r - M) with M = max_r m_r.
 - greedy: each rank's (max, global id of its first max); the merged winner is the largest value,
   ties to the lowest id, which is exactly torch.argmax over the full row.
+- penalties: elementwise on a token's own logit, so each rank applies them to its columns, with the
+  seen mask and counts of its columns (the token history is the same on every rank).
+- filters: top_k, top_p and min_p each keep a prefix of the row sorted by (value, then id), so what
+  survives is decided by a few merged numbers (filters.py).
 - sampling: the exponential race of engine/sampling.py, argmax(x / T - log E). Every rank draws the
   noise E over the FULL vocabulary from a generator seeded as the single-process Sampler seeds it,
   and keeps the columns of its own ids, so each id gets the very number a single process gives it;
   the race is then merged like greedy. Drawing V numbers per row per step on each rank costs what a
   single process pays (a counter-based generator could draw only the shard; it would change the
-  single-process streams, so it is not done here).
-With the same logits, the tokens are therefore identical to the single-process Sampler's.
+  single-process streams, so it is not done here). A request without a seed gets a different
+  random seed on each rank: the columns' noise is then independent across ranks, which is still an
+  exact exponential race (only not reproducible, as without a seed in one process).
+With the same logits, the tokens are therefore those of the single-process Sampler.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from ..engine.sampling import NONFINITE, SamplingParams, _generator
-from ..errors import RequestError
+from ..engine.sampling import NONFINITE, Sampler, SamplingParams, _generator, _row_tensors
 from . import group
+from .filters import filter_shard
 
 
 def log_z(local: torch.Tensor) -> torch.Tensor:
-    """(B, V/N) logits shard -> (B,) fp32 log of the softmax's normaliser over the full vocabulary."""
+    """(B, V/N) logits shard -> (B,) fp32 log of the softmax's normaliser over the full vocabulary.
+    A shard (or a whole row) of -inf contributes nothing (a row of -inf gives -inf, as logsumexp)."""
     x = local.float()
     m = x.amax(-1)  # (B,)
-    s = (x - m[:, None]).exp().sum(-1)
+    # exp(x - m) with m = -inf would be exp(NaN): shift such a shard by 0 instead, its sum is then 0.
+    s = (x - torch.where(m.isfinite(), m, 0)[:, None]).exp().sum(-1)
     both = group.all_gather(torch.stack((m, s), -1))  # (N, B, 2)
     ms, ss = both[..., 0], both[..., 1]
     M = ms.amax(0)  # (B,)
+    M = torch.where(M.isfinite(), M, 0)  # every shard -inf: the sum below is 0 and log 0 = -inf
     return M + (ss * (ms - M).exp()).sum(0).log()
 
 
@@ -53,60 +63,80 @@ def greedy(local: torch.Tensor, start: int) -> torch.Tensor:
     return _merge_argmax(value, idx + start)
 
 
-class ParallelSampler:
-    """engine/sampling.Sampler for a vocabulary-parallel head: greedy, temperature and top_k rows,
-    drawing exactly the tokens the single-process Sampler draws from the same logits and seeds.
-    Top-p, min-p and the penalties need the sorted or counted full vocabulary; they are refused."""
+def any_rank(flags: torch.Tensor) -> torch.Tensor:
+    """(B,) bool -> (B,) bool: true where it is true on some rank."""
+    return group.all_reduce(flags.float(), op=dist.ReduceOp.MAX).bool()
+
+
+class ParallelSampler(Sampler):
+    """engine/sampling.Sampler over this rank's vocabulary columns start..stop: the same params,
+    filters, penalties and per-row generators, drawing exactly the tokens the single-process Sampler
+    draws from the same logits and seeds. Its seen mask and counts cover its own columns only; token
+    ids going in and out are global. joined(), write_back() and set_row() are Sampler's own."""
 
     def __init__(self, params: list[SamplingParams], vocab_size: int, start: int, stop: int, device="cpu"):
+        self.vocab_size, self.start, self.stop = vocab_size, start, stop  # vocab_size: the whole vocabulary's
+        self.device = torch.device(device)
         self.params = [p.with_defaults(None) for p in params]
         for p in self.params:
             p.validate(vocab_size)
-            for name, off in (("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
-                              ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-                if getattr(p, name) != off:
-                    raise RequestError(f"{name}={getattr(p, name)!r} is not implemented with tensor "
-                                       "parallelism yet (greedy, temperature and top_k are)")
-        self.vocab_size, self.start, self.stop = vocab_size, start, stop
-        self.device = torch.device(device)
         B = len(self.params)
-        self.greedy_rows = torch.tensor([p.temperature == 0 for p in self.params], device=self.device)
-        self.temperature = torch.tensor([p.temperature or 1.0 for p in self.params], device=self.device)
-        self.top_k = [0 if p.top_k <= 0 else min(p.top_k, vocab_size) for p in self.params]
-        self._sampled = [i for i, p in enumerate(self.params) if p.temperature > 0]
+        self.rows = _row_tensors(self.params, vocab_size, self.device)
+        self.seen = torch.zeros(B, stop - start, dtype=torch.bool, device=self.device)  # (B, V/N)
+        self.counts = None
+        self._ones = torch.ones(B, 1, device=self.device)
+        self._noise = None
         self._generators = [_generator(p.seed, self.device) for p in self.params]
-        self._noise = torch.ones(B, vocab_size, device=self.device) if self._sampled else None
+        self._refresh_flags()
 
-    def _kth_largest(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, V/N) scaled logits -> (B, 1) the k-th largest value over the full vocabulary per row
-        (-inf where top_k is off): every rank's k largest hold the global k largest."""
-        k = max(self.top_k)
-        mine = x.topk(min(k, x.shape[-1]), -1).values  # (B, k')
-        every = group.all_gather(mine).permute(1, 0, 2).reshape(x.shape[0], -1)  # (B, N*k')
-        ranked = every.sort(-1, descending=True).values
-        ks = torch.tensor([max(kk, 1) for kk in self.top_k], device=x.device)
-        kth = ranked.gather(1, ks[:, None] - 1)
-        off = torch.tensor([kk == 0 for kk in self.top_k], device=x.device)
-        return kth.masked_fill(off[:, None], float("-inf"))
+    @classmethod
+    def joined(cls, samplers: list[Sampler]) -> ParallelSampler:
+        self = super().joined(samplers)
+        self.start, self.stop = samplers[0].start, samplers[0].stop
+        return self
 
-    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+    def _local(self, token_ids) -> torch.Tensor:
+        ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device).reshape(-1) - self.start
+        return ids[(ids >= 0) & (ids < self.stop - self.start)]
+
+    def add_context(self, row: int, token_ids) -> None:
+        self.seen[row, self._local(token_ids)] = True
+
+    def add_generated(self, row: int, token_ids) -> None:
+        ids = self._local(token_ids)
+        self.seen[row, ids] = True
+        if self.counts is not None:
+            self.counts[row].index_add_(0, ids, torch.ones(ids.shape, device=self.device))
+
+    def _record(self, tokens: torch.Tensor) -> None:
+        """Mark the drawn tokens that fall in this rank's columns (no host sync)."""
+        local = tokens - self.start
+        mine = ((local >= 0) & (local < self.seen.shape[1]))[:, None]  # (B, 1)
+        idx = local.clamp(0, self.seen.shape[1] - 1)[:, None]
+        if self._use_penalty:
+            self.seen.scatter_(1, idx, self.seen.gather(1, idx) | mine)
+        if self._use_counts:
+            self.counts.scatter_add_(1, idx, mine.float())
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V/N) logits shard -> (B,) int64 ids over the full vocabulary, the same on every rank;
         NONFINITE for rows whose logits (on any rank) are not all finite."""
-        x = local.float()
-        broken = (~x.isfinite().all(-1)).float()  # (B,)
-        group.all_reduce(broken, op=torch.distributed.ReduceOp.MAX)
-        tokens = greedy(x, self.start)
-        if self._sampled:
-            # Sampler._filter's scaling, with the max taken over every shard.
-            M = group.all_reduce(x.amax(-1), op=torch.distributed.ReduceOp.MAX)
-            scaled = (x - M[:, None]) / self.temperature[:, None]
-            if any(self.top_k[i] for i in self._sampled):
-                scaled = scaled.masked_fill(scaled < self._kth_largest(scaled), float("-inf"))
-            for i in self._sampled:
+        assert logits.shape == self.seen.shape, f"logits {tuple(logits.shape)} != {tuple(self.seen.shape)}"
+        x = logits.float()
+        broken = any_rank(~x.isfinite().all(-1))
+        x = self.penalize(x)
+        tokens = None
+        if self._sampled_rows:
+            filtered = filter_shard(x, self.params, self.rows, self._filters, self.start)
+            if self._noise is None:
+                self._noise = torch.ones(x.shape[0], self.vocab_size, device=self.device)
+            for i in self._sampled_rows:
                 self._noise[i].exponential_(generator=self._generators[i])
             self._noise.clamp_min_(torch.finfo(torch.float32).tiny)
-            raced = scaled - self._noise[:, self.start:self.stop].log()
-            value, idx = raced.max(-1)
-            drawn = _merge_argmax(value, idx + self.start)
-            tokens = torch.where(self.greedy_rows, tokens, drawn)
-        return tokens.masked_fill(broken.bool(), NONFINITE)
+            value, idx = (filtered - self._noise[:, self.start:self.stop].log()).max(-1)
+            tokens = _merge_argmax(value, idx + self.start)
+        if self._any_greedy:
+            top = greedy(x, self.start)
+            tokens = top if tokens is None else torch.where(self.rows["greedy"], top, tokens)
+        self._record(tokens)
+        return tokens.masked_fill(broken, NONFINITE)
