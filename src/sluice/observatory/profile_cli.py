@@ -104,13 +104,21 @@ def cmd_roofline(args) -> int:
     from .profile_report import prepare_out_dir, save
     from .profile_tables import print_roofline
     from .roofline import HARDWARE_NAMES, roofline
+    from .roofline_tp import INTERCONNECTS
     if args.hardware not in HARDWARE_NAMES:
         raise ObservatoryError(f"--hardware must be one of {', '.join(HARDWARE_NAMES)}, got {args.hardware!r}")
+    if args.interconnect is not None and args.interconnect not in INTERCONNECTS:
+        raise ObservatoryError(f"--interconnect must be one of {', '.join(INTERCONNECTS)}, got {args.interconnect!r}")
     dtype = parse_dtype(args.dtype)
     batch, context = _positive_int(args.batch, "--batch"), _positive_int(args.context, "--context")
+    tp = _positive_int(args.tp, "--tp")
+    link = {"link_bandwidth": _float(args.link_bandwidth, "--link-bandwidth"),
+            "link_latency": _float(args.link_latency, "--link-latency"),
+            "collective_overhead": _float(args.collective_overhead, "--collective-overhead")}
     cfg = read_config(args.config)
     out = prepare_out_dir(args.out) if args.out else None
-    data = roofline(cfg, args.hardware, batch=batch, context=context, dtype=dtype)
+    data = roofline(cfg, args.hardware, batch=batch, context=context, dtype=dtype, tp=tp,
+                    interconnect=args.interconnect, **link)
     if out is not None:
         paths = save(data, out)
     if args.json:
@@ -151,6 +159,7 @@ def add_profile_parser(sub) -> None:
 
 def add_roofline_parser(sub) -> None:
     from .roofline import HARDWARE_NAMES
+    from .roofline_tp import INTERCONNECTS
     p = sub.add_parser("roofline", help="predicted bytes, FLOPs and tokens/s bound of a decode step from "
                                         "config.json and a GPU's (or this CPU's) peaks",
                        epilog="exit status: 0 ok, 2 bad input (the message names it)")
@@ -159,5 +168,15 @@ def add_roofline_parser(sub) -> None:
     p.add_argument("--batch", default="1", help="sequences decoded together (default 1)")
     p.add_argument("--context", default="4096", help="tokens in each sequence's KV cache (default 4096)")
     p.add_argument("--dtype", default="bf16", help="weights and KV cache dtype: bf16 (default) or fp32")
+    p.add_argument("--tp", default="1", help="tensor-parallel ranks (default 1): the step of one rank, plus "
+                                             "its all-reduces over --interconnect (docs/parallel.md)")
+    p.add_argument("--interconnect", default=None,
+                   help=f"the link between ranks with --tp: {', '.join(INTERCONNECTS)} (default nvlink)")
+    p.add_argument("--link-bandwidth", default=None, metavar="GB/S",
+                   help="override the interconnect's bandwidth per direction, GB/s")
+    p.add_argument("--link-latency", default=None, metavar="US",
+                   help="override the latency of one ring step, microseconds (an all-reduce takes 2(N-1) steps)")
+    p.add_argument("--collective-overhead", default=None, metavar="US",
+                   help="override the fixed cost of one collective, microseconds")
     _output_args(p)
     p.set_defaults(func=cmd_roofline)

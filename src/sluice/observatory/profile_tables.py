@@ -82,7 +82,40 @@ def roofline_header(d: dict) -> str:
             f"{c['hidden_size']}, {c['num_heads']} query / {c['num_kv_heads']} KV heads of {c['head_dim']}, vocab "
             f"{c['vocab_size']:,}{', tied embeddings' if c['tie_word_embeddings'] else ''}. Batch {d['batch']}, "
             f"context {d['context']:,}, {d['dtype']}. Hardware: {hw['label']}, {hw['GB_s']:,.1f} GB/s, "
-            f"{hw['GFLOP_s'] / 1e3:,.2f} TFLOP/s ({hw['source']}).")
+            f"{hw['GFLOP_s'] / 1e3:,.2f} TFLOP/s ({hw['source']}).{tp_header(d)}")
+
+
+def tp_header(d: dict) -> str:
+    if "parallel" not in d:
+        return ""
+    t, link = d["parallel"], d["parallel"]["interconnect"]
+    return (f" Tensor parallel over {t['tp']} ranks: the tables are ONE rank's step. Interconnect: {link['label']}, "
+            f"{link['GB_s']:,.1f} GB/s per direction, {link['step_us']:g} us per ring step + {link['overhead_us']:g} "
+            f"us per collective ({link['source']}).")
+
+
+def tp_rows(d: dict) -> tuple[list[str], list[list[str]]]:
+    """The per-token latency of one rank: reads, compute and communication, each in us."""
+    p = d["parallel"]["per_token"]
+    head = ["part", "MB (per rank)", "us", "share of step"]
+    share = lambda x: pct(x / p["step_ms"]) if p["step_ms"] else "-"  # noqa: E731
+    rows = [["weights read", mb(p["weights_bytes"]), us(p["weights_ms"]), share(p["weights_ms"])],
+            ["KV cache read", mb(p["kv_bytes"]), us(p["kv_ms"]), share(p["kv_ms"])],
+            ["logits read (sampler)", mb(p["logits_bytes"]), us(p["logits_ms"]), share(p["logits_ms"])],
+            ["compute (its own roof)", f"{p['flops'] / 1e9:.4g} GFLOP", us(p["compute_ms"]), share(p["compute_ms"])],
+            [f"max(memory, compute): {p['bound']}-bound", "-", us(max(p["memory_ms"], p["compute_ms"])),
+             share(max(p["memory_ms"], p["compute_ms"]))],
+            [f"communication: {p['collectives']} collectives", mb(p["communication_bytes"]),
+             us(p["communication_ms"]), share(p["communication_ms"])],
+            ["per-token step", "-", us(p["step_ms"]), "100.0%"]]
+    return head, rows
+
+
+def collective_rows(d: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["collective", "count", "bytes each", "ring steps", "bytes sent per rank", "us each", "us total"]
+    rows = [[c["what"], str(c["count"]), f"{c['bytes']:,}", str(c["steps"]), f"{c['sent_bytes']:,.0f}",
+             f"{c['us_each']:.2f}", f"{c['us']:,.1f}"] for c in d["parallel"]["collectives"]]
+    return head, rows
 
 
 def roofline_rows(d: dict) -> tuple[list[str], list[list[str]]]:
@@ -101,10 +134,23 @@ def roofline_rows(d: dict) -> tuple[list[str], list[list[str]]]:
 
 def roofline_summary(d: dict) -> str:
     p = d["predicted"]
-    return (f"Bound: {p['tokens_per_s']:,.1f} tokens/s = min(bandwidth bound {p['bandwidth_bound_tokens_per_s']:,.1f}, "
+    return (f"{'One rank, without communication: b' if 'parallel' in d else 'B'}ound: {p['tokens_per_s']:,.1f} tokens/s = min(bandwidth bound {p['bandwidth_bound_tokens_per_s']:,.1f}, "
             f"compute bound {p['compute_bound_tokens_per_s']:,.1f}); {p['bound']}-bound. Each component under its "
             f"own roof: {p['component_tokens_per_s']:,.1f} tokens/s. KV cache {pct(d['kv_bytes_share'])} of the bytes "
-            f"read, LM head + logits {pct(d['lm_head_softmax_bytes_share'])}.")
+            f"read, LM head + logits {pct(d['lm_head_softmax_bytes_share'])}.{tp_summary(d)}")
+
+
+def tp_summary(d: dict) -> str:
+    if "parallel" not in d:
+        return ""
+    t = d["parallel"]
+    p = t["per_token"]
+    return (f" With the collectives over {t['tp']} ranks ({t['interconnect']['name']}): {p['step_ms'] * 1e3:,.1f} us "
+            f"per token = {max(p['memory_ms'], p['compute_ms']) * 1e3:,.1f} us {p['bound']} + "
+            f"{p['communication_ms'] * 1e3:,.1f} us communication ({pct(p['communication_share'])}), "
+            f"{t['tokens_per_s']:,.1f} tokens/s; one GPU: {t['single_gpu_step_ms'] * 1e3:,.1f} us, so "
+            f"{t['speedup_vs_one_gpu']:.2f}x faster on {t['tp']}. Each rank holds "
+            f"{t['rank_resident_bytes'] / 1e9:,.2f} GB of weights + KV cache.")
 
 
 def _table(title: str, head: list[str], rows: list[list[str]]) -> Table:
@@ -139,6 +185,10 @@ def print_roofline(d: dict, console: Console | None = None) -> None:
     con.print(escape(roofline_header(d)), highlight=False)
     for note in d["notes"]:
         con.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
-    con.print(_table("predicted cost of one decode step", *roofline_rows(d)))
+    rank = " on one rank" if "parallel" in d else ""
+    con.print(_table(f"predicted cost of one decode step{rank}", *roofline_rows(d)))
+    if "parallel" in d:
+        con.print(_table("collectives of one decode step (ring model)", *collective_rows(d)))
+        con.print(_table("per-token latency of one rank", *tp_rows(d)))
     con.print(escape(roofline_summary(d)), highlight=False)
     con.print(escape(LEGEND), highlight=False)

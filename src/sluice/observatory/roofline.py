@@ -8,6 +8,9 @@ Peaks are the vendors' datasheet numbers (docs/profile.md cites them), dense (wi
 sparsity, which the datasheets' headline tensor-core figures assume). fp32 uses the non-tensor
 FP32 rate: PyTorch does not use TF32 for fp32 matmuls unless asked to. `cpu-this-machine` is not
 a table row: it is measured when asked for (observatory/machine.py).
+
+With `tp` > 1 (or an interconnect named), the costs are one rank's of a tensor-parallel model and a
+"parallel" section adds the step's all-reduces and the latency split (observatory/roofline_tp.py).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 
 from ..errors import ObservatoryError
 from ..model.config import ModelConfig
-from .costs import COMPONENTS, step_costs, totals
+from .costs import COMPONENTS, totals
 
 # name -> peak memory bandwidth (GB/s) and dense FLOP/s per dtype (TFLOP/s)
 HARDWARE = {
@@ -79,28 +82,43 @@ def hardware_peaks(name: str, dtype: torch.dtype, measured: dict | None = None) 
 
 
 def roofline(cfg: ModelConfig, hardware: str, batch: int = 1, context: int = 4096,
-             dtype: torch.dtype = torch.bfloat16, measured: dict | None = None) -> dict:
-    """Predicted bytes, FLOPs and time per decode step by component, and the tokens/s bound."""
-    for name, v in (("batch", batch), ("context", context)):
+             dtype: torch.dtype = torch.bfloat16, measured: dict | None = None, tp: int = 1,
+             interconnect: str | None = None, link_bandwidth: float | None = None,
+             link_latency: float | None = None, collective_overhead: float | None = None) -> dict:
+    """Predicted bytes, FLOPs and time per decode step by component, and the tokens/s bound.
+
+    tp > 1: per rank of a tensor-parallel model, plus result["parallel"] (roofline_tp.py): the
+    collectives over `interconnect` (default nvlink; link_bandwidth GB/s, link_latency us per ring
+    step and collective_overhead us override its figures) and the per-token latency split."""
+    from . import roofline_tp
+    for name, v in (("batch", batch), ("context", context), ("tp", tp)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ObservatoryError(f"--{name} must be a positive integer, got {v!r}")
     notes = []
     if context > cfg.max_position_embeddings:
         notes.append(f"context {context:,} is past the model's max_position_embeddings "
                      f"({cfg.max_position_embeddings:,}); predicted anyway")
+    parallel = tp > 1 or any(v is not None for v in (interconnect, link_bandwidth, link_latency,
+                                                      collective_overhead))
+    link = roofline_tp.interconnect(interconnect, link_bandwidth, link_latency, collective_overhead) \
+        if parallel else None
+    costs = roofline_tp.rank_costs(cfg, tp, batch, context, dtype)  # tp=1: step_costs() itself
     hw = hardware_peaks(hardware, dtype, measured)
-    costs = step_costs(cfg, batch, context, dtype)
     pred = predict(costs, hw["GB_s"] * 1e9, hw["GFLOP_s"] * 1e9, batch)
     tot = totals(costs)
-    return {"kind": "roofline", "config": {"architecture": cfg.architecture, "num_layers": cfg.num_layers,
-                                           "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-                                           "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
-                                           "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size,
-                                           "tie_word_embeddings": cfg.tie_word_embeddings,
-                                           "num_params": cfg.num_params},
-            "hardware": hw, "batch": batch, "context": context, "dtype": str(dtype).removeprefix("torch."),
-            "costs": costs, "totals": tot, "kv_bytes_share": costs["attention"]["read_bytes"] / tot["read_bytes"],
-            "lm_head_softmax_bytes_share": (costs["lm_head"]["read_bytes"] + costs["sampling"]["read_bytes"])
-            / tot["read_bytes"], "predicted": pred, "notes": notes,
-            "hardware_table": {k: {"label": v["label"], "GB_s": v["GB_s"], "TFLOP_s": v["TFLOP_s"],
-                                   "source": v["source"]} for k, v in HARDWARE.items()}}
+    out = {"kind": "roofline", "config": {"architecture": cfg.architecture, "num_layers": cfg.num_layers,
+                                          "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                                          "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+                                          "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size,
+                                          "tie_word_embeddings": cfg.tie_word_embeddings,
+                                          "num_params": cfg.num_params},
+           "hardware": hw, "batch": batch, "context": context, "dtype": str(dtype).removeprefix("torch."),
+           "costs": costs, "totals": tot, "kv_bytes_share": costs["attention"]["read_bytes"] / tot["read_bytes"],
+           "lm_head_softmax_bytes_share": (costs["lm_head"]["read_bytes"] + costs["sampling"]["read_bytes"])
+           / tot["read_bytes"], "predicted": pred, "notes": notes,
+           "hardware_table": {k: {"label": v["label"], "GB_s": v["GB_s"], "TFLOP_s": v["TFLOP_s"],
+                                  "source": v["source"]} for k, v in HARDWARE.items()}}
+    if parallel:
+        out["parallel"] = roofline_tp.parallel_section(cfg, tp, batch, context, dtype, hw, link, costs)
+        notes += out["parallel"].pop("notes")
+    return out
