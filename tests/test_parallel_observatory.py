@@ -164,3 +164,69 @@ def test_surgery_is_refused_on_every_rank(tp):
     world, results = tp
     for r in results:
         assert "not implemented under tensor parallelism" in r["surgery"]
+
+
+def _cli_worker(ranks, d, out, cases):
+    """cmd_inspect on every rank as `torchrun ... -m sluice inspect --tp N` runs it (the group is
+    already up, so parallel.init() joins it): (exit status or error, stdout) per case."""
+    import contextlib
+    import io
+
+    from sluice.cli import build_parser
+    from sluice.cli.inspect import cmd_inspect
+    results = []
+    for tp, extra in cases:
+        args = build_parser().parse_args(["inspect", "--model", d, "--json", *extra, PROMPT])
+        args.tp = tp  # the --tp flag may not be in this parser yet; cmd_inspect reads getattr(args, "tp", 1)
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                results.append((cmd_inspect(args), buf.getvalue()))
+        except Exception as e:  # noqa: BLE001 - the refusals are the point
+            results.append((f"{type(e).__name__}: {e}", buf.getvalue()))
+        from sluice.parallel import init
+        init(ranks.rank, ranks.world, f"file://{out}/store{len(results)}", timeout_s=60)  # cmd_inspect shut it down
+    return results
+
+
+def test_cli_inspect_under_tp(dirs, single, tmp_path):
+    """Rank 0 alone prints the JSON (equal to the single-process report) and writes --out; bad input
+    stops every rank (a --tp that is not the group's size; an --out rank 0 cannot write)."""
+    import json
+
+    from sluice.observatory.analysis import jsonable
+    d = dirs["qwen3"]
+    (tmp_path / "a-file").write_text("")
+    cases = [(2, ["--out", str(tmp_path / "report")]), (4, []), (2, ["--out", str(tmp_path / "a-file")]),
+             (2, ["--surgery", "final-norm=off"])]
+    r0, r1 = ok(run_ranks(tmp_path / "ranks", 2, _cli_worker, d, str(tmp_path / "ranks"), cases))
+    (status, stdout), (status1, stdout1) = r0[0], r1[0]
+    assert status == 0 and status1 == 0 and stdout1 == ""
+    compare(json.loads(stdout), jsonable(single["qwen3"]))
+    assert (tmp_path / "report" / "report.html").exists() and (tmp_path / "report" / "report.json").exists()
+    for r in (r0, r1):
+        assert "ConfigError" in r[1][0] and "--tp 4 but torchrun started 2 processes" in r[1][0]
+        assert "not implemented under tensor parallelism" in r[3][0]
+    assert "is an existing file, not a directory" in r0[2][0] and r1[2] == (2, "")
+
+
+def test_torchrun_inspect_tp(dirs, single, tmp_path):
+    """The real launch: `torchrun --nproc-per-node 2 -m sluice inspect --tp 2 --json`."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from sluice.cli import build_parser
+    from sluice.observatory.analysis import jsonable
+    try:
+        build_parser().parse_args(["inspect", "--tp", "2", "x"])
+    except SystemExit:
+        pytest.skip("this sluice's parser has no --tp flag yet (it comes with the tensor-parallel model flags)")
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "sluice", "inspect", "--tp", "2",
+                        "--model", dirs["qwen3"], "--json", PROMPT], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    compare(json.loads(r.stdout), jsonable(single["qwen3"]))  # one JSON document: rank 0's alone

@@ -10,14 +10,16 @@ def cmd_inspect(args) -> int:
 
     from ..errors import ObservatoryError
     from ..model import load
-    from ..observatory.analysis import inspect, to_json
-    from ..observatory.report import prepare_out_dir, save
-    from ..observatory.tables import print_all
+    from ..observatory.analysis import inspect
+    from ..observatory.report import prepare_out_dir
     from ..tokenizer import Tokenizer
     prompt = _utf8(_stdin_lines().read() if args.prompt == "-" else args.prompt, "the prompt")
     if not prompt:  # refused before the (slow) load; too long is checked once the tokenizer is here
         raise ObservatoryError("the prompt is empty: give some text to inspect, e.g. "
                                "sluice inspect \"def read_config(path):\"")
+    tp = getattr(args, "tp", 1) or 1  # --tp comes with the tensor-parallel model flags
+    if tp > 1:
+        return _inspect_tp(args, prompt, tp)
     if args.surgery or args.text:  # what-if: before/after table (observatory/surgery_report.py)
         from ..observatory.surgery_report import run_cli
         return run_cli(args, prompt)
@@ -31,6 +33,14 @@ def cmd_inspect(args) -> int:
         model = load(args.model, dtype=args.dtype)
         tokenizer = Tokenizer.from_pretrained(model.model_dir)
     data = inspect(model, tokenizer, prompt)
+    return _emit(args, data, training, out, err)
+
+
+def _emit(args, data: dict, training, out, err) -> int:
+    """Print (tables or JSON) and write the report; the exit status (3: a NaN/inf finding)."""
+    from ..observatory.analysis import to_json
+    from ..observatory.report import save
+    from ..observatory.tables import print_all
     if training is not None:
         data["training"] = training
     if out is not None:
@@ -45,3 +55,57 @@ def cmd_inspect(args) -> int:
     for finding in data["findings"]:
         err.print(f"[bold red]finding:[/bold red] {finding['message']}")
     return 3 if data["findings"] else 0
+
+
+def _inspect_tp(args, prompt: str, tp: int) -> int:
+    """`torchrun --nproc-per-node N -m sluice inspect --tp N ...`: every rank loads its part and runs
+    the same pass (observatory/sharded.py reduces the statistics); rank 0 alone prints and writes.
+    Rank 0's checks of --out and --training are shared, so all ranks stop together on bad input."""
+    from rich.console import Console
+
+    from ..errors import ConfigError, SluiceError, SurgeryError
+    from ..observatory.analysis import inspect
+    from ..parallel import init, load_rank, shutdown
+    from ..parallel.group import all_gather_object
+    from ..tokenizer import Tokenizer
+    if args.surgery or args.text:
+        raise SurgeryError("--surgery/--text are not implemented under tensor parallelism (--tp): run the "
+                           "what-if on one process")
+    ranks = init()
+    try:
+        if ranks.world != tp:
+            raise ConfigError(f"--tp {tp} but torchrun started {ranks.world} processes: pass "
+                              f"--nproc-per-node {tp} (or --tp {ranks.world})")
+        root, out, training, problem = ranks.rank == 0, None, None, None
+        if root:
+            try:
+                out, training = _root_inputs(args)
+            except SluiceError as e:
+                problem = e
+        if all_gather_object(None if problem is None else str(problem))[0] is not None:
+            if root:
+                raise problem
+            return 2  # rank 0 prints the reason
+        err = Console(stderr=True, highlight=False, quiet=not root)
+        with err.status(f"loading {args.model or 'the bundled model'} ({args.dtype}), rank {ranks.rank} of {tp}..."):
+            model = load_rank(args.model if args.model is not None else _bundled(), ranks, dtype=args.dtype)
+            tokenizer = Tokenizer.from_pretrained(model.model_dir)
+        data = inspect(model, tokenizer, prompt)
+        return _emit(args, data, training, out, err) if root else 0
+    finally:
+        shutdown()
+
+
+def _root_inputs(args):
+    from ..observatory.report import prepare_out_dir
+    out = prepare_out_dir(args.out) if args.out else None
+    training = None
+    if args.training:
+        from ..observatory.training import training_valves
+        training = {"run": args.training, **training_valves(args.training)}
+    return out, training
+
+
+def _bundled():
+    from ..model.loading import bundled_model_dir
+    return bundled_model_dir()
