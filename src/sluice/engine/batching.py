@@ -51,11 +51,11 @@ class BatchEngine:
     def __init__(self, model: Transformer, decode, eos_ids, max_model_len: int, budget: int | None,
                  budget_given: bool, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
-                 native: bool = True, nonfinite_origin=None):
+                 native: bool = True, nonfinite_origin=None, head=None):
         blocks = pool_blocks(model, max_model_len, max_num_seqs, block_size, budget, budget_given)
         self.pool = BlockPool(model.config, blocks, block_size, activation_dtype(model), model.embed.weight.device)
         self.scheduler = Scheduler(model, self.pool, decode, max_num_seqs, max_num_batched_tokens, native,
-                                   nonfinite_origin)
+                                   nonfinite_origin, head)
         self.eos_ids = eos_ids  # the LLM's own set, read at each add(): a caller may change it
         self._lock = threading.Lock()
 

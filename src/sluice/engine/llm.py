@@ -37,7 +37,8 @@ class LLM:
                  kv_cache_memory: int | str | None = None, compute: str = "auto",
                  speculative: str | None = None, draft_model: str | Path | None = None,
                  num_speculative_tokens: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, batching: bool = True):
+                 max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, batching: bool = True,
+                 tensor_parallel: int = 1):
         """kv_cache_memory: the most the KV cache plus per-row sampling buffers may take, as bytes or a
         size such as "4GiB"; None = half of the memory available then. The continuous-batching engine
         sizes its block pool by it at its first request; the static path checks each batch against it
@@ -57,7 +58,13 @@ class LLM:
         and chat() may be called from several threads, and several stream()s may be open at once, all
         sharing one batch. Speculative decoding, compile=True and fused_head=True run on the static
         one-request path instead (runner.py), which the scheduler does not implement; there a second
-        request while one runs is an error. batching=False sends every request there."""
+        request while one runs is an error. batching=False sends every request there.
+        tensor_parallel: N > 1 splits the model over the N ranks of a torchrun launch (or of a group
+        started with sluice.parallel.init): every rank runs this same script, loads only its slices,
+        and returns the same outputs, provided every rank makes the same calls in the same order.
+        Requests run on the continuous-batching engine's torch forward; compile=True, fused_head=True,
+        speculative decoding, quantize, kernels=True, compute="float32" and batching=False are refused
+        there, and the native step and CPU kernels stay off (parallel/engine.py)."""
         # The default is read per request, not here: what is free changes while the process runs.
         self.kv_cache_memory = None if kv_cache_memory is None else parse_size(kv_cache_memory)
         if fused_head not in (True, False, "auto"):
@@ -80,7 +87,18 @@ class LLM:
         self.model_dir = resolve_model_dir(model) if model is not None else bundled_model_dir()
         self.speculative, draft, self.num_speculative_tokens = resolve_mode(  # before the (slow) loads
             speculative, draft_model, num_speculative_tokens, model is None)
-        self.model = load(self.model_dir, dtype, device=device, quantize=quantize)  # checks the device first
+        self.tp = None  # parallel/engine.TensorParallel: this rank's part, when the model is split
+        if tensor_parallel != 1:
+            from ..parallel.engine import TensorParallel
+            self.tp = TensorParallel.start(tensor_parallel, compile=compile, fused_head=fused_head, quantize=quantize,
+                                           kernels=kernels, compute=compute, speculative=self.speculative,
+                                           batching=batching)
+            kernels = False  # the CPU kernels, the native step and fp32 compute are single-process code
+            self.model = self.tp.load(self.model_dir, dtype, device)
+        else:
+            self.model = load(self.model_dir, dtype, device=device, quantize=quantize)  # checks the device first
+        # The whole model's config: a rank's model holds a narrower one (parallel/sharding.rank_config).
+        self.config = getattr(self.model, "full_config", self.model.config)
         self.device = self.model.embed.weight.device
         # "auto" decides at the first request (cpu_paths.kernels_pay_off), so a user of a small model at
         # batch 1 (sluice demo) never pays for building or loading the kernel. True decides now, loudly.
@@ -90,7 +108,7 @@ class LLM:
         if set_compute(self.model, self.device, compute, kernels, quantize):
             self._kernels_pending = False  # the bf16 linears call the kernel themselves
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
-        cfg = self.model.config
+        cfg = self.config
         self.generation_config = self.tokenizer.generation_config  # read (and checked) once, there
         limit = cfg.max_position_embeddings
         if max_model_len is not None and (isinstance(max_model_len, bool) or not (
@@ -166,9 +184,12 @@ class LLM:
         with self._batch_init:
             if self._batch is None:
                 budget = self.kv_cache_memory or default_budget(self.device)
+                if self.tp is not None:
+                    budget = self.tp.agree(budget)
                 self._batch = BatchEngine(self.model, self.tokenizer.decode, self.eos_token_ids, self.max_model_len,
                                           budget, self.kv_cache_memory is not None, self.max_num_seqs,
-                                          self.max_num_batched_tokens, native=self._native)
+                                          self.max_num_batched_tokens, native=self._native,
+                                          head=self.tp and self.tp.head)
             return self._batch
 
     def _swap_kernels(self, rows: int) -> None:
@@ -258,7 +279,7 @@ class LLM:
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 raise RequestError(f"params {i} must be a SamplingParams, got {type(p).__name__}")
-        cfg, limit = self.model.config, self.max_model_len
+        cfg, limit = self.config, self.max_model_len
         vocab = cfg.vocab_size
         params = [p.with_defaults(self.generation_config) for p in params]
         for i, p in enumerate(params):

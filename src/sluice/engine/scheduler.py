@@ -87,10 +87,25 @@ class Update:
 _serials = itertools.count()
 
 
+class FullHead:
+    """The samplers, argmax and logprobs of a step whose logits cover the whole vocabulary."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size, self.device = vocab_size, device
+
+    def sampler(self, params: SamplingParams) -> Sampler:
+        return Sampler([params], self.vocab_size, self.device)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(-1).masked_fill(~logits.isfinite().all(-1), NONFINITE)  # as Sampler does
+
+    logprobs = staticmethod(token_logprobs)
+
+
 class Scheduler:
     def __init__(self, model: Transformer, pool: BlockPool, decode: Callable[[list[int]], str],
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 256, native: bool = True,
-                 nonfinite_origin: Callable[[list[int]], str] | None = None):
+                 nonfinite_origin: Callable[[list[int]], str] | None = None, head=None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise RequestError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got "
                                f"{max_num_seqs} and {max_num_batched_tokens}")
@@ -98,6 +113,9 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.vocab_size = model.config.vocab_size
         self.device = model.embed.weight.device
+        # What a step does with its logits (samplers, argmax, logprobs): the full vocabulary's here,
+        # parallel/head.ParallelHead's when the model is one rank's part (logits (B, V/N)).
+        self.head = head or FullHead(self.vocab_size, self.device)
         self.native = native
         self.native_reason: str | None = None if native else "not asked for"
         self._fast: FastStep | None = None
@@ -119,7 +137,7 @@ class Scheduler:
         only if it could never fit the whole pool."""
         params = params.with_defaults(None)
         self.check_fits(len(prompt_ids), params.max_tokens)
-        sampler = Sampler([params], self.vocab_size, self.device)
+        sampler = self.head.sampler(params)
         sampler.add_context(0, prompt_ids)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         seq = Seq(next(_serials), len(prompt_ids), list(prompt_ids), params, sampler,
@@ -351,16 +369,16 @@ class Scheduler:
         """(N,) next tokens. Plain greedy rows (no penalty: nothing of their own to keep) take one
         argmax together; every other row its own Sampler (its generator, its penalty state)."""
         if all(s.sampler.plain_greedy for s in seqs):
-            return logits.argmax(-1).masked_fill(~logits.isfinite().all(-1), NONFINITE)  # as Sampler does
+            return self.head.argmax(logits)
         if len(seqs) == 1:
             return seqs[0].sampler(logits)
-        joined = Sampler.joined([s.sampler for s in seqs])  # one sort for every filtered row
+        joined = type(seqs[0].sampler).joined([s.sampler for s in seqs])  # one sort for every filtered row
         tokens = joined(logits)
         joined.write_back()
         return tokens
 
     def _logprobs(self, index: list[int], seqs: list[Seq], logits: torch.Tensor, tokens: list[int]) -> dict:
         """{index in the step's list: TokenLogprob} for the sequences that asked for logprobs."""
-        out = token_logprobs(logits, torch.tensor(tokens), [s.params.logprobs for s in seqs],
-                             lambda t: self.decode([t]))
+        out = self.head.logprobs(logits, torch.tensor(tokens), [s.params.logprobs for s in seqs],
+                                 lambda t: self.decode([t]))
         return dict(zip(index, out, strict=True))

@@ -1,0 +1,83 @@
+"""What `sluice.LLM(model, tensor_parallel=N)` changes: the hook engine/llm.py calls.
+
+Every rank of a torchrun launch (or of a group started with parallel.init) builds the same LLM with
+the same arguments; then each rank loads only its slices (loading.load_rank), the continuous-batching
+engine runs the torch forward on them, and the scheduler samples through parallel/head.ParallelHead.
+As long as every rank gets the same requests in the same order, every rank takes the same scheduling
+decisions and returns the same outputs (the KV pool is sized by the smallest rank's budget, so
+admission and preemption agree too).
+
+Refused under tensor parallelism, with a ConfigError before anything loads: compile=True,
+fused_head=True, speculative decoding, quantize, kernels=True, compute="float32" and batching=False
+(the static one-request path and the CPU kernels are single-process code). The defaults
+(fused_head="auto", kernels="auto", compute="auto") quietly mean off there, as they do wherever those
+paths do not fit; so does the native decode step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..model.config import ModelConfig
+from . import group
+from .head import ParallelHead
+from .loading import load_rank
+from .sharding import check_shardable, vocab_range
+
+
+def _refuse(name: str, value, why: str = "it is single-process code") -> None:
+    raise ConfigError(f"{name}={value!r} is not available with tensor parallelism ({why}); leave it at "
+                      "its default")
+
+
+class TensorParallel:
+    """This rank's part in an LLM split over `size` ranks."""
+
+    def __init__(self, size: int, ranks: group.Ranks):
+        self.size, self.ranks = size, ranks
+        self.head: ParallelHead | None = None  # known once the model is loaded
+
+    @classmethod
+    def start(cls, size, *, compile=False, fused_head="auto", quantize=None, kernels="auto", compute="auto",
+              speculative="off", batching=True, timeout_s: float | None = None) -> TensorParallel:
+        """Check the LLM's options and the size against the process group (joined from torchrun's
+        environment if not started yet), before the (slow) load."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"tensor_parallel must be an integer >= 1, got {size!r}")
+        for name, value, off in (("compile", compile, False), ("quantize", quantize, None),
+                                 ("batching", batching, True)):
+            if value != off:
+                _refuse(name, value)
+        if fused_head is True:
+            _refuse("fused_head", True, "the fused head samples from one process's whole vocabulary")
+        if kernels is True:
+            _refuse("kernels", True)
+        if compute == "float32":
+            _refuse("compute", "float32", "it needs sluice's single-process CPU kernel")
+        if speculative != "off":
+            _refuse("speculative", speculative)
+        ranks = group.init() if timeout_s is None else group.init(timeout_s=timeout_s)
+        if ranks.world != size:
+            raise ConfigError(f"tensor_parallel={size} but the process group has {ranks.world} ranks "
+                              f"(launch with torchrun --nproc-per-node {size})")
+        return cls(size, ranks)
+
+    def load(self, model_dir: Path, dtype, device):
+        """This rank's model (its slices only), after checking that the model splits over the ranks."""
+        cfg = ModelConfig.from_hf(model_dir)
+        check_shardable(cfg, self.size)
+        model = load_rank(model_dir, self.ranks, dtype, device)
+        vr = vocab_range(cfg, self.ranks.rank, self.size)
+        self.head = ParallelHead(cfg.vocab_size, vr.start, vr.stop, model.embed.weight.device)
+        return model
+
+    def agree(self, budget: int | None) -> int | None:
+        """The smallest rank's KV budget (None: unknown on every rank), so that every rank's pool has
+        the same number of blocks and the schedulers admit and preempt alike."""
+        known = [b for b in group.all_gather_object(budget) if b is not None]
+        return min(known) if known else None
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
