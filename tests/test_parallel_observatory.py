@@ -103,7 +103,7 @@ def compare(a, b, path="", worst=None):
             compare(a[k], b[k], f"{path}.{k}", worst)
     elif isinstance(b, (list, tuple)):
         assert isinstance(a, (list, tuple)) and len(a) == len(b), f"{path}: length differs"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             compare(x, y, f"{path}[{i}]" if not isinstance(y, (int, float)) else path, worst)
     elif isinstance(b, torch.Tensor):
         assert a.shape == b.shape and a.dtype == b.dtype, path

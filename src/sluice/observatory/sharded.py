@@ -45,10 +45,6 @@ from .probes import Observation
 MAX, MIN, SUM = dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.SUM
 
 
-def is_sharded(model) -> bool:
-    return getattr(model, "world", 1) > 1
-
-
 def _start(model) -> int:
     return vocab_range(model.full_config, model.rank, model.world).start
 
@@ -106,7 +102,7 @@ class ParallelObservation(Observation):
         w = torch.tensor([self._head_rows[j] for j in rows])[:, None, None]
         both = torch.stack([self._buf[k][rows, :B, :T] for k in ("norm_in_rms", "norm_out_rms")])
         ms = group.all_reduce(both.double().square() * w, op=SUM)  # (2, rows, B, T) mean squares
-        for k, rms in zip(("norm_in_rms", "norm_out_rms"), ms.sqrt().float()):
+        for k, rms in zip(("norm_in_rms", "norm_out_rms"), ms.sqrt().float(), strict=True):
             self._buf[k][rows, :B, :T] = rms
 
     def _reduce_nonfinite(self, B: int, T: int) -> None:
