@@ -318,3 +318,45 @@ def test_top_p_one_row_keeps_far_tail_next_to_a_filtered_row():
     assert probs[0, 1:].sum() == 0 and probs[0, 0] == 1  # the filtered row did cut
     assert (probs[1] > 0).all()  # the top_p = 1 row kept every far-tail token
     torch.testing.assert_close(probs[1], logits[1].softmax(-1), rtol=1e-5, atol=0)
+
+
+def _filter_by_full_sort(x, rows, use_top_k, use_top_p, use_min_p):
+    """sampling._filter as it was before the top-k prefix (one stable sort of the whole row): the reference."""
+    import math
+    import torch.nn.functional as F
+    x = (x - x.amax(-1, keepdim=True)) / rows["temperature"][:, None]
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+    keep = torch.ones_like(sorted_x, dtype=torch.bool)
+    if use_top_k:
+        keep &= sorted_x >= sorted_x.gather(1, rows["top_k"][:, None] - 1)
+    if use_top_p or use_min_p:
+        probs = sorted_x.masked_fill(~keep, -math.inf).softmax(-1)
+        if use_top_p:
+            mass_before = F.pad(probs.cumsum(-1)[:, :-1], (1, 0))
+            keep &= (mass_before < rows["top_p"][:, None]) | (rows["top_p"][:, None] >= 1)
+        if use_min_p:
+            keep &= probs >= rows["min_p"][:, None] * probs[:, :1]
+    keep[:, 0] = True
+    return x.masked_fill(~torch.empty_like(keep).scatter_(1, order, keep), -math.inf)
+
+
+def test_top_k_prefix_filter_equals_the_full_sort_bit_for_bit():
+    """_filter sorts only the k largest when every sampled row has top_k (sampling._descending): the
+    result must be the full stable sort's exactly, ties included (logits rounded to halves make many,
+    also across the k-th value, where the full sort has to take over)."""
+    import random
+    from sluice.engine.sampling import _filter, _flags, _row_tensors
+    rng = random.Random(0)
+    for trial in range(400):
+        V, B = rng.choice([64, 1000, 8192]), rng.randint(1, 5)
+        x = torch.randn(B, V, generator=torch.Generator().manual_seed(trial)) * rng.choice([0.1, 1, 5])
+        if trial % 2:
+            x = (x * 2).round() / 2
+        params = [SamplingParams(temperature=0) if rng.random() < 0.2 else
+                  SamplingParams(temperature=rng.choice([0.3, 1.0, 1.7]), top_k=rng.choice([1, 2, 5, 40, V // 5]),
+                                 top_p=rng.choice([1.0, 0.9, 0.3]), min_p=rng.choice([0.0, 0.05])) for _ in range(B)]
+        params = [p.with_defaults(None) for p in params]
+        rows = _row_tensors(params, V, "cpu")
+        got, want = _filter(x, rows, *_flags(params)), _filter_by_full_sort(x, rows, *_flags(params))
+        sampled = ~rows["greedy"]
+        assert torch.equal(got[sampled], want[sampled]), (trial, V, [(p.top_k, p.top_p, p.min_p) for p in params])

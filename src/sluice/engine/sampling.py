@@ -87,6 +87,30 @@ def _uses_counts(p: SamplingParams) -> bool:
     return p.presence_penalty != 0 or p.frequency_penalty != 0
 
 
+def _descending(x: torch.Tensor, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first L columns of x's stable descending sort (values, vocabulary ids), (B, L): every
+    token a filter can keep lies among them. L = V unless every sampled row has top_k on, when
+    the k largest suffice: top_k keeps exactly the tokens >= the k-th value (ties included), and
+    top_p / min_p only cut that set further. Sorting 8,192 fp32 logits took 0.6 ms a row on the
+    2-core CPU, topk(40) 0.03 ms; the sampler cost more than the bundled model's step."""
+    V = x.shape[1]
+    k = rows["top_k"].masked_fill(rows["greedy"], 1)  # greedy rows never use the filtered logits
+    kmax = int(k.max())  # a host read of B numbers: the rows' params, not a result
+    if 4 * kmax > V:  # top_k off somewhere (k = V), or too large to pay off
+        return x.sort(dim=-1, descending=True, stable=True)
+    values, ids = x.topk(kmax, dim=-1)  # the kmax largest; ties among them in no set order
+    # The stable sort's order: value descending, then vocabulary id ascending among equal values.
+    ids, by_id = ids.sort(-1)
+    values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)
+    # A tie with a row's k-th value that continues past the kmax taken (possible only when
+    # k = kmax) would keep a token outside them: then the full sort decides.
+    kth = values.gather(1, k[:, None] - 1)
+    if bool(((x >= kth).sum(-1) > kmax).any()):
+        return x.sort(dim=-1, descending=True, stable=True)
+    return values, ids
+
+
 def _filter(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool, use_min_p: bool) -> torch.Tensor:
     """(B, V) fp32 penalised logits -> temperature-scaled logits with filtered tokens at -inf."""
     # Subtracting the max first keeps tiny temperatures from overflowing to +inf (and NaN).
@@ -94,10 +118,11 @@ def _filter(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool, use_m
     if not (use_top_k or use_top_p or use_min_p):
         return x
     # One sort serves all three filters: each keeps a prefix of the descending order.
-    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # (B, V)
+    sorted_x, order = _descending(x, rows) if use_top_k else x.sort(dim=-1, descending=True, stable=True)  # (B, L)
     keep = torch.ones_like(sorted_x, dtype=torch.bool)
     if use_top_k:
-        kth = sorted_x.gather(1, rows["top_k"][:, None] - 1)  # (B, 1); off rows have k = V
+        k = rows["top_k"].clamp(max=sorted_x.shape[1])  # only greedy rows can exceed a prefix's L
+        kth = sorted_x.gather(1, k[:, None] - 1)  # (B, 1); off rows have k = V
         keep &= sorted_x >= kth
     if use_top_p or use_min_p:
         probs = sorted_x.masked_fill(~keep, -math.inf).softmax(-1)
@@ -109,7 +134,7 @@ def _filter(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool, use_m
         if use_min_p:
             keep &= probs >= rows["min_p"][:, None] * probs[:, :1]
     keep[:, 0] = True
-    mask = torch.empty_like(keep).scatter_(1, order, keep)  # back to vocabulary order
+    mask = torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, keep)  # back to vocabulary order
     return x.masked_fill(~mask, -math.inf)
 
 
