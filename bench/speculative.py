@@ -96,8 +96,13 @@ def name_of(mode, k) -> str:
     return "plain" if mode == "off" else f"{mode} k={k}"
 
 
+DRAFTS: dict = {}  # "draft:NAME" modes -> the draft Runner they swap in (--draft NAME=DIR)
+
+
 def configure(llm: LLM, mode: str, k) -> None:
-    llm.speculative, llm.num_speculative_tokens = mode, (0 if mode == "off" else k)
+    if mode.startswith("draft:"):  # one of several drafts, compared in the same rounds
+        llm.draft_runner = DRAFTS[mode]
+    llm.speculative, llm.num_speculative_tokens = mode.split(":")[0], (0 if mode == "off" else k)
 
 
 def run_set(llm: LLM, prompts: list[str], new: int, temp: float) -> dict:
@@ -258,6 +263,9 @@ def main() -> None:
     ap.add_argument("--q06-draft", default="/tmp/sluice-speed-q06-draft")
     ap.add_argument("--q06-new", type=int, default=32)
     ap.add_argument("--only", default=None, help="comma list of parts: bundled,bundled-cost,q06 (default all)")
+    ap.add_argument("--draft", action="append", default=None, metavar="NAME=DIR",
+                    help="bundled part: compare these drafts (repeatable), interleaved in the same rounds, "
+                         "instead of the shipped one")
     ap.add_argument("--quick", action="store_true", help="one prompt per set, 32 tokens, 1 rep (a smoke run)")
     ap.add_argument("--markdown", default=None, metavar="JSON", help="only print the tables of a saved result")
     a = ap.parse_args()
@@ -277,8 +285,17 @@ def main() -> None:
 
     if parts & {"bundled", "bundled-cost"}:
         llm = LLM(draft_model="bundled")
+        configs = CONFIGS
+        if a.draft:
+            DRAFTS.clear()
+            for spec in a.draft:
+                name, _, path = spec.partition("=")
+                DRAFTS[f"draft:{name}"] = llm._load_draft(path, "float32", "cpu", "auto", "auto")
+            configs = [(m, k) for m, k in CONFIGS if m != "draft"] + [
+                (d, k) for d in DRAFTS for m, k in CONFIGS if m == "draft"]
+            result["drafts"] = dict(spec.partition("=")[::2] for spec in a.draft)
         if "bundled" in parts:
-            result["bundled"] = bench_target(llm, sets, CONFIGS, TEMPS, reps)
+            result["bundled"] = bench_target(llm, sets, configs, TEMPS, reps)
             save()
         if "bundled-cost" in parts:
             result["bundled_cost"] = cost_model(llm)
