@@ -14,7 +14,7 @@ import os
 import sys
 
 from ..errors import SluiceError
-from .common import _model_args, _sampling_args
+from .common import _model_args, _sampling_args, _tp_args
 from .inspect import cmd_inspect
 from .run import cmd_chat, cmd_demo, cmd_generate
 from .serve import add_serve_parser
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="continue a prompt, streaming to the terminal")
     _model_args(p)
+    _tp_args(p)
     _sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -90,13 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    command = "sluice"
+    command, args = "sluice", None
     try:
         args = build_parser().parse_args(argv)
         command = f"sluice {args.command}"
         return args.func(args)
     except SluiceError as e:
-        return _fail(f"{command}: error: {e}", 2)
+        # Under torchrun every rank fails alike; a silenced rank (common.tp_rank) speaks only when it
+        # alone knows why: a collective failed because another rank died.
+        quiet = getattr(args, "quiet_rank", 0) and type(e).__name__ != "ParallelError"
+        return _fail(f"{command}: error: {e}", 2, args, quiet)
     except KeyboardInterrupt:
         return _fail("\ninterrupted", 130)
     except BrokenPipeError:
@@ -114,12 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("SLUICE_TRACEBACK"):
             raise
         return _fail(f"{command}: internal error (a bug in sluice, please report it): "
-                     f"{type(e).__name__}: {e} (set SLUICE_TRACEBACK=1 to see where)", 1)
+                     f"{type(e).__name__}: {e} (set SLUICE_TRACEBACK=1 to see where)", 1, args)
 
 
-def _fail(message: str, code: int) -> int:
+def _fail(message: str, code: int, args=None, quiet: bool = False) -> int:
     with contextlib.suppress(Exception):  # stderr itself may be a closed pipe
-        print(message, file=sys.stderr)
+        if not quiet:  # a silenced torchrun rank keeps its real stderr for its own failures
+            print(message, file=getattr(args, "real_stderr", None) or sys.stderr)
     return code
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 
 from ..errors import ConfigError
@@ -33,6 +34,37 @@ def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--quantize", default=None, metavar="{int8,int4}",
                    help="weight-only quantization at load time, on the CPU: int8 per channel, int4 per "
                         "group of 32 (docs/quantization.md)")
+
+
+def _tp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor parallelism: split the model over N processes, launched with "
+                        "`torchrun --nproc-per-node N -m sluice ... --tp N`; rank 0 prints")
+
+
+def tp_rank(args, command: str) -> int:
+    """Check --tp against torchrun's environment (before the slow load) and return this process's
+    rank; a rank other than 0 has its stdout and stderr silenced (rank 0 speaks for the group) and
+    args.quiet_rank and args.real_stderr set, so main() prints only its own failures (a peer that
+    died, a bug)."""
+    tp, world = getattr(args, "tp", None), os.environ.get("WORLD_SIZE")
+    if tp is not None and tp < 1:
+        raise ConfigError(f"--tp must be an integer >= 1, got {tp}")
+    if tp in (None, 1):
+        if world not in (None, "1"):
+            raise ConfigError(f"torchrun started {world} processes (WORLD_SIZE={world}) but --tp is {tp or 1}: "
+                              f"pass --tp {world} to split the model over them")
+        return 0
+    if world is None:
+        raise ConfigError(f"--tp {tp} needs torchrun's environment (WORLD_SIZE is not set): launch with "
+                          f"`torchrun --nproc-per-node {tp} -m sluice {command} --tp {tp} ...`")
+    if world != str(tp):
+        raise ConfigError(f"--tp {tp} but torchrun started {world} processes (WORLD_SIZE={world}); they must match")
+    rank = int(os.environ.get("RANK", "0"))
+    if rank:
+        args.quiet_rank, args.real_stderr = rank, sys.stderr
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 -- for the life of the process
+    return rank
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -108,7 +140,8 @@ def llm_kwargs(args) -> dict:
         k = check_num_tokens(int(k) if k.strip().lstrip("+-").isdigit() else k, "--speculative-tokens")
     return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
                 device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory,
-                compute=args.compute, speculative=speculative, draft_model=draft, num_speculative_tokens=k)
+                compute=args.compute, speculative=speculative, draft_model=draft, num_speculative_tokens=k,
+                tensor_parallel=getattr(args, "tp", None) or 1)
 
 
 def _load_llm(args):

@@ -6,13 +6,24 @@ import json
 import sys
 
 from ..errors import RequestError, SluiceError
-from .common import _kv_budget, _load_llm, _params, _stdin_lines, _utf8
+from .common import _kv_budget, _load_llm, _params, _stdin_lines, _utf8, tp_rank
 
 
 def cmd_generate(args) -> int:
     params = _params(args)  # validate before the (slow) load
     _utf8(args.prompt, "the prompt")
     _kv_budget(args)
+    tp_rank(args, "generate")
+    if (args.tp or 1) > 1:  # every rank runs this same command, in lockstep; rank 0 prints
+        from ..parallel import shutdown
+        try:
+            return _generate(args, params)
+        finally:
+            shutdown()
+    return _generate(args, params)
+
+
+def _generate(args, params) -> int:
     llm = _load_llm(args)
     prompt = args.prompt
     if args.chat:
