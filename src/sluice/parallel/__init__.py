@@ -4,7 +4,10 @@ group.py     the process group, its timeout, and every collective (failures -> P
 sharding.py  which slice of each tensor a rank keeps, and what cannot be split
 layers.py    the row-parallel linear and the vocabulary-parallel embedding
 loading.py   a rank's model: sluice's Transformer on the rank's config, filled with its slices only
-sampling.py  log Z, greedy and seeded sampling over the vocabulary shards, no logits gathered
+sampling.py  log Z, greedy and the Sampler over the vocabulary shards, no logits gathered
+filters.py   temperature, top_k, top_p and min_p on a rank's columns, cut from merged top values
+head.py      what the scheduler does with (B, V/N) logits: samplers, argmax, logprobs
+engine.py    the hook behind sluice.LLM(model, tensor_parallel=N)
 """
 
 from .group import ParallelError, Ranks, init, shutdown
