@@ -63,6 +63,18 @@ def _compare(ranks):
         a = j(x[:, lo:hi])
         j.write_back()
         joined_same &= torch.equal(a, whole(x))
+    # a real vocabulary's width (Qwen's), where flat rows put many prefix masses near the cut
+    big = 151936
+    blo, bhi = ranks.rank * big // ranks.world, (ranks.rank + 1) * big // ranks.world
+    params = [SamplingParams(temperature=1.0, seed=s, **f) for s, f in enumerate(
+        [dict(top_p=0.9), dict(top_p=0.95, top_k=50), dict(min_p=0.05), dict(top_p=0.7, min_p=0.01)])]
+    tp, single = P.ParallelSampler(params, big, blo, bhi), Sampler(params, big)
+    for scale in (1.0, 3.0, 8.0):
+        x = scale * torch.randn(len(params), big, generator=g)
+        a, b = tp(x[:, blo:bhi]), single(x)
+        same += int((a == b).sum())
+        total += len(params)
+        mismatches += [("big", scale, r) for r in (a != b).nonzero()[:, 0].tolist()]
     return dict(same=same, total=total, mismatches=mismatches[:10], joined=joined_same)
 
 
