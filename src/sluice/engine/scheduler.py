@@ -13,6 +13,11 @@ One `step()`:
    Sampler (its own generator and penalty state), so a request draws exactly what it would alone;
 5. keys the blocks that filled up, and frees the blocks of sequences that finished.
 
+Under tensor parallelism (LLM(tensor_parallel=N)) every rank runs this same scheduler on its part of
+the model: the logits of step 4 are the rank's vocabulary shard, and the `head` (parallel/head.py)
+samples them with collectives. Every rank must then get the same add()s and abort()s in the same
+order (parallel/lockstep.py); the decisions above depend on nothing else, so they agree.
+
 Preemption is by recompute: when a sequence needs a block and none is free, the most recently
 admitted sequence gives all of its blocks back and returns to the front of the queue, keeping what it
 generated and its sampler; when readmitted it prefills prompt + generated tokens again (much of it
