@@ -62,10 +62,10 @@ def test_rank_bytes_by_hand(cfg):
     assert sum(x["count"] for x in act) == 5
     assert all(x["bytes"] == 256 and x["steps"] == 6 and x["sent_bytes_each"] == 384 for x in act)
     assert all(x["us_each"] == pytest.approx(10 + 6 + 0.384) for x in act)
-    # sampler: 2 all-reduces of 8 bytes (sent 12 each), 2 all-gathers of 32 bytes (3 steps, sent 96 each)
-    assert p["communication_bytes"] == 5 * 384 + 2 * 12 + 2 * 96 == 2136
-    assert p["collectives"] == 9
-    assert p["communication_ms"] * 1e3 == pytest.approx(5 * 16.384 + 2 * 16.012 + 2 * 13.096)
+    # sampler: 2 all-reduces of 8 bytes (sent 12 each), 1 all-gather of 32 bytes (3 steps, sent 96)
+    assert p["communication_bytes"] == 5 * 384 + 2 * 12 + 96 == 2040
+    assert p["collectives"] == 8
+    assert p["communication_ms"] * 1e3 == pytest.approx(5 * 16.384 + 2 * 16.012 + 13.096)
     bw = 3350e9  # h100
     assert p["weights_ms"] == pytest.approx(45952 / bw * 1e3)
     assert p["step_ms"] == pytest.approx(max(p["memory_ms"], p["compute_ms"]) + p["communication_ms"])
@@ -144,7 +144,7 @@ def test_cli_tables_json_and_report(cfg_path, tmp_path, capsys):
                  "--out", str(tmp_path / "rf")]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["parallel"]["tp"] == 2 and d["parallel"]["interconnect"]["name"] == "nvlink"  # the default link
-    assert d["parallel"]["per_token"]["collectives"] == 2 * 2 + 1 + 4
+    assert d["parallel"]["per_token"]["collectives"] == 2 * 2 + 1 + 3
     assert (tmp_path / "rf" / "roofline.html").is_file()
     assert "Tensor parallel over 2 ranks" in (tmp_path / "rf" / "roofline.html").read_text()
 

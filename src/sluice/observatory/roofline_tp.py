@@ -12,10 +12,11 @@ before the previous branch's sum is complete.
     all-reduce (B, C)      after the vocabulary-parallel embedding                       1
     all-reduce (B, C)      after o (attention) and after down (MLP) in every layer       2 L
     all-reduce (B,) fp32   max of "row not finite" (parallel/sampling.py)                 1
-    all-gather (B, 2) f64  greedy winner (value, id) of each rank                          1
-    all-reduce (B,) fp32   max logit, for the temperature-scaled race (sampled rows)       1
-    all-gather (B, 2) f64  race winner (value, id) of each rank (sampled rows)             1
-Greedy decoding skips the last two; a top_k filter adds one all-gather of k values per row.
+    all-reduce (B,) fp32   max logit, for the temperature-scaled race                      1
+    all-gather (B, 2) f64  race winner (value, id) of each rank                            1
+That is the sampled path (temperature > 0, no filters). A greedy batch sends the first and an
+all-gather of each rank's greedy winner (2 collectives), a batch mixing greedy and sampled rows 4;
+top_k adds an all-gather of k values per row, top_p / min_p a few rounds more (parallel/filters.py).
 
 Ring model, what NCCL runs for small messages: an all-reduce of n bytes over N ranks is a
 reduce-scatter then an all-gather, 2(N-1) steps, each rank sending 2(N-1)/N * n bytes; an all-gather
@@ -110,7 +111,6 @@ def step_collectives(cfg: ModelConfig, tp: int, batch: int, dtype: torch.dtype, 
             ("attention o all-reduce (B, hidden)", "all_reduce", act, cfg.num_layers),
             ("MLP down all-reduce (B, hidden)", "all_reduce", act, cfg.num_layers),
             ("sampler: non-finite max (B,) fp32", "all_reduce", batch * 4, 1),
-            ("sampler: greedy winner (B, 2) fp64", "all_gather", batch * 16, 1),
             ("sampler: max logit (B,) fp32", "all_reduce", batch * 4, 1),
             ("sampler: race winner (B, 2) fp64", "all_gather", batch * 16, 1)]
     out = []
