@@ -105,36 +105,69 @@ class BatchServingEngine(LLMEngine):
         super().close(timeout)
 
     # ------------------------------------------------------------------ the worker
+    idle_wait_s: float | None = None  # an idle worker wakes this often to call _idle() (None: only when told)
+
     def _work(self) -> None:
         if not self._load():
             return
-        sched = self._batch.scheduler
         while True:
             with self._cond:
-                while not self._waiting and not self._live and not self._closed:
-                    self._cond.wait()
+                if not self._waiting and not self._live and not self._closed:
+                    self._cond.wait(self.idle_wait_s)
                 if self._closed:
                     break
                 new = list(self._waiting)
                 self._waiting.clear()
+            if not new and not self._live:
+                if not self._idle():
+                    return
+                continue
             for handle in new:
                 self._admit(handle)
             for e in list(self._live.values()):
                 if e.handle.aborted:
                     for s in e.seqs:
-                        sched.abort(s)
+                        if not s.finished:
+                            self._abort_seq(s)
             try:
-                updates = self._batch.step()
-            except Exception as e:  # noqa: BLE001 -- a bug in one step must not kill the server
-                log.exception("internal error in a scheduler step")
-                self._fail_all(e)
+                updates = self._step()
+            except Exception as e:  # noqa: BLE001 -- handled (and logged) by _step_failed
+                if not self._step_failed(e):
+                    return
                 continue
             for u in updates:
                 self._route(u)
-        for e in list(self._live.values()):  # closed: end what is left
+        self._wind_down()
+
+    # What a tensor-parallel rank 0 (server/tp_engine.py) extends: each call that changes the
+    # scheduler's state, the step, the idle wake-up, a failed step and the end.
+    def _add(self, ids: list[int], params):
+        return self._batch.add(ids, params)
+
+    def _abort_seq(self, seq) -> None:
+        self._batch.scheduler.abort(seq)
+
+    def _step(self) -> list:
+        return self._batch.step()
+
+    def _idle(self) -> bool:
+        """Nothing to do (woken by a timeout or an abort); False ends the worker."""
+        return True
+
+    def _step_failed(self, error: Exception) -> bool:
+        """A step raised: fail the requests in flight and carry on (a bug in one step must not kill the
+        server); False ends the worker."""
+        log.exception("internal error in a scheduler step", exc_info=error)
+        self._fail_all(error)
+        return True
+
+    def _wind_down(self) -> None:
+        """Closed: end what is left."""
+        sched = self._batch.scheduler
+        for e in list(self._live.values()):
             for s in e.seqs:
                 sched.abort(s)
-        for u in self._batch.scheduler.apply_aborts():
+        for u in sched.apply_aborts():
             self._route(u)
 
     def _admit(self, handle: RequestHandle) -> None:
@@ -146,16 +179,16 @@ class BatchServingEngine(LLMEngine):
         try:
             ids = self._prompt_ids(handle.request)
             if not isinstance(handle.request.prompt, str) and handle.request.messages is None:
-                ids = token_ids(0, ids, llm.model.config.vocab_size, llm.max_model_len)  # ids given: check them
+                ids = token_ids(0, ids, llm.config.vocab_size, llm.max_model_len)  # ids given: check them
             params = self._resolve(handle.request, len(ids))
             for p in params:
-                p.validate(llm.model.config.vocab_size)
+                p.validate(llm.config.vocab_size)
                 self._batch.scheduler.check_fits(len(ids), p.max_tokens)
         except SluiceError as e:
             self.metrics.record("invalid")
             handle.emit(Failed(e))
             return
-        seqs = [self._batch.add(ids, p) for p in params]
+        seqs = [self._add(ids, p) for p in params]
         entry = self._live[handle.number] = _Live(handle, seqs, len(ids), set(range(len(seqs))))
         self._owner.update((s.id, (entry, i)) for i, s in enumerate(seqs))
         handle.emit(Started(len(ids)))

@@ -31,14 +31,17 @@ log = logging.getLogger("sluice.server")
 
 class LLMEngine:
     def __init__(self, make_llm: Callable[[], object], model_name: str, max_queue: int = 64,
-                 on_load_error: Callable[[Exception], None] | None = None):
-        """make_llm builds the LLM; it runs on the worker thread, which owns the LLM from then on."""
+                 on_fatal: Callable[[Exception], None] | None = None):
+        """make_llm builds the LLM; it runs on the worker thread, which owns the LLM from then on.
+        on_fatal(error) is called (on that thread) when the engine cannot serve: the load failed
+        (load_error), or it broke later (fatal_error: a tensor-parallel rank died)."""
         self.model_name = model_name
         self.max_queue = max_queue
         self.max_model_len = 0
         self.metrics = Metrics()
         self.load_error: Exception | None = None
-        self._make_llm, self._on_load_error = make_llm, on_load_error
+        self.fatal_error: Exception | None = None
+        self._make_llm, self._on_fatal = make_llm, on_fatal
         self._llm = None
         self._ready = threading.Event()
         self._draining = False
@@ -65,7 +68,8 @@ class LLMEngine:
         handle = RequestHandle(request, asyncio.get_running_loop())
         with self._cond:
             if self._draining or self._closed:
-                raise Draining("the server is shutting down")
+                why = f" ({self.fatal_error})" if self.fatal_error else ""
+                raise Draining(f"the server is shutting down{why}")
             if not self._ready.is_set():
                 raise NotReady(f"the model failed to load: {self.load_error}" if self.load_error
                                else "the model is still loading")
@@ -126,14 +130,28 @@ class LLMEngine:
             self._loaded()
         except BaseException as e:  # noqa: BLE001 -- reported to the CLI, which exits with it
             self.load_error = e
-            if self._on_load_error:
-                self._on_load_error(e)
+            if self._on_fatal:
+                self._on_fatal(e)
             return False
         self._ready.set()
         return True
 
     def _loaded(self) -> None:
         """What a subclass prepares once the LLM exists, before the server says ready."""
+
+    def _die(self, error: Exception) -> None:
+        """The engine can serve no more (its worker is ending): refuse new requests (503, and /health
+        says shutting down), fail the waiting ones with `error`, and tell on_fatal."""
+        with self._cond:
+            self.fatal_error = error
+            self._draining = True
+            self._ready.clear()
+            for h in self._waiting:
+                h.abort(error)
+                h.emit(Failed(error))
+            self._waiting.clear()
+        if self._on_fatal:
+            self._on_fatal(error)
 
     def _work(self) -> None:
         if not self._load():
