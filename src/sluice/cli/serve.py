@@ -3,6 +3,11 @@
 The port is bound before the model loads, so /health answers 503 while it loads. SIGTERM or Ctrl-C
 drains: /health and new requests get 503, requests in flight (streams included) finish within
 --shutdown-timeout (then they are cut), and the process exits 0. A second Ctrl-C quits at once.
+
+With --tp N under torchrun every rank loads its part of the model; rank 0 serves HTTP and drives the
+others' schedulers in lockstep (server/tp_engine.py, parallel/lockstep.py); the others run
+_follow() and leave shutdown to rank 0 (a SIGTERM or Ctrl-C that torchrun passes them is ignored:
+rank 0 drains with their help, then tells them to stop).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import threading
 import time
 
 from ..errors import ConfigError, SluiceError
-from .common import _kv_budget, _model_args, _speculative_args, llm_kwargs
+from .common import _kv_budget, _model_args, _speculative_args, llm_kwargs, tp_rank
 
 
 def add_serve_parser(sub) -> None:
@@ -44,6 +49,13 @@ def add_serve_parser(sub) -> None:
                    help="largest request body accepted, else 413 (default 4 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds that requests in flight get to finish (default 30)")
+    g = p.add_argument_group("tensor parallelism (docs/server.md)")
+    g.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="split the model over N processes, launched with `torchrun --nproc-per-node N -m sluice "
+                        "serve --tp N ...`: rank 0 serves HTTP, the others follow its steps")
+    g.add_argument("--tp-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a rank waits for the others in a collective (the load included) before it "
+                        "gives up; a rank that exits is noticed at once, one that hangs after this (default 300)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -79,8 +91,42 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _check_tp(args) -> None:
+    """Refuse, by flag, what LLM(tensor_parallel=N) cannot do, before the group starts or anything loads."""
+    for flag, given in (("--compile", args.compile), ("--quantize", args.quantize is not None),
+                        ("--draft-model", args.draft_model is not None), ("--prompt-lookup", args.prompt_lookup),
+                        ("--compute float32", args.compute == "float32")):
+        if given:
+            raise ConfigError(f"{flag} is not available with --tp (tensor parallelism runs the continuous-"
+                              "batching engine's plain torch forward); leave it out")
+    if not args.tp_timeout > 0:  # also refuses nan
+        raise ConfigError(f"--tp-timeout must be a positive number of seconds, got {args.tp_timeout}")
+
+
+def _follow(args, kwargs) -> int:
+    """A rank other than 0: load this rank's part, then step whenever rank 0 says, until it says stop."""
+    from ..engine import LLM
+    from ..parallel import init, shutdown
+    from ..parallel.lockstep import Channel, follow
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the group stops (see the docstring)
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        init(timeout_s=args.tp_timeout)
+        llm = LLM(**kwargs)
+        follow(llm.batch_engine(), Channel(args.tp_timeout))  # batch_engine(): as rank 0's engine, in order
+    finally:
+        shutdown()
+    return 0
+
+
 def cmd_serve(args) -> int:
+    rank = tp_rank(args, "serve")  # a rank other than 0 is silenced from here (rank 0 speaks)
     kwargs = _check(args)
+    tp = (args.tp or 1) > 1
+    if tp:
+        _check_tp(args)
+        if rank:
+            return _follow(args, kwargs)
     try:
         import uvicorn
 
@@ -103,21 +149,29 @@ def cmd_serve(args) -> int:
 
     def make_llm():
         t0 = time.perf_counter()
+        if tp:
+            from ..parallel import init
+            init(timeout_s=args.tp_timeout)  # joins the others (part of the load: /health says 503 meanwhile)
         llm = LLM(**kwargs)
         print(f"sluice serve: {name} loaded in {time.perf_counter() - t0:.1f} s; ready", file=sys.stderr)
         return llm
 
-    def load_failed(_err):
+    def stop_server(_err):  # the load failed, or (--tp) the group broke: the engine serves no more
         if server:
             server[0].should_exit = True
 
-    make_engine = LLMEngine if static else BatchServingEngine
-    engine = make_engine(make_llm, name, max_queue=args.max_queue, on_load_error=load_failed)
+    if tp:
+        from ..server.tp_engine import ParallelServingEngine
+        engine = ParallelServingEngine(make_llm, name, max_queue=args.max_queue, on_fatal=stop_server,
+                                       timeout_s=args.tp_timeout)
+    else:
+        make_engine = LLMEngine if static else BatchServingEngine
+        engine = make_engine(make_llm, name, max_queue=args.max_queue, on_fatal=stop_server)
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     # uvicorn's own drain timeout is the backstop for a connection that will not close after ours
     config = uvicorn.Config(app, log_level="info", lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout + 5)
     server.append(_DrainingServer(config, engine, args.shutdown_timeout))
-    if engine.load_error is not None:  # failed before the server existed to be told
+    if engine.load_error is not None or engine.fatal_error is not None:  # before the server existed to be told
         server[0].should_exit = True
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"sluice serve: {name} on http://{host}:{sock.getsockname()[1]}/v1 (loading; /health says when "
@@ -125,8 +179,14 @@ def cmd_serve(args) -> int:
     try:
         server[0].run(sockets=[sock])
     finally:
-        engine.close(timeout=10)
+        engine.close(timeout=10)  # under --tp its worker tells the other ranks to stop
         sock.close()
+        if tp and engine.fatal_error is None:
+            from ..parallel import shutdown
+            shutdown()
+    if engine.fatal_error is not None:
+        from ..parallel import ParallelError
+        raise ParallelError(str(engine.fatal_error))
     if engine.load_error is not None:
         err = engine.load_error
         raise err if isinstance(err, (SluiceError, OSError, MemoryError)) else SluiceError(

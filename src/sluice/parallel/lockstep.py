@@ -1,0 +1,135 @@
+"""Driving every rank's scheduler in lockstep from rank 0: what `sluice serve --tp N` runs on.
+
+Each scheduler step runs collectives (the row-parallel all-reduces, the sampler's merges), so every
+rank must make the same scheduler calls in the same order: the same add()s with the same prompt
+ids and SamplingParams, the same abort()s, then step(). Rank 0 alone hears the clients; before
+each of its steps it broadcasts a Message with what changed the scheduler's state since the last
+one (the sequences it added, in order, and the numbers of those it aborted), and the followers
+(follow()) apply the same calls and step with it. Everything else a step decides (admission,
+preemption, chunking, the tokens) then comes out the same on every rank by construction.
+
+Sequences are named across ranks by their number: the count of adds before them, the same on
+every rank (Seq.id comes from a per-process counter and need not agree).
+
+An idle rank 0 sends a heartbeat every heartbeat_interval(timeout) seconds, so that a follower
+waiting for the next message never reaches the collective timeout on a quiet server; and the
+heartbeat is how rank 0 notices a dead follower while idle. "stop" ends the followers' loop.
+A broadcast that fails (a rank died or hung past the timeout) raises ParallelError on the ranks
+still alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .group import _failed
+
+HEARTBEAT_MAX_S = 5.0  # an idle server still notices a dead follower within a few seconds
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """Seconds an idle rank 0 waits between heartbeats: well inside the collective timeout."""
+    return min(timeout_s / 4, HEARTBEAT_MAX_S)
+
+
+@dataclass
+class Message:
+    kind: str  # "step" (apply adds and aborts, then step), "heartbeat" or "stop"
+    adds: list = field(default_factory=list)  # (prompt ids, SamplingParams), in the order added
+    aborts: list[int] = field(default_factory=list)  # numbers of the sequences to abort
+
+
+class Channel:
+    """Broadcasts from rank 0 to the others. The control messages travel on a gloo group (the
+    default group when that is gloo; a second one beside NCCL), since they are small Python objects."""
+
+    def __init__(self, timeout_s: float):
+        self.group = None if dist.get_backend() == "gloo" else dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def send(self, message: Message) -> None:
+        self._broadcast([message])
+
+    def receive(self) -> Message:
+        box = [None]
+        self._broadcast(box)
+        return box[0]
+
+    def _broadcast(self, box: list) -> None:
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except RuntimeError as e:  # gloo: "Connection closed by peer", "Timed out waiting ..."
+            raise _failed("broadcast of the next step", e) from None
+
+
+class Book:
+    """The sequences added in lockstep, by number (the same on every rank)."""
+
+    def __init__(self):
+        self.seqs: dict[int, object] = {}
+        self.count = 0
+
+    def add(self, seq) -> int:
+        number, self.count = self.count, self.count + 1
+        self.seqs[number] = seq
+        return number
+
+    def number(self, seq) -> int | None:
+        return next((n for n, s in self.seqs.items() if s is seq), None)
+
+    def prune(self) -> None:
+        """Forget the sequences that have finished: nobody can abort them any more."""
+        self.seqs = {n: s for n, s in self.seqs.items() if not s.finished}
+
+
+class Leader:
+    """Rank 0's side: record its adds and aborts as it makes them, then send() before each step."""
+
+    def __init__(self, channel: Channel):
+        self.channel, self.book = channel, Book()
+        self._adds: list = []
+        self._aborts: list[int] = []
+
+    def added(self, seq, prompt_ids: list[int], params) -> None:
+        self.book.add(seq)
+        self._adds.append((list(prompt_ids), params))
+
+    def aborted(self, seq) -> None:
+        number = self.book.number(seq)
+        if number is not None and number not in self._aborts:
+            self._aborts.append(number)
+
+    def step(self) -> None:
+        """Tell the followers to make this step's calls; call before the local step()."""
+        message = Message("step", self._adds, self._aborts)
+        self._adds, self._aborts = [], []
+        self.channel.send(message)
+        self.book.prune()
+
+    def heartbeat(self) -> None:
+        self.channel.send(Message("heartbeat"))
+
+    def stop(self) -> None:
+        self.channel.send(Message("stop"))
+
+
+def follow(batch, channel: Channel) -> None:
+    """A follower's loop over its BatchEngine: receive, make the same calls as rank 0, step, drop
+    the updates (rank 0 answers the clients). Returns at "stop"; raises ParallelError if rank 0 dies."""
+    book = Book()
+    while True:
+        message = channel.receive()
+        if message.kind == "stop":
+            return
+        if message.kind == "heartbeat":
+            continue
+        for prompt_ids, params in message.adds:
+            book.add(batch.add(prompt_ids, params))
+        for number in message.aborts:
+            if number in book.seqs:
+                batch.scheduler.abort(book.seqs[number])
+        batch.step()
+        book.prune()
