@@ -33,7 +33,7 @@ BAD_VALUES = [
     ("train", "betas", "[0.9, true]", r"\[0.9, True\]"), ("train", "betas", '"0.9"', "'0.9'"),
     ("train", "min_lr_ratio", "1.5", "1.5"), ("train", "init_std", "0", "0"),
     ("train", "eval_tokens", "0", "0"), ("train", "max_minutes", "-1", "-1"), ("train", "seed", "-1", "-1"),
-    ("train", "autocast_bf16", "1", "1"), ("model", "num_kv_heads", "0", "0"),
+    ("train", "autocast_bf16", "1", "1"), ("train", "autocast_bf16", "\"yes\"", "'yes'"), ("model", "num_kv_heads", "0", "0"),
     ("model", "num_kv_heads", "-2", "-2"), ("model", "head_dim", "7", "7"),
     ("model", "rope_theta", "nan", "nan"), ("model", "norm_eps", "0", "0"),
     ("model", "hidden_size", "false", "False"), ("tokenizer", "vocab_size", "100", "100"),

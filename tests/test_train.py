@@ -189,3 +189,20 @@ def test_recording_valves_leaves_training_unchanged(tmp_path, corpus, monkeypatc
     monkeypatch.setattr("sluice.training.train.valve_summary", lambda *a, **k: {})
     run(recipe(corpus), tmp_path / "without", log=lambda m: None, progress=False)
     assert losses(tmp_path / "with") == losses(tmp_path / "without")
+
+
+def test_autocast_auto_follows_the_cpu_flags(tmp_path, corpus):
+    """train.autocast_bf16 = "auto": bf16 where the CPU has AVX-512 bf16 or AMX, fp32 elsewhere; the
+    run records what it chose, and a recipe's true/false is taken as written."""
+    from sluice.engine.native import cpu_flags
+    from sluice.training.train import bf16_autocast
+    assert bf16_autocast("auto", {"avx2", "fma"}) is False
+    assert bf16_autocast("auto", {"avx2", "avx512_bf16"}) is True
+    assert bf16_autocast("auto", {"amx_bf16"}) is True
+    assert bf16_autocast(True, set()) is True and bf16_autocast(False, {"amx_bf16"}) is False
+    said = []
+    summary = run(recipe(corpus, steps=2, autocast_bf16="auto", eval_every=2), tmp_path / "run", log=said.append,
+                  progress=False)
+    expected = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    assert summary["autocast_bf16"] is expected
+    assert any(m.startswith(f"bf16 autocast: {'on' if expected else 'off'} (auto") for m in said)

@@ -74,7 +74,7 @@ def training_bytes(recipe, num_params: int) -> dict[str, int]:
     tokens = t.micro_batch * t.seq_len
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     # Weights, gradients and AdamW's two moments, all fp32; bf16 autocast adds a cast copy.
-    state = num_params * FP32 * 4 + (num_params * 2 if t.autocast_bf16 else 0)
+    state = num_params * FP32 * 4 + (num_params * 2 if t.autocast_bf16 is not False else 0)  # "auto": the larger
     # Saved for backward, per token and layer: norms, projections and their normed/rotated copies,
     # the gated MLP's four intermediate-wide tensors and residual adds (counted from layers.py).
     per_token_layer = 10 * m.hidden_size + 8 * (q + 2 * kv) + 6 * m.intermediate_size

@@ -65,6 +65,15 @@ class Bool:
 
 
 @dataclass(frozen=True)
+class BoolOrAuto:
+    """true, false, or "auto": decided at run time by what the machine has."""
+    def read(self, v):
+        if not (isinstance(v, bool) or v == "auto"):
+            raise Bad('must be true, false or "auto"')
+        return v
+
+
+@dataclass(frozen=True)
 class Str:
     def read(self, v):
         if not isinstance(v, str) or not v or "\x00" in v:

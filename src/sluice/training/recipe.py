@@ -11,7 +11,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from .fields import (Betas, Bool, Float, Int, RecipeError, RelativeGlob, Str, StrList, read_value,
+from .fields import (Betas, Bool, BoolOrAuto, Float, Int, RecipeError, RelativeGlob, Str, StrList, read_value,
                      spec)
 
 MAX_RECIPE_BYTES = 1 << 20
@@ -72,7 +72,7 @@ class TrainSpec:
     eval_every: int = spec(250, Int())
     eval_tokens: int = spec(200_000, Int())
     checkpoint_every: int = spec(100, Int())
-    autocast_bf16: bool = spec(True, Bool())
+    autocast_bf16: bool | str = spec(True, BoolOrAuto())  # "auto": train.bf16_autocast decides
     compile: bool = spec(True, Bool())
     max_minutes: float = spec(0, Float(0, lo_open=False))  # 0 = no wall-clock limit
 
