@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="exit status: 0 ok, 2 bad input (the message names it), 3 the forward "
                               "produced NaN/inf (reported as a finding with its origin; report still written)")
     _model_args(p, engine=False)
+    _tp_args(p)
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write report.html (self-contained), report.json and the PNG plots here "
                         "(created if missing)")

@@ -48,6 +48,10 @@ def tp_rank(args, command: str) -> int:
     args.quiet_rank and args.real_stderr set, so main() prints only its own failures (a peer that
     died, a bug)."""
     tp, world = getattr(args, "tp", None), os.environ.get("WORLD_SIZE")
+    rank = int(os.environ.get("RANK", "0"))
+    dist = sys.modules.get("torch.distributed")  # a script (or test) that started the group itself
+    if world is None and dist is not None and dist.is_available() and dist.is_initialized():
+        world, rank = str(dist.get_world_size()), dist.get_rank()
     if tp is not None and tp < 1:
         raise ConfigError(f"--tp must be an integer >= 1, got {tp}")
     if tp in (None, 1):
@@ -60,7 +64,6 @@ def tp_rank(args, command: str) -> int:
                           f"`torchrun --nproc-per-node {tp} -m sluice {command} --tp {tp} ...`")
     if world != str(tp):
         raise ConfigError(f"--tp {tp} but torchrun started {world} processes (WORLD_SIZE={world}); they must match")
-    rank = int(os.environ.get("RANK", "0"))
     if rank:
         args.quiet_rank, args.real_stderr = rank, sys.stderr
         sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 -- for the life of the process
