@@ -3,16 +3,18 @@
 Checked against a single-process `sluice serve` on the same tiny checkpoint: concurrent streaming and
 non-streaming completions and chat completions, greedy and seeded sampling with filters, penalties,
 n = 2 and logprobs give the same responses (chunk by chunk; logprobs within 1e-4), under torchrun
-at 2 and 4 ranks. Then the lifecycle, with the ranks started as torchrun would start them (its
-environment variables) so a test can signal one rank: an idle server outlives several collective
-timeouts (heartbeats); SIGTERM on rank 0 drains a stream in flight and every rank exits 0; a
-follower killed mid-stream fails the requests in flight with a message and rank 0 exits 2; rank 0
-killed makes the follower exit 2 with one line; --tp's mistakes are one-line errors.
+at 2 and 4 ranks; then SIGTERM to torchrun ends every rank. The lifecycle, with the ranks started
+as torchrun would start them (its environment variables) so a test can signal one rank: an idle
+server outlives several collective timeouts (heartbeats); SIGTERM on rank 0 drains a stream in
+flight and every rank exits 0; a follower killed mid-stream fails the requests in flight with a
+message and rank 0 exits 2; rank 0 killed makes the follower exit 2 with one line; --tp's mistakes
+are one-line errors.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -99,11 +102,35 @@ class Ranks:
         deadline = time.monotonic() + timeout
         return [p.wait(max(deadline - time.monotonic(), 0.1)) for p in self.procs]
 
+    def workers(self) -> list[int]:
+        """The pids of torchrun's workers (each in a session of its own: killing torchrun leaves them)."""
+        return [pid for p in self.procs for pid in _descendants(p.pid)]
+
     def kill(self) -> None:
+        for pid in self.workers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            for child in map(int, children.read_text().split()):
+                out += [child, *_descendants(child)]
+    return out
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for its parent counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except OSError:
+        return True
 
 
 @pytest.fixture
@@ -170,6 +197,11 @@ def test_torchrun_serves_what_one_process_serves(tiny_dir, reference, ranks, wor
     _same(got, reference)
     again = _ask_all(server.port)  # the prefix cache now holds these prompts: still the same
     _same(again, reference)
+    workers = server.workers()
+    assert len(workers) == world
+    server.procs[0].send_signal(signal.SIGTERM)  # torchrun passes it on: rank 0 drains and stops the others
+    server.wait(60)
+    wait_for(lambda: all(_gone(pid) for pid in workers), timeout=30, what="the ranks to exit")
 
 
 class Stream(threading.Thread):
