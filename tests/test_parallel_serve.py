@@ -195,6 +195,7 @@ def test_torchrun_serves_what_one_process_serves(tiny_dir, reference, ranks, wor
     got = _ask_all(server.port)
     assert [s for s, _ in got] == [200, 200, 200, 200, 200, 400]
     _same(got, reference)
+    _leave_mid_stream(server.port)  # its abort must reach every rank, or their batches would differ
     again = _ask_all(server.port)  # the prefix cache now holds these prompts: still the same
     _same(again, reference)
     workers = server.workers()
@@ -202,6 +203,22 @@ def test_torchrun_serves_what_one_process_serves(tiny_dir, reference, ranks, wor
     server.procs[0].send_signal(signal.SIGTERM)  # torchrun passes it on: rank 0 drains and stops the others
     server.wait(60)
     wait_for(lambda: all(_gone(pid) for pid in workers), timeout=30, what="the ranks to exit")
+
+
+def _leave_mid_stream(port: int) -> None:
+    """A streaming client that reads its first tokens and hangs up; returns once the server has aborted it."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({**LONG, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    for _ in range(4):
+        resp.readline()
+    conn.close()
+
+    def aborted():
+        _, _, body = request(port, "GET", "/metrics")
+        return 'finished_reason="aborted"} 1' in body.decode()
+    wait_for(aborted, timeout=60, what="the abort")
 
 
 class Stream(threading.Thread):

