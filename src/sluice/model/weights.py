@@ -157,6 +157,29 @@ def _split(t: torch.Tensor, split: str | None, shapes: list[tuple[int, ...]], he
     return list(t.split([s[0] for s in shapes], dim=0))
 
 
+def _read(f, hf_name: str, p, slices, head_dim: int) -> list[torch.Tensor]:
+    """The tensors (or this process's parts of them, `slices` as in load_weights) that HF tensor
+    `hf_name` becomes, in the order of p.names.
+
+    A plain or Conv1D tensor is read as a slice (Conv1D's file layout is (in, out), so the Linear
+    index is reversed before reading and the transpose comes after). A fused q|k|v tensor (GPT-2's
+    c_attn, NeoX's query_key_value) cannot be sliced in the file: a rank's q rows are one contiguous
+    block of q but not of the fused rows (NeoX even interleaves them per head), so it is read whole,
+    split as for one process, and each piece cut to this rank's rows. That holds one layer's q, k and
+    v at once (3 C^2 values for GPT-2, bounded by the layer, not the model) and frees it at once."""
+    indices = [slices(n) if slices is not None else None for n in p.names]
+    if all(i is None for i in indices):
+        return _split(f.get_tensor(hf_name), p.split, list(p.shapes), head_dim)
+    if len(p.names) > 1:  # fused
+        pieces = _split(f.get_tensor(hf_name), p.split, list(p.shapes), head_dim)
+        return [t if i is None else t[i] for t, i in zip(pieces, indices, strict=True)]
+    index = indices[0]
+    if p.split == "conv1d":
+        rows, cols = (*index, slice(None))[:2]
+        return [f.get_slice(hf_name)[cols, rows].t()]
+    return [f.get_slice(hf_name)[index]]
+
+
 _DTYPE_NAMES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                 "BOOL": torch.bool}
@@ -257,7 +280,8 @@ def load_weights(model: torch.nn.Module, model_dir: Path, dtype: torch.dtype,
 
     `slices` (tensor parallelism, parallel/sharding.py): a function of a sluice tensor name giving
     the index (a tuple of slices) of the part this process keeps, or None for the whole tensor. Only
-    that part is read from the file, so no process materialises a full matrix it shards."""
+    that part is read from the file, so no process materialises a full matrix it shards; the one
+    exception is a fused q|k|v tensor (see _read), read whole one layer at a time."""
     plan = plan_checkpoint(model.config, Path(model_dir)) if plan is None else plan
     by_file: dict[Path, list[tuple[str, Planned]]] = {}
     for hf_name, p in plan.items():
@@ -270,12 +294,6 @@ def load_weights(model: torch.nn.Module, model_dir: Path, dtype: torch.dtype,
             raise CheckpointError(f"cannot read {path.name}: {e}") from None
         with f:
             for hf_name, p in tensors:
-                index = slices(p.names[0]) if slices is not None else None
-                if index is not None and p.split is not None:
-                    raise CheckpointError(f"{shown(hf_name)} is a fused tensor ({p.split}); reading a "
-                                          "shard of it is not implemented")
-                t = f.get_tensor(hf_name) if index is None else f.get_slice(hf_name)[index]
-                pieces = _split(t, p.split, list(p.shapes), model.config.head_dim)
-                for n, piece in zip(p.names, pieces, strict=True):
+                for n, piece in zip(p.names, _read(f, hf_name, p, slices, model.config.head_dim), strict=True):
                     loaded[n] = piece.to(device=device, dtype=dtype).contiguous()
     model.load_state_dict(loaded, strict=False, assign=True)
