@@ -1,7 +1,7 @@
-"""The two modules tensor parallelism swaps into sluice's own Transformer; everything else in the
+"""The modules tensor parallelism swaps into sluice's own Transformer; everything else in the
 model is the plain single-process code, run on a rank's narrower config (parallel/sharding.py).
 
-They subclass nn.Linear / nn.Embedding so the parameter names (and so the state dict, the loader
+They subclass nn.Linear / nn.Embedding / RMSNorm so the parameter names (and so the state dict, the loader
 and the observatory's hooks) stay those of the model they replace.
 """
 
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model.layers import RMSNorm
 from . import group
 
 
@@ -41,3 +42,35 @@ class VocabParallelEmbedding(nn.Embedding):
         x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)  # (B, T, C)
         x = x.masked_fill(~mine[..., None], 0)
         return group.all_reduce(x)
+
+
+class FullWidthRMSNorm(RMSNorm):
+    """OLMo 2's q/k norm over the whole projection (all heads' channels together), when each rank
+    holds only its heads' channels. The mean of squares needs every channel: each rank sums the
+    squares of its own (fp32), one all-reduce of those (B, T, 1) sums gives the full sum, and each
+    rank then normalises its channels with its slice of the gain (`weight`, sliced like q's or k's
+    rows). `full_dim` is the global width (H*D or K*D) the mean divides by.
+
+    With fewer KV heads than ranks, the ranks sharing a KV head hold the same k channels; only the
+    first of them (`counted`) contributes its sum, so each channel is counted once, exactly. The
+    parameter keeps RMSNorm's name, and the arithmetic after the sum is RMSNorm's (eps, fp32
+    statistics, the family's gain order), so the result equals one process's up to the order of
+    the fp32 sum."""
+
+    def __init__(self, dim: int, eps: float, full_dim: int, counted: bool = True, **kwargs):
+        super().__init__(dim, eps, **kwargs)
+        self.full_dim, self.counted = full_dim, counted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = x32.pow(2).sum(-1, keepdim=True)  # (B, T, 1): this rank's channels only
+        if not self.counted:
+            squares = torch.zeros_like(squares)  # a replica: the first rank of its group counts them
+        group.all_reduce(squares)
+        x32 = x32 * torch.rsqrt(squares / self.full_dim + self.eps)
+        if self.gain_in_fp32:
+            return (x32 * (self.weight.float() + self.offset)).to(x.dtype)
+        return self.weight * x32.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, full_dim={self.full_dim}, counted={self.counted}"

@@ -1,5 +1,6 @@
 """One rank's part of a checkpoint: sluice's own Transformer built on the rank's config, with o,
-down, the embedding and the LM head swapped for their parallel forms, and filled with only this
+down, the embedding and the LM head swapped for their parallel forms (and OLMo 2's full-width q/k
+norms for their distributed form), and filled with only this
 rank's slices of each tensor (sluice's loader reads them with safetensors' get_slice).
 
 The model's forward returns this rank's shard of the logits, (B, T, V/N) for the vocabulary ids
@@ -20,7 +21,7 @@ from ..model.layers import Transformer
 from ..model.loading import parse_device, parse_dtype
 from ..model.weights import load_weights, plan_checkpoint
 from . import group
-from .layers import RowParallelLinear, VocabParallelEmbedding
+from .layers import FullWidthRMSNorm, RowParallelLinear, VocabParallelEmbedding
 from .sharding import rank_config, slice_of, vocab_range
 
 
@@ -35,10 +36,24 @@ def build_rank_model(cfg: ModelConfig, rank: int, world: int) -> Transformer:
             o, down = block.attn.o, block.mlp.down
             block.attn.o = RowParallelLinear(o.in_features, o.out_features, bias=o.bias is not None)
             block.mlp.down = RowParallelLinear(down.in_features, down.out_features, bias=down.bias is not None)
+            if cfg.qk_norm == "full":
+                _full_width_qk_norm(block.attn, cfg, rank, world)
         model.tie_weights()
     model.full_config = cfg  # the whole model's config, for what needs the global sizes
     model.rank, model.world = rank, world
     return model
+
+
+def _full_width_qk_norm(attn, cfg: ModelConfig, rank: int, world: int) -> None:
+    """Swap OLMo 2's q/k norms (over all heads at once) for their distributed form. With KV heads
+    replicated (K < N), the N/K ranks of one KV head hold the same k channels and only the first
+    of them counts its sum of squares."""
+    D, replicas = cfg.head_dim, max(1, world // cfg.num_kv_heads)
+    for name, full, counted in (("q_norm", cfg.num_heads * D, True),
+                                ("k_norm", cfg.num_kv_heads * D, rank % replicas == 0)):
+        old = getattr(attn, name)
+        setattr(attn, name, FullWidthRMSNorm(old.weight.shape[0], old.eps, full, counted, offset=old.offset,
+                                             gain_in_fp32=old.gain_in_fp32))
 
 
 def load_rank(path_or_repo_id: str | Path, ranks: group.Ranks, dtype="float32", device="cpu") -> Transformer:

@@ -7,6 +7,9 @@ For N ranks, rank r keeps:
   down                         row-parallel: the matching input columns; one all-reduce after
   embed, lm_head               vocabulary-parallel: rows r*V/N .. (r+1)*V/N (tied or not)
   norms, o/down biases, pos    replicated (biases of row-parallel layers are added once, after the reduce)
+  full-width q/k norm gains    like q's / k's rows (OLMo 2; its sum of squares is all-reduced, layers.py)
+Fused q|k|v checkpoints (GPT-2, NeoX) get the same slices of q, k and v; weights.py cuts them from
+the fused tensor after splitting it as for one process.
 With fewer KV heads than ranks (GQA), each KV head is replicated on the N/K ranks whose query heads
 use it, so every rank's query heads still meet the KV head they were trained with.
 """
@@ -17,19 +20,12 @@ import re
 
 from ..errors import ConfigError
 from ..model.config import ModelConfig
-from ..model.weights import scheme_of
 
 
 def check_shardable(cfg: ModelConfig, world: int) -> None:
     """Raise ConfigError naming the first reason `cfg` cannot be split over `world` ranks."""
     if not (isinstance(world, int) and world >= 1):
         raise ConfigError(f"the tensor-parallel size must be a positive integer, got {world!r}")
-    if cfg.qk_norm == "full":
-        raise ConfigError(f"{cfg.architecture} normalises q and k over all heads together (full-width qk-norm); "
-                          "tensor parallelism does not implement that distributed norm yet")
-    if scheme_of(cfg.architecture) in ("gpt2", "neox"):
-        raise ConfigError(f"{cfg.architecture} stores q, k and v fused in one tensor; tensor parallelism "
-                          "does not read shards of fused tensors yet")
     for what, n in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size),
                     ("vocab_size", cfg.vocab_size)):
         if n % world:
@@ -89,6 +85,9 @@ def slice_of(cfg: ModelConfig, rank: int, world: int, name: str) -> tuple | None
         "layers.{i}.mlp.gate.weight": (i_rows,), "layers.{i}.mlp.gate.bias": (i_rows,),
         "layers.{i}.mlp.up.weight": (i_rows,), "layers.{i}.mlp.up.bias": (i_rows,),
         "layers.{i}.mlp.down.weight": (slice(None), i_rows),
+        # full-width qk-norm (OLMo 2): the gain of each channel lives with that channel's rows
+        "layers.{i}.attn.q_norm.weight": (q_rows,) if cfg.qk_norm == "full" else None,
+        "layers.{i}.attn.k_norm.weight": (kv_rows,) if cfg.qk_norm == "full" else None,
         "embed.weight": (slice(v.start, v.stop),), "lm_head.weight": (slice(v.start, v.stop),),
     }
     return table.get(key)
