@@ -1,5 +1,6 @@
-"""Tensor parallelism's clear errors: sizes that do not split, families it cannot run, ranks that
-disagree on the checkpoint, and a rank that dies or hangs (the others raise, within the timeout)."""
+"""Tensor parallelism's clear errors: sizes that do not split (every family splits otherwise, fused
+q|k|v and full-width qk-norm included), ranks that disagree on the checkpoint, and a rank that dies
+or hangs (the others raise, within the timeout)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,34 @@ CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_laye
     (dict(vocab_size=98), 4, "vocab_size (98) to be a multiple of 4"),
     (dict(num_heads=12, num_kv_heads=6, intermediate_size=96), 4, "num_key_value_heads (6) to be a multiple of 4"),
     (dict(num_heads=12, num_kv_heads=4, intermediate_size=96), 6, "num_key_value_heads (4) to divide 6"),
-    (dict(qk_norm="full", architecture="Olmo2ForCausalLM"), 2, "full-width qk-norm"),
-    (dict(architecture="GPT2LMHeadModel"), 2, "fused"),
+    (dict(qk_norm="full", architecture="Olmo2ForCausalLM", num_heads=12, num_kv_heads=12, intermediate_size=96),
+     8, "num_attention_heads (12) to be a multiple of 8"),
+    (dict(architecture="GPT2LMHeadModel", num_heads=6, num_kv_heads=6, intermediate_size=96), 4,
+     "num_attention_heads (6) to be a multiple of 4"),
     (dict(), 0, "positive integer"),
 ])
 def test_sizes_that_do_not_split_are_refused(changes, world, says):
     from sluice.parallel import rank_config
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
         rank_config(CFG.replace(**changes), world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("changes", [
+    dict(qk_norm="full", architecture="Olmo2ForCausalLM", num_kv_heads=2),  # was refused: full-width qk-norm
+    dict(architecture="GPT2LMHeadModel", num_kv_heads=8),  # was refused: fused q|k|v
+    dict(architecture="GPTNeoXForCausalLM", num_kv_heads=8, rotary_dim=4),
+])
+def test_fused_qkv_and_full_width_qk_norm_split(changes, world):
+    """Once refused, now split (tests/test_parallel_families.py checks their logits)."""
+    from sluice.parallel.sharding import rank_config, slice_of
+    cfg = CFG.replace(**changes)
+    local = rank_config(cfg, world)
+    assert local.num_heads == 8 // world and local.intermediate_size == 128 // world
+    if cfg.qk_norm == "full":  # the gains are sliced like q's and k's rows
+        D = cfg.head_dim
+        assert slice_of(cfg, 1, world, "layers.0.attn.q_norm.weight") == (slice(8 // world * D, 2 * 8 // world * D),)
+        assert slice_of(cfg, 1, world, "layers.0.attn.k_norm.weight") == slice_of(cfg, 1, world, "layers.0.attn.k.weight")
 
 
 def test_gqa_replication_gives_each_rank_the_kv_head_of_its_queries():
