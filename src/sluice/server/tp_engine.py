@@ -60,8 +60,10 @@ class ParallelServingEngine(BatchServingEngine):
         self._leader.aborted(seq)
 
     def _step(self) -> list:
-        self._leader.step()
-        return super()._step()
+        # The adds and aborts are applied first, so that the state sent is the one the step starts from
+        updates = self._batch.scheduler.apply_aborts()
+        self._leader.step(self._batch.scheduler)
+        return updates + super()._step()
 
     def _idle(self) -> bool:
         try:
