@@ -14,6 +14,8 @@ every rank (Seq.id comes from a per-process counter and need not agree).
 An idle rank 0 sends a heartbeat every heartbeat_interval(timeout) seconds, so that a follower
 waiting for the next message never reaches the collective timeout on a quiet server; and the
 heartbeat is how rank 0 notices a dead follower while idle. "stop" ends the followers' loop.
+A step message also carries rank 0's scheduler state as the step starts (state_of); a follower that
+finds another one is out of step (a bug) and stops before its forward, rather than hang the group.
 A broadcast that fails (a rank died or hung past the timeout) raises ParallelError on the ranks
 still alive.
 """
