@@ -4,7 +4,8 @@ One spawn per world size runs every check on every family (starting ranks is the
 tests assert on what rank 0 measured. Families: Llama (KV heads split, biases on q/k/v/o and the
 MLP: the row-parallel o and down add theirs once, after the all-reduce), Qwen2 (q/k/v biases, KV
 heads replicated at 4 ranks), Qwen3 (per-head qk-norm, tied embeddings, one KV head replicated on
-every rank), Gemma 2 (sandwich norms, attention and final soft-caps, embedding scale).
+every rank), Gemma 2 (sandwich norms, attention and final soft-caps small enough to bite (2 and 3),
+embedding scale). The other five families: test_parallel_families.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from test_parallel_spawn import ok, run_ranks
 _SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8)
 FAMILIES = {"llama": dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True), "qwen2": dict(num_key_value_heads=2),
             "qwen3": dict(num_key_value_heads=1, tie_word_embeddings=True),
-            "gemma2": dict(num_key_value_heads=2)}
+            "gemma2": dict(num_key_value_heads=2, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)}
 PROMPT = [[3, 17, 42, 5, 88, 60, 11], [9, 9, 70, 1, 33, 47, 95], [50, 2, 64, 31, 7, 80, 22]]
 NEW = 8
 
