@@ -1,7 +1,8 @@
 """One rank's part of a checkpoint: sluice's own Transformer built on the rank's config, with o,
 down, the embedding and the LM head swapped for their parallel forms (and OLMo 2's full-width q/k
-norms for their distributed form), and filled with only this
-rank's slices of each tensor (sluice's loader reads them with safetensors' get_slice).
+norms for their distributed form), and filled with only this rank's slices of each tensor (sluice's
+loader reads them with safetensors' get_slice; a fused q|k|v tensor, GPT-2's or NeoX's, is read
+whole one layer at a time and cut after splitting).
 
 The model's forward returns this rank's shard of the logits, (B, T, V/N) for the vocabulary ids
 vocab_range(cfg, rank, world); parallel/sampling.py turns shards into tokens and log Z without
