@@ -147,3 +147,36 @@ def test_ranks_hold_their_share_and_read_only_replicated_or_fused_tensors_whole(
         whole = res[fam]["whole"]
         assert all(_WHOLE_OK.fullmatch(n) for n in whole), whole
         assert not any(re.search(r"(q|k)_norm", n) for n in whole) or fam != "olmo2", whole  # OLMo 2's are sliced
+
+
+@pytest.fixture(scope="module")
+def llm_ckpts(tmp_path_factory):
+    from ckpt import build_with_tokenizer
+    dirs = {}
+    for fam, extra in FAMILIES.items():
+        d = tmp_path_factory.mktemp(f"tpf-llm-{fam}")
+        sizes = {k: v for k, v in _SIZES.items() if k != "vocab_size"}  # the tokenizer's 512
+        build_with_tokenizer(d, fam, **{**sizes, "max_position_embeddings": 128}, **extra)
+        dirs[fam] = str(d)
+    return dirs
+
+
+def _llm_greedy(dirs, world=1):
+    import sluice
+    from sluice import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 80, 17, 300, 42], [9, 9, 70, 1, 33, 47, 95, 400, 12, 6, 200]]
+    return {fam: [o.token_ids for o in sluice.LLM(d, tensor_parallel=world).generate(prompts, params)]
+            for fam, d in dirs.items()}
+
+
+def _llm_on_ranks(ranks, dirs):
+    return _llm_greedy(dirs, ranks.world)
+
+
+def test_llm_tensor_parallel_greedy_equals_single_process(llm_ckpts, tmp_path):
+    """The engine path (sluice.LLM(..., tensor_parallel=2): its cache, scheduler and lockstep) on
+    these families gives the single-process LLM's greedy tokens on every rank."""
+    ref = _llm_greedy(llm_ckpts)
+    for res in ok(run_ranks(tmp_path, 2, _llm_on_ranks, llm_ckpts, timeout_s=120)):
+        assert res == ref
