@@ -1,8 +1,9 @@
 """Tensor parallelism on torch.distributed: a model split over N processes (ranks).
 
 group.py     the process group, its timeout, and every collective (failures -> ParallelError)
+lockstep.py  sluice serve --tp: rank 0 broadcasts each step's adds and aborts, the others follow
 sharding.py  which slice of each tensor a rank keeps, and what cannot be split
-layers.py    the row-parallel linear and the vocabulary-parallel embedding
+layers.py    the row-parallel linear, the vocabulary-parallel embedding, OLMo 2's full-width q/k norm
 loading.py   a rank's model: sluice's Transformer on the rank's config, filled with its slices only
 sampling.py  log Z, greedy and the Sampler over the vocabulary shards, no logits gathered
 filters.py   temperature, top_k, top_p and min_p on a rank's columns, cut from merged top values
