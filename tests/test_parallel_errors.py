@@ -124,3 +124,29 @@ def test_a_rank_that_dies_or_hangs_makes_the_others_raise_within_the_timeout(tmp
     print(f"{how}: rank 0 raised after {elapsed:.1f} s: {message}")
     assert elapsed < timeout + 5
     assert "rank 0: all_reduce failed: another rank exited or did not answer" in message
+
+
+def test_backend_and_device_follow_the_model_device(monkeypatch):
+    """gloo for a CPU model even where CUDA exists (NCCL cannot move CPU tensors); NCCL for a CUDA one;
+    "cuda" without an index is this rank's own GPU, torchrun's LOCAL_RANK, made current for NCCL."""
+    import torch
+
+    from sluice.parallel import group
+    seen = {}
+    monkeypatch.setattr(group.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(group.dist, "init_process_group", lambda backend, **kw: seen.setdefault("backends", []).append(backend))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    group.init(0, 2, "file:///nonexistent", device="cpu")
+    group.init(0, 2, "file:///nonexistent")
+    group.init(0, 2, "file:///nonexistent", device="cuda")
+    assert seen["backends"] == ["gloo", "gloo", "nccl"]
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    ranks = group.Ranks(rank=11, world=16, timeout_s=5.0)
+    assert group.rank_device("cuda", ranks) == torch.device("cuda", 3) and current == [torch.device("cuda", 3)]
+    assert group.rank_device("cuda:1", ranks) == torch.device("cuda", 1)
+    assert group.rank_device("cpu", ranks) == torch.device("cpu") and len(current) == 1
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert group.rank_device("cuda", ranks) == torch.device("cuda", 3)  # 11 % 8

@@ -111,7 +111,7 @@ def _follow(args, kwargs) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the group stops (see the docstring)
         signal.signal(sig, signal.SIG_IGN)
     try:
-        init(timeout_s=args.tp_timeout)
+        init(timeout_s=args.tp_timeout, device=getattr(args, "device", None))
         llm = LLM(**kwargs)
         follow(llm.batch_engine(), Channel(args.tp_timeout))  # batch_engine(): as rank 0's engine, in order
     finally:
@@ -151,7 +151,7 @@ def cmd_serve(args) -> int:
         t0 = time.perf_counter()
         if tp:
             from ..parallel import init
-            init(timeout_s=args.tp_timeout)  # joins the others (part of the load: /health says 503 meanwhile)
+            init(timeout_s=args.tp_timeout, device=getattr(args, "device", None))  # joins the others (part of the load: /health says 503 meanwhile)
         llm = LLM(**kwargs)
         print(f"sluice serve: {name} loaded in {time.perf_counter() - t0:.1f} s; ready", file=sys.stderr)
         return llm

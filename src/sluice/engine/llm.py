@@ -92,7 +92,7 @@ class LLM:
             from ..parallel.engine import TensorParallel
             self.tp = TensorParallel.start(tensor_parallel, compile=compile, fused_head=fused_head, quantize=quantize,
                                            kernels=kernels, compute=compute, speculative=self.speculative,
-                                           batching=batching)
+                                           batching=batching, device=device)
             kernels = False  # the CPU kernels, the native step and fp32 compute are single-process code
             self.model = self.tp.load(self.model_dir, dtype, device)
         else:

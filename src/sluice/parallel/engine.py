@@ -40,7 +40,7 @@ class TensorParallel:
 
     @classmethod
     def start(cls, size, *, compile=False, fused_head="auto", quantize=None, kernels="auto", compute="auto",
-              speculative="off", batching=True, timeout_s: float | None = None) -> TensorParallel:
+              speculative="off", batching=True, timeout_s: float | None = None, device="cpu") -> TensorParallel:
         """Check the LLM's options and the size against the process group (joined from torchrun's
         environment if not started yet), before the (slow) load."""
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -57,7 +57,7 @@ class TensorParallel:
             _refuse("compute", "float32", "it needs sluice's single-process CPU kernel")
         if speculative != "off":
             _refuse("speculative", speculative)
-        ranks = group.init() if timeout_s is None else group.init(timeout_s=timeout_s)
+        ranks = group.init(device=device) if timeout_s is None else group.init(timeout_s=timeout_s, device=device)
         if ranks.world != size:
             raise ConfigError(f"tensor_parallel={size} but the process group has {ranks.world} ranks "
                               f"(launch with torchrun --nproc-per-node {size})")
@@ -67,7 +67,7 @@ class TensorParallel:
         """This rank's model (its slices only), after checking that the model splits over the ranks."""
         cfg = ModelConfig.from_hf(model_dir)
         check_shardable(cfg, self.size)
-        model = load_rank(model_dir, self.ranks, dtype, device)
+        model = load_rank(model_dir, self.ranks, dtype, group.rank_device(device, self.ranks))
         vr = vocab_range(cfg, self.ranks.rank, self.size)
         self.head = ParallelHead(cfg.vocab_size, vr.start, vr.stop, model.embed.weight.device)
         return model

@@ -37,12 +37,12 @@ class Ranks:
 
 
 def init(rank: int | None = None, world: int | None = None, init_method: str | None = None,
-         timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> Ranks:
+         timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None, device=None) -> Ranks:
     """Join (or start) the default process group; returns this process's Ranks.
 
     Without arguments the values come from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT); tests pass rank, world and a file:// or tcp:// init_method instead. gloo on CPU,
-    NCCL when CUDA is there, unless `backend` says otherwise."""
+    MASTER_PORT); tests pass rank, world and a file:// or tcp:// init_method instead. gloo for a
+    model on the CPU, NCCL for one on CUDA (`device`), unless `backend` says otherwise."""
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ConfigError(f"the collective timeout must be a positive number of seconds, got {timeout_s!r}")
     if dist.is_initialized():
@@ -56,7 +56,8 @@ def init(rank: int | None = None, world: int | None = None, init_method: str | N
         init_method = init_method or "env://"
     if not (0 <= rank < world):
         raise ConfigError(f"rank {rank} is outside a group of {world} processes")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    backend = backend or ("nccl" if on_cuda else "gloo")
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
@@ -64,6 +65,19 @@ def init(rank: int | None = None, world: int | None = None, init_method: str | N
         raise ParallelError(f"rank {rank} of {world}: cannot start the process group ({backend}, "
                             f"{init_method}): {_first_line(e)}") from None
     return Ranks(rank, world, float(timeout_s))
+
+
+def rank_device(device, ranks: Ranks):
+    """The device this rank's part lives on: "cuda" without an index means this process's own GPU,
+    torchrun's LOCAL_RANK (rank modulo the visible GPUs without torchrun), which NCCL also needs as
+    the current device. Anything else is taken as given."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        local = os.environ.get("LOCAL_RANK")
+        index = int(local) if local is not None else ranks.rank % max(1, torch.cuda.device_count())
+        dev = torch.device("cuda", index)
+        torch.cuda.set_device(dev)
+    return dev
 
 
 def shutdown() -> None:
