@@ -33,7 +33,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_for
 DEFAULT_GROUP_SIZE = 32
 COMPUTE_DTYPE = torch.bfloat16  # activations, scales and zeros as the kernels take them
 CHUNK_ELEMENTS = 1 << 22  # a weight is quantized this many elements at a time (16 MiB of fp32 temporaries)
-_K8 = 8  # int8 weights keep in_features % 8 == 0 (see int8_quantize)
+_K_MULTIPLE = 16  # int8 weights keep in_features % 16 == 0 (see int8_quantize)
 _N_MULTIPLE = 16  # the int4 kernel wants out_features % 16 == 0: rows are zero-padded up to it
 _PACK_ROWS = 64  # torch packs int4 rows in blocks of 32 (AVX2) or 64 (AVX-512): chunks keep to 64
 
@@ -64,10 +64,12 @@ def _row_chunks(N: int, K: int, multiple: int = 1):
 def int8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, K) float -> (qweight (N, K') int8, scales (N,) bf16), row chunk by row chunk.
 
-    K' = K rounded up to a multiple of 8, the padding zeros: torch 2.13's _weight_int8pack_mm on
-    AVX2 crashes (segfault) for more than one input row when K % 8 != 0."""
+    K' = K rounded up to a multiple of 16, the padding zeros: torch 2.13's _weight_int8pack_mm
+    crashes (segfault) for more than one input row when K % 8 != 0 on an AVX2 CPU, and on an
+    AVX-512/AMX Xeon returns NaN/inf for K = 72 or 136 (K % 16 == 8) and segfaults at 15 rows;
+    every multiple of 16 measured (16 ... 192) was right on both."""
     N, K = w.shape
-    Kp = -(-K // _K8) * _K8
+    Kp = -(-K // _K_MULTIPLE) * _K_MULTIPLE
     qweight = torch.empty(N, Kp, dtype=torch.int8)
     scales = torch.empty(N, dtype=COMPUTE_DTYPE)
     tiny = torch.finfo(COMPUTE_DTYPE).tiny
