@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from test_parallel_parity import NEW, PROMPT, _loop
-from test_parallel_spawn import ok, run_ranks
+from test_parallel_spawn import load_recording, ok, run_ranks
 
 _SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
               max_position_embeddings=64)
@@ -78,34 +78,8 @@ def _expected_rank_bytes(ref, world: int) -> int:
 def _check(ranks, d):
     import sluice
     from sluice import parallel as P
-    from sluice.model import weights
     from sluice.parallel import group
-    whole = []
-    real_open = weights.safe_open
-
-    class Recording:  # notes which tensors are read whole (get_tensor) rather than as slices
-        def __init__(self, *a, **k):
-            self.f = real_open(*a, **k)
-
-        def __enter__(self):
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def get_tensor(self, name):
-            whole.append(name)
-            return self.f.get_tensor(name)
-
-        def get_slice(self, name):
-            return self.f.get_slice(name)
-
-    weights.safe_open = Recording
-    try:
-        m = P.load_rank(d, ranks)
-    finally:
-        weights.safe_open = real_open
+    m, whole = load_recording(d, ranks)
     prompt = torch.tensor(PROMPT)
     full = torch.cat(list(group.all_gather(m(prompt))), -1)  # test only: the whole logits
     vr = P.vocab_range(m.full_config, ranks.rank, ranks.world)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_parallel_spawn import ok, run_ranks
+from test_parallel_spawn import load_recording, ok, run_ranks
 
 _SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8)
 FAMILIES = {"llama": dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True), "qwen2": dict(num_key_value_heads=2),
@@ -62,34 +62,8 @@ def _check_family(ranks, d):
     import sluice
     from sluice import parallel as P
     from sluice.engine.sampling import SamplingParams, Sampler
-    from sluice.model import weights
     from sluice.parallel import group
-    whole = []  # tensors read whole from the files on this rank: only replicated ones may be
-    real_open = weights.safe_open
-
-    class Recording:
-        def __init__(self, *a, **k):
-            self.f = real_open(*a, **k)
-
-        def __enter__(self):
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def get_tensor(self, name):
-            whole.append(name)
-            return self.f.get_tensor(name)
-
-        def get_slice(self, name):
-            return self.f.get_slice(name)
-
-    weights.safe_open = Recording
-    try:
-        m = P.load_rank(d, ranks)
-    finally:
-        weights.safe_open = real_open
+    m, whole = load_recording(d, ranks)
     prompt = torch.tensor(PROMPT)
     local = m(prompt)  # (B, T, V/N)
     full = torch.cat(list(group.all_gather(local)), -1)  # test only: the whole logits, to compare

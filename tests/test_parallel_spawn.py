@@ -67,6 +67,39 @@ def _sums(ranks):
     return group.all_reduce(t).tolist(), gathered.flatten().tolist()
 
 
+def load_recording(model_dir, ranks):
+    """parallel.load_rank(model_dir, ranks) -> (the rank's model, the names of the tensors it read
+    whole with get_tensor rather than as slices): only replicated (or fused q|k|v) tensors may be."""
+    from sluice import parallel as P
+    from sluice.model import weights
+    whole = []
+    real_open = weights.safe_open
+
+    class Recording:
+        def __init__(self, *a, **k):
+            self.f = real_open(*a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, name):
+            whole.append(name)
+            return self.f.get_tensor(name)
+
+        def get_slice(self, name):
+            return self.f.get_slice(name)
+
+    weights.safe_open = Recording
+    try:
+        return P.load_rank(model_dir, ranks), whole
+    finally:
+        weights.safe_open = real_open
+
+
 def test_collectives_on_two_ranks(tmp_path):
     for sums, gathered in ok(run_ranks(tmp_path, 2, _sums)):
         assert sums == [3.0, 3.0, 3.0] and gathered == [0, 1]
