@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .sampling import NONFINITE, Sampler, SamplingParams, _filter, _penalize
+from .sampling import NONFINITE, Sampler, SamplingParams, _filter, _penalize, value_then_id
 
 CHUNK = 32768  # head rows per step: a (32, 32768) fp32 block fits the L3 cache; few chunks, little overhead
 CANDIDATES = 1024  # the top-K kept per row with filters; raised to max(top_k) + 1 where a row needs it
@@ -164,9 +164,8 @@ class FusedHead:
         smp = self.sampler
         rows = {name: t[fr] for name, t in smp.rows.items()}  # (Bf,) each
         # _filter's order: value descending, token id ascending on ties (its stable sort).
-        ids, order = cand_i.sort(-1)
-        v, order = cand_v.gather(1, order).sort(dim=-1, descending=True, stable=True)
-        v, ids = v[:, :K], ids.gather(1, order)[:, :K]  # (Bf, K): the vocabulary's top-K
+        order = value_then_id(cand_v, cand_i)[:, :K]
+        v, ids = cand_v.gather(1, order), cand_i.gather(1, order)  # (Bf, K): the vocabulary's top-K
         x = (v - v[:, :1]) / rows["temperature"][:, None]  # (Bf, K) as _filter's x
         complete = K == V  # every token is a candidate
         certain = (v > v[:, -1:]) | complete  # (Bf, K): no token outside can rank among these

@@ -87,6 +87,14 @@ def _uses_counts(p: SamplingParams) -> bool:
     return p.presence_penalty != 0 or p.frequency_penalty != 0
 
 
+def value_then_id(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Indices ordering (value, id) pairs along the last dim by value descending, then id ascending:
+    the order a stable descending sort of the whole row gives any subset of it (the filters' and
+    argmax's tie rule). Used wherever a subset is merged: top-k candidates, vocabulary shards."""
+    by_id = ids.argsort(dim=-1, stable=True)
+    return by_id.gather(-1, values.gather(-1, by_id).argsort(dim=-1, descending=True, stable=True))
+
+
 def _descending(x: torch.Tensor, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The first L columns of x's stable descending sort (values, vocabulary ids), (B, L): every
     token a filter can keep lies among them. L = V unless every sampled row has top_k on, when
@@ -99,10 +107,8 @@ def _descending(x: torch.Tensor, rows: dict) -> tuple[torch.Tensor, torch.Tensor
     if 4 * kmax > V:  # top_k off somewhere (k = V), or too large to pay off
         return x.sort(dim=-1, descending=True, stable=True)
     values, ids = x.topk(kmax, dim=-1)  # the kmax largest; ties among them in no set order
-    # The stable sort's order: value descending, then vocabulary id ascending among equal values.
-    ids, by_id = ids.sort(-1)
-    values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(1, order)
+    order = value_then_id(values, ids)  # the stable sort's order
+    values, ids = values.gather(1, order), ids.gather(1, order)
     # A tie with a row's k-th value that continues past the kmax taken (possible only when
     # k = kmax) would keep a token outside them: then the full sort decides.
     kth = values.gather(1, k[:, None] - 1)

@@ -35,9 +35,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..engine.sampling import value_then_id
 from ..errors import ObservatoryError
 from ..parallel import greedy, group, log_z
-from ..parallel.group import ParallelError
 from ..parallel.sharding import kv_heads_of, vocab_range
 from .lens import LensResult, _capture, _check_size, head_logits
 from .probes import Observation
@@ -133,9 +133,7 @@ def _merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Te
     ties to the lowest id."""
     v = vals.movedim(0, -2).flatten(-2)  # (..., N*k'), rank order = id order
     i = ids.movedim(0, -2).flatten(-2)
-    by_id = i.sort(dim=-1, stable=True).indices
-    v, i = v.gather(-1, by_id), i.gather(-1, by_id)
-    order = v.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    order = value_then_id(v, i)[..., :k]
     return v.gather(-1, order), i.gather(-1, order)
 
 
@@ -194,6 +192,5 @@ def gather_to_root(t: torch.Tensor) -> torch.Tensor | None:
     try:
         dist.gather(t.contiguous(), parts, dst=0)
     except RuntimeError as e:
-        raise ParallelError(f"rank {rank}: gather failed: another rank exited or did not answer within "
-                            f"the collective timeout ({str(e).strip().splitlines()[0][:300]})") from None
+        raise group._failed("gather", e) from None
     return torch.cat(parts, -1) if rank == 0 else None

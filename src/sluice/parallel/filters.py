@@ -29,7 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..engine.sampling import SamplingParams, _filter
+from ..engine.sampling import SamplingParams, _filter, value_then_id
 from . import group
 
 # min_p compares p_i / p_max = exp(v_i): the fp32 exp's and three products' rounding, ~4e-7 at most.
@@ -119,8 +119,7 @@ def _cut_row(sent: torch.Tensor, complete: bool, p: SamplingParams, z: float, to
     """sent (N, m, 2): each rank's best m (value, id) of one row. -> (v*, id*) of the last kept token,
     "unsure" (too close to call in fp32), or None (the cut lies past what is certain yet)."""
     v, ids = sent[..., 0].reshape(-1), sent[..., 1].reshape(-1)
-    by_id = ids.argsort(stable=True)
-    order = by_id[v[by_id].argsort(descending=True, stable=True)]  # (value desc, id asc)
+    order = value_then_id(v, ids)
     v, ids = v[order], ids[order]
     n = v.numel()
     if not complete:  # certain up to the smallest last-sent key of any rank

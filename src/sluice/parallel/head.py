@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..engine.logprobs import TokenLogprob, TopLogprob, _text
-from ..engine.sampling import NONFINITE, SamplingParams
+from ..engine.sampling import NONFINITE, SamplingParams, value_then_id
 from . import group
 from .sampling import ParallelSampler, any_rank, greedy, log_z
 
@@ -53,8 +53,7 @@ class ParallelHead:
             sent = group.all_gather(torch.stack((vals[:, :k].double(), (order[:, :k] + self.start).double()), -1))
             for b in range(B):
                 v, ids = sent[:, b, :, 0].reshape(-1), sent[:, b, :, 1].reshape(-1)
-                by_id = ids.argsort(stable=True)
-                best = by_id[v[by_id].argsort(descending=True, stable=True)][:top_n[b]]
+                best = value_then_id(v, ids)[:top_n[b]]
                 tops[b] = [(int(i), float(val)) for i, val in zip(ids[best].tolist(), v[best].tolist(), strict=True)]
         out = []
         for b, tok in enumerate(chosen.tolist()):
