@@ -195,7 +195,9 @@ class Sampler:
     only: no .item(), no host syncs, fixed shapes.
     """
 
-    def __init__(self, params: list[SamplingParams], vocab_size: int, device="cpu"):
+    def __init__(self, params: list[SamplingParams], vocab_size: int, device="cpu", columns: int | None = None):
+        """columns: the logits' width when it is not the vocabulary's (a tensor-parallel rank's shard,
+        parallel/sampling.py); the seen mask and counts cover those columns."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.params = [p.with_defaults(None) for p in params]
@@ -203,7 +205,7 @@ class Sampler:
             p.validate(vocab_size)
         B = len(self.params)
         self.rows = _row_tensors(self.params, vocab_size, self.device)
-        self.seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=self.device)  # (B, V)
+        self.seen = torch.zeros(B, columns or vocab_size, dtype=torch.bool, device=self.device)  # (B, V)
         # (B, V) fp32 generated-token counts, made only once some row has a presence / frequency
         # penalty: a batch without them pays nothing (4 bytes a vocabulary entry a row otherwise).
         self.counts: torch.Tensor | None = None

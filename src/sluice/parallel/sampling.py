@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..engine.sampling import NONFINITE, Sampler, SamplingParams, _generator, _row_tensors
+from ..engine.sampling import NONFINITE, Sampler, SamplingParams
 from . import group
 from .filters import filter_shard
 
@@ -75,19 +75,8 @@ class ParallelSampler(Sampler):
     ids going in and out are global. joined(), write_back() and set_row() are Sampler's own."""
 
     def __init__(self, params: list[SamplingParams], vocab_size: int, start: int, stop: int, device="cpu"):
-        self.vocab_size, self.start, self.stop = vocab_size, start, stop  # vocab_size: the whole vocabulary's
-        self.device = torch.device(device)
-        self.params = [p.with_defaults(None) for p in params]
-        for p in self.params:
-            p.validate(vocab_size)
-        B = len(self.params)
-        self.rows = _row_tensors(self.params, vocab_size, self.device)
-        self.seen = torch.zeros(B, stop - start, dtype=torch.bool, device=self.device)  # (B, V/N)
-        self.counts = None
-        self._ones = torch.ones(B, 1, device=self.device)
-        self._noise = None
-        self._generators = [_generator(p.seed, self.device) for p in self.params]
-        self._refresh_flags()
+        super().__init__(params, vocab_size, device, columns=stop - start)  # vocab_size: the whole vocabulary's
+        self.start, self.stop = start, stop
 
     @classmethod
     def joined(cls, samplers: list[Sampler]) -> ParallelSampler:
