@@ -37,9 +37,14 @@ class RMSNorm(nn.Module):
         """The effective per-channel gain, fp32 (what surgery carries over to another norm kind)."""
         return self.weight.float() + self.offset
 
+    def mean_square(self, x32: torch.Tensor) -> torch.Tensor:
+        """mean(x^2) over the normalised channels, fp32 (B, T, 1); a tensor-parallel subclass
+        (parallel/layers.py) takes it over channels spread across ranks."""
+        return x32.pow(2).mean(-1, keepdim=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = x32 * torch.rsqrt(self.mean_square(x32) + self.eps)
         if self.gain_in_fp32:
             return (x32 * (self.weight.float() + self.offset)).to(x.dtype)
         return self.weight * x32.to(x.dtype)

@@ -49,7 +49,8 @@ class FullWidthRMSNorm(RMSNorm):
     holds only its heads' channels. The mean of squares needs every channel: each rank sums the
     squares of its own (fp32), one all-reduce of those (B, T, 1) sums gives the full sum, and each
     rank then normalises its channels with its slice of the gain (`weight`, sliced like q's or k's
-    rows). `full_dim` is the global width (H*D or K*D) the mean divides by.
+    rows). `full_dim` is the global width (H*D or K*D) the mean divides by. Only the statistic
+    differs from RMSNorm (mean_square); eps and the family's gain order are RMSNorm's own.
 
     With fewer KV heads than ranks, the ranks sharing a KV head hold the same k channels; only the
     first of them (`counted`) contributes its sum, so each channel is counted once, exactly. The
@@ -61,16 +62,11 @@ class FullWidthRMSNorm(RMSNorm):
         super().__init__(dim, eps, **kwargs)
         self.full_dim, self.counted = full_dim, counted
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+    def mean_square(self, x32: torch.Tensor) -> torch.Tensor:
         squares = x32.pow(2).sum(-1, keepdim=True)  # (B, T, 1): this rank's channels only
         if not self.counted:
             squares = torch.zeros_like(squares)  # a replica: the first rank of its group counts them
-        group.all_reduce(squares)
-        x32 = x32 * torch.rsqrt(squares / self.full_dim + self.eps)
-        if self.gain_in_fp32:
-            return (x32 * (self.weight.float() + self.offset)).to(x.dtype)
-        return self.weight * x32.to(x.dtype)
+        return group.all_reduce(squares) / self.full_dim
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, full_dim={self.full_dim}, counted={self.counted}"
