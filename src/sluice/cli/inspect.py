@@ -11,7 +11,6 @@ def cmd_inspect(args) -> int:
     from ..errors import ObservatoryError
     from ..model import load
     from ..observatory.analysis import inspect
-    from ..observatory.report import prepare_out_dir
     from ..tokenizer import Tokenizer
     tp_rank(args, "inspect")  # --tp against torchrun's environment, before the load; silences ranks > 0
     prompt = _utf8(_stdin_lines().read() if args.prompt == "-" else args.prompt, "the prompt")
@@ -24,11 +23,7 @@ def cmd_inspect(args) -> int:
     if args.surgery or args.text:  # what-if: before/after table (observatory/surgery_report.py)
         from ..observatory.surgery_report import run_cli
         return run_cli(args, prompt)
-    out = prepare_out_dir(args.out) if args.out else None
-    training = None
-    if args.training:  # read (and checked) before the slow part
-        from ..observatory.training import training_valves
-        training = {"run": args.training, **training_valves(args.training)}
+    out, training = _root_inputs(args)  # read (and checked) before the slow part
     err = Console(stderr=True, highlight=False)
     with err.status(f"loading {args.model or 'the bundled model'} ({args.dtype})..."):
         model = load(args.model, dtype=args.dtype)
@@ -64,7 +59,7 @@ def _inspect_tp(args, prompt: str, tp: int) -> int:
     Rank 0's checks of --out and --training are shared, so all ranks stop together on bad input."""
     from rich.console import Console
 
-    from ..errors import ConfigError, SluiceError, SurgeryError
+    from ..errors import SluiceError, SurgeryError
     from ..observatory.analysis import inspect
     from ..parallel import init, load_rank, shutdown
     from ..parallel.group import all_gather_object
@@ -72,11 +67,8 @@ def _inspect_tp(args, prompt: str, tp: int) -> int:
     if args.surgery or args.text:
         raise SurgeryError("--surgery/--text are not implemented under tensor parallelism (--tp): run the "
                            "what-if on one process")
-    ranks = init()
+    ranks = init()  # cmd_inspect's tp_rank has checked the group's size against --tp
     try:
-        if ranks.world != tp:
-            raise ConfigError(f"--tp {tp} but torchrun started {ranks.world} processes: pass "
-                              f"--nproc-per-node {tp} (or --tp {ranks.world})")
         root, out, training, problem = ranks.rank == 0, None, None, None
         if root:
             try:

@@ -168,9 +168,7 @@ def _read(f, hf_name: str, p, slices, head_dim: int) -> list[torch.Tensor]:
     split as for one process, and each piece cut to this rank's rows. That holds one layer's q, k and
     v at once (3 C^2 values for GPT-2, bounded by the layer, not the model) and frees it at once."""
     indices = [slices(n) if slices is not None else None for n in p.names]
-    if all(i is None for i in indices):
-        return _split(f.get_tensor(hf_name), p.split, list(p.shapes), head_dim)
-    if len(p.names) > 1:  # fused
+    if len(p.names) > 1 or indices[0] is None:  # fused, or kept whole
         pieces = _split(f.get_tensor(hf_name), p.split, list(p.shapes), head_dim)
         return [t if i is None else t[i] for t, i in zip(pieces, indices, strict=True)]
     index = indices[0]
