@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from test_parallel_parity import NEW, PROMPT, _loop
-from test_parallel_spawn import load_recording, ok, run_ranks
+from test_parallel_spawn import load_recording, ok, run_ranks, tiny_checkpoints
 
 _SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
               max_position_embeddings=64)
@@ -41,19 +41,7 @@ _WHOLE_OK = re.compile(r".*(norm|ln_\w+|wpe)\.(weight|bias)|.*(o_proj|down_proj|
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from ckpt import add_tensors, build
-    from safetensors.torch import load_file
-    dirs = {}
-    for fam, extra in FAMILIES.items():
-        d = tmp_path_factory.mktemp(f"tpf-{fam}")
-        build(d, fam, **_SIZES, **extra)
-        g = torch.Generator().manual_seed(2)  # random biases: one sliced or added wrongly shows
-        biases = {k: 0.5 * torch.randn(v.shape, generator=g) for k, v in load_file(d / "model.safetensors").items()
-                  if k.endswith(".bias") and not k.endswith(("attn.bias", "masked_bias"))}
-        if biases:
-            add_tensors(d, biases)
-        dirs[fam] = str(d)
-    return dirs
+    return tiny_checkpoints(tmp_path_factory, "tpf", FAMILIES, _SIZES, seed=2)
 
 
 def _expected_rank_bytes(ref, world: int) -> int:

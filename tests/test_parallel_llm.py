@@ -16,9 +16,8 @@ import signal
 import time
 
 import pytest
-import torch
 
-from test_parallel_spawn import ok, run_ranks
+from test_parallel_spawn import ok, run_ranks, tiny_checkpoints
 
 _SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
               max_position_embeddings=128)
@@ -33,19 +32,7 @@ SAMPLED = [dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, repetition_pen
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from ckpt import add_tensors, build_with_tokenizer
-    from safetensors.torch import load_file
-    dirs = {}
-    for fam, extra in FAMILIES.items():
-        d = tmp_path_factory.mktemp(f"tpllm-{fam}")
-        build_with_tokenizer(d, fam, **_SIZES, **extra)
-        g = torch.Generator().manual_seed(2)
-        biases = {k: 0.5 * torch.randn(v.shape, generator=g) for k, v in load_file(d / "model.safetensors").items()
-                  if k.endswith(".bias")}
-        if biases:  # transformers initialises biases to zero; random ones show one added twice
-            add_tensors(d, biases)
-        dirs[fam] = str(d)
-    return dirs
+    return tiny_checkpoints(tmp_path_factory, "tpllm", FAMILIES, _SIZES, seed=2, with_tokenizer=True)
 
 
 def _outputs(llm):

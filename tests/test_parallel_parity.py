@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_parallel_spawn import load_recording, ok, run_ranks
+from test_parallel_spawn import load_recording, ok, run_ranks, tiny_checkpoints
 
 _SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8)
 FAMILIES = {"llama": dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True), "qwen2": dict(num_key_value_heads=2),
@@ -25,20 +25,7 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from ckpt import add_tensors, build
-    from safetensors.torch import load_file
-    dirs = {}
-    for fam, extra in FAMILIES.items():
-        d = tmp_path_factory.mktemp(f"tp-{fam}")
-        build(d, fam, **_SIZES, **extra)
-        # transformers initialises biases to zero; random ones show a bias sliced or added wrongly.
-        g = torch.Generator().manual_seed(1)
-        biases = {k: 0.5 * torch.randn(v.shape, generator=g) for k, v in load_file(d / "model.safetensors").items()
-                  if k.endswith(".bias")}
-        if biases:
-            add_tensors(d, biases)
-        dirs[fam] = str(d)
-    return dirs
+    return tiny_checkpoints(tmp_path_factory, "tp", FAMILIES, _SIZES, seed=1)
 
 
 def _loop(model, prompt, pick, n):

@@ -67,6 +67,25 @@ def _sums(ranks):
     return group.all_reduce(t).tolist(), gathered.flatten().tolist()
 
 
+def tiny_checkpoints(tmp_path_factory, prefix: str, families: dict, sizes: dict, seed: int,
+                     with_tokenizer: bool = False) -> dict[str, str]:
+    """{family: directory} of tiny random checkpoints (tests/ckpt.py) with random biases: transformers
+    initialises biases to zero, which would hide a bias sliced wrongly or added once per rank."""
+    from ckpt import add_tensors, build, build_with_tokenizer
+    from safetensors.torch import load_file
+    dirs = {}
+    for fam, extra in families.items():
+        d = tmp_path_factory.mktemp(f"{prefix}-{fam}")
+        (build_with_tokenizer if with_tokenizer else build)(d, fam, **sizes, **extra)
+        g = torch.Generator().manual_seed(seed)
+        biases = {k: 0.5 * torch.randn(v.shape, generator=g) for k, v in load_file(d / "model.safetensors").items()
+                  if k.endswith(".bias") and not k.endswith(("attn.bias", "masked_bias"))}  # not GPT-2's mask buffers
+        if biases:
+            add_tensors(d, biases)
+        dirs[fam] = str(d)
+    return dirs
+
+
 def load_recording(model_dir, ranks):
     """parallel.load_rank(model_dir, ranks) -> (the rank's model, the names of the tensors it read
     whole with get_tensor rather than as slices): only replicated (or fused q|k|v) tensors may be."""
