@@ -146,7 +146,10 @@ def test_cli_tables_json_and_report(cfg_path, tmp_path, capsys):
     assert d["parallel"]["tp"] == 2 and d["parallel"]["interconnect"]["name"] == "nvlink"  # the default link
     assert d["parallel"]["per_token"]["collectives"] == 2 * 2 + 1 + 3
     assert (tmp_path / "rf" / "roofline.html").is_file()
-    assert "Tensor parallel over 2 ranks" in (tmp_path / "rf" / "roofline.html").read_text()
+    page = (tmp_path / "rf" / "roofline.html").read_text()
+    assert "Tensor parallel over 2 ranks" in page
+    # the report has the per-token latency and the collectives, not only the one-rank tables
+    assert "per-token latency of one rank" in page and "MLP down all-reduce" in page and "communication:" in page
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -10,7 +10,7 @@ from pathlib import Path
 from .analysis import to_json
 from .profile_plots import write_all
 from .profile_tables import (LEGEND, component_bytes_rows, component_time_rows, profile_header, roofline_header,
-                             roofline_rows, roofline_summary, summary_rows)
+                             roofline_rows, roofline_summary, summary_rows, collective_rows, tp_rows)
 from .report import CSS, prepare_out_dir
 
 PROFILE_HOW = (
@@ -78,8 +78,11 @@ def render_roofline(d: dict, pngs: dict[str, Path]) -> str:
                 ("Predicted cost by component", _table(*roofline_rows(d)) + f"<p>{escape(roofline_summary(d))}</p>"
                  + f"<p>{escape(LEGEND)}</p>"
                  + _img(pngs["roofline_bytes"], "bytes and FLOPs per component")),
-                ("Roofline", _img(pngs["roofline"], "roofline chart")),
-                ("Hardware table", _table(["name", "part", "GB/s", "bf16 TFLOP/s (dense)", "fp32 TFLOP/s", "source"],
+                ("Roofline", _img(pngs["roofline"], "roofline chart"))]
+    if "parallel" in d:  # one rank's step plus the collectives: the per-token latency under --tp
+        sections.append(("Tensor parallel: per-token latency of one rank",
+                         _table(*tp_rows(d)) + _table(*collective_rows(d))))
+    sections += [("Hardware table", _table(["name", "part", "GB/s", "bf16 TFLOP/s (dense)", "fp32 TFLOP/s", "source"],
                                           hw_rows))]
     return _page(f"sluice roofline: {d['config']['architecture']} on {d['hardware']['name']}", sections)
 
