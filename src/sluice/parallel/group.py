@@ -21,7 +21,8 @@ import torch.distributed as dist
 from ..errors import CheckpointError, ConfigError, SluiceError
 from ..model.safetensors_files import checkpoint_files, read_headers
 
-DEFAULT_TIMEOUT_S = 300.0  # long enough for the slowest rank to finish loading a large checkpoint
+DEFAULT_TIMEOUT_S = 300.0
+JOINED = False  # set once this process has joined a group (cli.exit_process reads it)  # long enough for the slowest rank to finish loading a large checkpoint
 
 
 class ParallelError(SluiceError):
@@ -64,6 +65,8 @@ def init(rank: int | None = None, world: int | None = None, init_method: str | N
     except (RuntimeError, ValueError) as e:  # the store timed out, or a rendezvous address is bad
         raise ParallelError(f"rank {rank} of {world}: cannot start the process group ({backend}, "
                             f"{init_method}): {_first_line(e)}") from None
+    global JOINED
+    JOINED = True
     return Ranks(rank, world, float(timeout_s))
 
 
