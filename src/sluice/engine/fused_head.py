@@ -34,11 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .sampling import NONFINITE, Sampler, SamplingParams, _filter, _penalize, value_then_id
+from .sampling import NONFINITE, Sampler, SamplingParams, _filter, _penalize, exp_noise_, value_then_id
 
 CHUNK = 32768  # head rows per step: a (32, 32768) fp32 block fits the L3 cache; few chunks, little overhead
 CANDIDATES = 1024  # the top-K kept per row with filters; raised to max(top_k) + 1 where a row needs it
-_TINY = torch.finfo(torch.float32).tiny  # an Exp(1) draw of exactly 0 would give log 0 = -inf
 
 
 @dataclass
@@ -68,8 +67,8 @@ def _race(x: torch.Tensor, rows: list[int], generators: list) -> torch.Tensor:
     """argmax(x - log E) per row of x (n, m), E ~ Exp(1) from generators[rows[r]] for row r."""
     noise = torch.empty_like(x)
     for r, i in enumerate(rows):
-        noise[r].exponential_(generator=generators[i])
-    return (x - noise.clamp_min_(_TINY).log()).argmax(-1)
+        exp_noise_(noise[r], generators[i])
+    return (x - noise.log()).argmax(-1)
 
 
 class FusedHead:
@@ -125,8 +124,8 @@ class FusedHead:
                 if race:
                     n = noise[:, :c]
                     for i in race:
-                        n[i].exponential_(generator=smp._generators[i])
-                    key = z / temp[:, None] - n.clamp_min_(_TINY).log()
+                        exp_noise_(n[i], smp._generators[i])
+                    key = z / temp[:, None] - n.log()
                 j = key.argmax(-1)  # (B,) the first maximum within the chunk
                 v = key.gather(1, j[:, None])[:, 0]
                 better = v > best  # strict: on a tie the earlier chunk wins, as in a full-row argmax

@@ -21,7 +21,10 @@ Conventions where the reference libraries differ or are vague:
 
 Sampling is the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability
 p_i, with no cumulative sums, no torch.multinomial and nothing read back to the host. It is done
-in log space, argmax(logit_i - log E_i), so tiny probabilities do not underflow.
+in log space, argmax(logit_i - log E_i), so tiny probabilities do not underflow. The Exp(1) draws
+come from exp_noise_ (-log U of a uniform U; torch's own exponential_ costs 5x more on the CPU), and
+every sampler in sluice (this one, the joined one, the fused head, the tensor-parallel shards,
+speculative decoding's) draws them the same way, a row's generator filling the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -41,6 +44,19 @@ NONFINITE = -1
 
 
 # ---------------------------------------------------------------- tensor math, shared by both users
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def exp_noise_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill the fp32 tensor `out` with Exp(1) draws from `generator`, in place; returns `out`.
+
+    E = -log U with U uniform on [tiny, 1): uniform_ and one vectorised log are 5x cheaper than
+    torch's exponential_ (on a 2-core Xeon, 37 against 180 us for 8,192 draws), and a row of 8
+    sampled sequences paid that at every step. U is at least tiny, so E <= 87.3 and log E is finite;
+    U < 1, so E > 0. Drawing a row in pieces gives the same values as drawing it whole (uniform_
+    consumes the generator one value at a time), which the fused head's chunks rely on."""
+    return out.uniform_(generator=generator).clamp_min_(_TINY).log_().neg_()
 
 
 def _row_values(p: SamplingParams, vocab_size: int) -> tuple:
@@ -319,9 +335,7 @@ class Sampler:
             if self._noise is None:
                 self._noise = torch.ones_like(x)
             for i in self._sampled_rows:
-                self._noise[i].exponential_(generator=self._generators[i])
-            # An Exp(1) draw of exactly 0 would give log 0 = -inf and make -inf - (-inf) = NaN.
-            self._noise.clamp_min_(torch.finfo(torch.float32).tiny)
+                exp_noise_(self._noise[i], self._generators[i])
             tokens = (filtered - self._noise.log()).argmax(-1)
         if self._any_greedy:
             greedy = x.argmax(-1)

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from .runner import Runner
-from .sampling import NONFINITE, Sampler, filtered_probs
+from .sampling import NONFINITE, Sampler, exp_noise_, filtered_probs
 
 MODES = ("off", "draft", "prompt-lookup")
 MAX_SPECULATIVE_TOKENS = 16  # past this a guess is almost never kept whole, and the verify forward grows
@@ -40,9 +40,8 @@ def draw(probs: torch.Tensor, rows: list[int], generators: list[torch.Generator]
     """One token per row from probs (B, V), each sampled row with its own generator (the exponential race
     of sampling.py, in log space); rows not listed (greedy: probs is one-hot) take the argmax."""
     tokens = probs.argmax(-1)
-    tiny = torch.finfo(torch.float32).tiny
     for i in rows:
-        e = torch.empty_like(probs[i], dtype=torch.float32).exponential_(generator=generators[i]).clamp_min_(tiny)
+        e = exp_noise_(torch.empty_like(probs[i], dtype=torch.float32), generators[i])
         tokens[i] = (probs[i].float().log() - e.log()).argmax()
     return tokens
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..engine.sampling import NONFINITE, Sampler, SamplingParams
+from ..engine.sampling import NONFINITE, Sampler, SamplingParams, exp_noise_
 from . import group
 from .filters import filter_shard
 
@@ -120,8 +120,7 @@ class ParallelSampler(Sampler):
             if self._noise is None:
                 self._noise = torch.ones(x.shape[0], self.vocab_size, device=self.device)
             for i in self._sampled_rows:
-                self._noise[i].exponential_(generator=self._generators[i])
-            self._noise.clamp_min_(torch.finfo(torch.float32).tiny)
+                exp_noise_(self._noise[i], self._generators[i])
             value, idx = (filtered - self._noise[:, self.start:self.stop].log()).max(-1)
             tokens = _merge_argmax(value, idx + self.start)
         if self._any_greedy:
