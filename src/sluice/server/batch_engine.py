@@ -23,7 +23,7 @@ import torch
 
 from ..engine.requests import token_ids
 from ..errors import SluiceError
-from .engine import Aborted, Delta, Done, Failed, Finished, RequestHandle, Started
+from .engine import Aborted, Delta, Done, Failed, Finished, RequestHandle, Started, one_wakeup
 from .llm_engine import LLMEngine
 from .metrics import Snapshot
 
@@ -122,22 +122,24 @@ class BatchServingEngine(LLMEngine):
                 if not self._idle():
                     return
                 continue
-            for handle in new:
-                self._admit(handle)
-            for e in list(self._live.values()):
-                if e.handle.aborted:
-                    for s in e.seqs:
-                        if not s.finished:
-                            self._abort_seq(s)
-            try:
-                updates = self._step()
-            except Exception as e:  # noqa: BLE001 -- handled (and logged) by _step_failed
-                if not self._step_failed(e):
-                    return
-                continue
-            for u in updates:
-                self._route(u)
-        self._wind_down()
+            with one_wakeup():  # this round's events reach the event loop together, after the step
+                for handle in new:
+                    self._admit(handle)
+                for e in list(self._live.values()):
+                    if e.handle.aborted:
+                        for s in e.seqs:
+                            if not s.finished:
+                                self._abort_seq(s)
+                try:
+                    updates = self._step()
+                except Exception as e:  # noqa: BLE001 -- handled (and logged) by _step_failed
+                    if not self._step_failed(e):
+                        return
+                    continue
+                for u in updates:
+                    self._route(u)
+        with one_wakeup():
+            self._wind_down()
 
     # What a tensor-parallel rank 0 (server/tp_engine.py) extends: each call that changes the
     # scheduler's state, the step, the idle wake-up, a failed step and the end.

@@ -15,6 +15,7 @@ server's drain deadline) ends with Failed(reason) instead of Done, whatever it s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -110,11 +111,12 @@ class RequestHandle:
         self._aborted.set()
 
     def emit(self, event: Event) -> None:
-        """Called from the engine's thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:  # the loop has closed (server gone): nobody is listening any more
-            self.abort()
+        """Called from the engine's thread; inside one_wakeup() the event waits for the block's end."""
+        held = getattr(_held, "events", None)
+        if held is not None:
+            held.append((self, event))
+        else:
+            _deliver([(self, event)])
 
     async def next(self) -> Event:
         return await self._events.get()
@@ -125,6 +127,43 @@ class RequestHandle:
             yield event
             if isinstance(event, (Done, Failed)):
                 return
+
+
+_held = threading.local()
+
+
+@contextlib.contextmanager
+def one_wakeup():
+    """Hold this thread's emit() calls and deliver them together when the block ends, one wake-up of
+    each event loop instead of one per event. An engine step emits a token for each of its sequences;
+    waking the loop costs a syscall each time (asyncio's self-pipe write was 8% of the engine thread
+    with 8 clients). Each handle still gets its events in order. Nests: the outermost block delivers."""
+    if getattr(_held, "events", None) is not None:
+        yield
+        return
+    _held.events = []
+    try:
+        yield
+    finally:
+        events, _held.events = _held.events, None
+        _deliver(events)
+
+
+def _deliver(events: list[tuple[RequestHandle, Event]]) -> None:
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for handle, event in events:
+        by_loop.setdefault(handle._loop, []).append((handle, event))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the loop has closed (server gone): nobody is listening any more
+            for handle, _ in items:
+                handle.abort()
+
+
+def _put_all(items: list[tuple[RequestHandle, Event]]) -> None:
+    for handle, event in items:
+        handle._events.put_nowait(event)
 
 
 class ServingEngine(Protocol):
