@@ -233,6 +233,11 @@ class Sampler:
     def _refresh_flags(self) -> None:
         self._sampled_rows = [i for i, p in enumerate(self.params) if p.temperature > 0]
         self._any_greedy = len(self._sampled_rows) < len(self.params)
+        # A batch with greedy rows filters and draws for its sampled rows only (their params here):
+        # every filter is per row, so a row's token does not depend on which others are there.
+        self._sampled_index = torch.tensor(self._sampled_rows, dtype=torch.int64, device=self.device)
+        self._sampled_params = ({k: v[self._sampled_index] for k, v in self.rows.items()}
+                                if self._any_greedy and self._sampled_rows else self.rows)
         self._use_penalty = any(p.repetition_penalty != 1 for p in self.params)
         self._use_counts = any(_uses_counts(p) for p in self.params)
         if self._use_counts and self.counts is None:
@@ -327,19 +332,19 @@ class Sampler:
         logits are not all finite."""
         assert logits.shape == self.seen.shape, f"logits {tuple(logits.shape)} != {tuple(self.seen.shape)}"
         x = logits.float()
-        broken = ~x.isfinite().all(-1)  # (B,)
+        broken = ~(x.amax(-1).isfinite() & x.amin(-1).isfinite())  # (B,); a NaN carries through both
         x = self.penalize(x)
-        tokens = None
+        tokens = x.argmax(-1) if self._any_greedy else None
         if self._sampled_rows:
-            filtered = _filter(x, self.rows, *self._filters)
-            if self._noise is None:
-                self._noise = torch.ones_like(x)
-            for i in self._sampled_rows:
-                exp_noise_(self._noise[i], self._generators[i])
-            tokens = (filtered - self._noise.log()).argmax(-1)
-        if self._any_greedy:
-            greedy = x.argmax(-1)
-            tokens = greedy if tokens is None else torch.where(self.rows["greedy"], greedy, tokens)
+            some = self._any_greedy  # then only the sampled rows are filtered, noised and raced
+            xs = x[self._sampled_index] if some else x
+            filtered = _filter(xs, self._sampled_params, *self._filters)
+            if self._noise is None or self._noise.shape != xs.shape:
+                self._noise = torch.empty_like(xs)
+            for r, i in enumerate(self._sampled_rows):
+                exp_noise_(self._noise[r], self._generators[i])
+            drawn = (filtered - self._noise.log()).argmax(-1)
+            tokens = tokens.index_copy(0, self._sampled_index, drawn) if some else drawn
         if self._use_penalty:
             self.seen.scatter_(1, tokens[:, None], True)
         if self._use_counts:
