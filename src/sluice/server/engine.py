@@ -122,10 +122,18 @@ class RequestHandle:
         return await self._events.get()
 
     async def __aiter__(self) -> AsyncIterator[Event]:
+        async for events in self.batches():
+            for event in events:
+                yield event
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """The events in order, every one already waiting in one list (a stream writes them together)."""
         while True:
-            event = await self._events.get()
-            yield event
-            if isinstance(event, (Done, Failed)):
+            events = [await self._events.get()]
+            while not self._events.empty() and not isinstance(events[-1], (Done, Failed)):
+                events.append(self._events.get_nowait())
+            yield events
+            if isinstance(events[-1], (Done, Failed)):
                 return
 
 

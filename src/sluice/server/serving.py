@@ -23,7 +23,7 @@ from typing import AsyncIterator
 from ..engine.logprobs import TokenLogprob
 from ..engine.sampling_params import SamplingParams
 from ..errors import RequestError, SluiceError
-from .engine import Aborted, Delta, Done, Draining, Failed, Finished, GenerationRequest, RequestHandle, ServingEngine
+from .engine import Aborted, Delta, Draining, Failed, Finished, GenerationRequest, RequestHandle, ServingEngine
 from .errors import RETRY_AFTER_S, ServerError, from_sluice
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                        ChatLogprobs, ChatTokenLogprob, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs,
@@ -202,26 +202,27 @@ class Run:
         offsets = [0] * self.n  # completions: where each choice's next token starts in its text
         try:
             if self.chat:
-                for i in range(self.n):
-                    yield self._chunk(i, "", role="assistant")
-            async for event in self.handle:
-                if isinstance(event, Delta) and (event.text or (self.logprobs and event.logprobs)):
-                    logprobs = None
-                    if self.logprobs and self.chat:
-                        logprobs = chat_logprobs(event.logprobs or [])
-                    elif self.logprobs:
-                        logprobs, offsets[event.index] = completion_logprobs(event.logprobs or [],
-                                                                             offsets[event.index])
-                    yield self._chunk(event.index, event.text, logprobs=logprobs)
-                elif isinstance(event, Finished):
-                    completion_tokens += event.completion_tokens
-                    open_choices.discard(event.index)
-                    yield self._chunk(event.index, finish=event.finish_reason, error=event.error)
-                elif isinstance(event, Failed):
-                    why = str(event.error) if isinstance(event.error, Draining) else why
-                    break
-                elif isinstance(event, Done):
-                    break
+                yield "".join(self._chunk(i, "", role="assistant") for i in range(self.n))
+            # The events that arrived together go out in one write: each is still its own SSE chunk.
+            async for events in self.handle.batches():
+                out = []
+                for event in events:
+                    if isinstance(event, Delta) and (event.text or (self.logprobs and event.logprobs)):
+                        logprobs = None
+                        if self.logprobs and self.chat:
+                            logprobs = chat_logprobs(event.logprobs or [])
+                        elif self.logprobs:
+                            logprobs, offsets[event.index] = completion_logprobs(event.logprobs or [],
+                                                                                 offsets[event.index])
+                        out.append(self._chunk(event.index, event.text, logprobs=logprobs))
+                    elif isinstance(event, Finished):
+                        completion_tokens += event.completion_tokens
+                        open_choices.discard(event.index)
+                        out.append(self._chunk(event.index, finish=event.finish_reason, error=event.error))
+                    elif isinstance(event, Failed):
+                        why = str(event.error) if isinstance(event.error, Draining) else why
+                if out:
+                    yield "".join(out)
             for i in sorted(open_choices):  # cut by the drain deadline or a bug: still one finish_reason each
                 yield self._chunk(i, finish="error", error=why)
             if self.req.stream_options and self.req.stream_options.include_usage:
