@@ -249,3 +249,28 @@ def test_penalised_and_sampled_rows_drawn_together_equal_each_alone(tiny_dir):
     plain = sluice.LLM(str(tiny_dir), max_num_seqs=1).generate(
         [prompts[0]], SamplingParams(max_tokens=24, temperature=0.9, seed=11, ignore_eos=True))[0].token_ids
     assert plain != alone[0]  # the penalty took part
+
+
+def test_a_kept_joined_sampler_draws_as_each_row_alone_while_the_batch_changes():
+    """The scheduler keeps its joined Sampler while the batch's rows stay the same (_draw). A row that
+    drew alone in between (its own Sampler's penalty state moved on) must not get the kept copy's
+    stale state when the old batch comes back: every draw equals the row's own Sampler's."""
+    from types import SimpleNamespace
+
+    from sluice.engine.sampling import Sampler
+    from sluice.engine.scheduler import FullHead, Scheduler
+
+    V = 40
+
+    def params(seed):  # a strong repetition penalty: a stale seen mask changes the draw
+        return SamplingParams(temperature=1.0, repetition_penalty=4.0, top_k=12, seed=seed)
+
+    a, b, c = (SimpleNamespace(id=i, sampler=Sampler([params(i)], V)) for i in range(3))
+    alone = {i: Sampler([params(i)], V) for i in range(3)}
+    sched = SimpleNamespace(_joined=None, head=FullHead(V, torch.device("cpu")))
+    g = torch.Generator().manual_seed(0)
+    pattern = [(a, b), (a, b), (a,), (a, b), (a, b, c), (b,), (a, b, c), (a, b), (c,), (a, b)] * 6
+    for rows in pattern:
+        logits = torch.randn(len(rows), V, generator=g) * 2
+        got = Scheduler._draw(sched, list(rows), logits).tolist()
+        assert got == [alone[s.id](logits[i:i + 1]).item() for i, s in enumerate(rows)], rows

@@ -135,6 +135,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self.preemptions = 0
         self._preempted_now = False
+        self._joined: tuple[list[int], Sampler] | None = None  # see _draw
         self.steps = 0
 
     # ------------------------------------------------------------------ requests in, out
@@ -377,13 +378,19 @@ class Scheduler:
     def _draw(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor:
         """(N,) next tokens. Plain greedy rows (no penalty: nothing of their own to keep) take one
         argmax together; every other row its own Sampler (its generator, its penalty state)."""
+        key = [s.id for s in seqs]
+        kept, self._joined = self._joined, None  # (ids, sampler) of the last joined draw; other paths drop it
         if all(s.sampler.plain_greedy for s in seqs):
             return self.head.argmax(logits)
         if len(seqs) == 1:
             return seqs[0].sampler(logits)
-        joined = type(seqs[0].sampler).joined([s.sampler for s in seqs])  # one sort for every filtered row
+        # One sampler over every row (one sort for every filtered row), kept while the rows stay the
+        # same: joining costs ~0.2 ms a step at 8 rows, and the batch changes only when a sequence
+        # joins or leaves. The kept one holds the rows' penalty state, copied back after each call.
+        joined = kept[1] if kept and kept[0] == key else type(seqs[0].sampler).joined([s.sampler for s in seqs])
         tokens = joined(logits)
         joined.write_back()
+        self._joined = (key, joined)
         return tokens
 
     def _logprobs(self, index: list[int], seqs: list[Seq], logits: torch.Tensor, tokens: list[int]) -> dict:
