@@ -25,6 +25,9 @@
 #include <immintrin.h>
 #define SLUICE_AVX2 1
 #endif
+#if defined(SLUICE_AVX2) && defined(__AVX512F__)
+#define SLUICE_AVX512 1  // -march=native on a CPU with AVX-512: the products use 16-lane tiles (below)
+#endif
 
 namespace {
 
@@ -93,6 +96,95 @@ inline void dot_2xM(const W* w0, const W* w1, const float* x, int64_t ldx, int64
     }
 }
 
+#ifdef SLUICE_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The 16 horizontal sums of v[0..15] in one vector, lane i = sum of v[i]: a tree of 15 shuffle-and-add
+// steps (halves, quarters, pairs, singles) instead of 16 separate reductions of ~8 steps each.
+inline __m512 reduce16(const __m512 v[16]) {
+  __m512 p[8], r[4], t[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: v[2i]'s 256-bit halves added, lanes 8-15: v[2i+1]'s
+    p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarter j: v[4i + j]'s four partial sums
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i) {  // quarter j: two partials of v[8i + j], then two of v[8i + 4 + j]
+    const __m512d a = _mm512_castps_pd(r[2 * i]), b = _mm512_castps_pd(r[2 * i + 1]);
+    t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // lane 4j + e: the sum of v[4e + j]; the permutation puts it at lane 4e + j.
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+}
+
+// out[r * MT + m] = dot(w[r][0:K], x row m) for R weight rows x MT activation rows (R * MT <= 16): the
+// R * MT accumulators stay in registers, each weight vector serves MT rows and each activation vector
+// R rows (R + MT loads per R * MT FMAs), and one reduce16 finishes all the sums.
+// next: the R weight rows after these (contiguous, R * K values), prefetched while these are summed so the
+// weights stream from memory at a steady rate instead of stalling at the start of each tile; or null.
+template <typename W, int R, int MT>
+inline void tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, float out[16], const W* next) {
+  static_assert(R * MT <= 16, "one reduce16 per tile");
+  constexpr int kLines = R * sizeof(W) / 4;  // 64-byte lines of `next` per step of 16 k (R * 16 values)
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    if (next)
+      for (int j = 0; j < kLines; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + k * R) + 64 * j, _MM_HINT_T0);
+    __m512 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(x + m * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = load16(w[r] + k);
+      for (int m = 0; m < MT; ++m) a[r * MT + m] = _mm512_fmadd_ps(wv, xv[m], a[r * MT + m]);
+    }
+  }
+  _mm512_storeu_ps(out, reduce16(a));
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) out[r * MT + m] += widen(w[r][k]) * x[m * ldx + k];
+}
+
+// e^x in 16 lanes, within ~2 ulp of std::exp (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
+// then the exponent n with scalef, which also underflows to 0 correctly). Inputs past +-88 clamp: no inf.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: n * hi is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 q = _mm512_set1_ps(1.9875691500e-4f);
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
+  q = _mm512_fmadd_ps(_mm512_mul_ps(q, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(q, n);
+}
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+#endif
+
+// out[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u for i < n, as F.silu(gate) * up.
+inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
+  int64_t i = 0;
+#ifdef SLUICE_AVX512
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                            _mm512_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
 struct Linear {  // an nn.Linear's tensors: weight (N, K) fp32 or bf16, bias (N,) fp32 or absent
   const void* w = nullptr;
   bool is_bf16 = false;
@@ -114,6 +206,40 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     float& dst = y[m * ldy + n - n0];
     dst = accumulate ? dst + s : s;
   };
+#ifdef SLUICE_AVX512
+  {
+    // Tiles of 4 weight rows x 4 activation rows (16 x 1 at M = 1); a short last group repeats its
+    // last row. The rows' weights, read from memory by the first tile, serve the later ones from L1.
+    constexpr int R = 4;
+    for (int64_t n = n0; n < n1; n += (M == 1 ? 16 : R)) {
+      float o[16];
+      if (M == 1) {
+        const W* wr[16];
+        for (int r = 0; r < 16; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
+        tile<W, 16, 1>(wr, x, K, K, o, n + 16 < L.n ? w + (n + 16) * K : nullptr);
+        for (int64_t r = 0; r < std::min<int64_t>(16, n1 - n); ++r) put(0, n + r, o[r]);
+        continue;
+      }
+      const W* wr[R];
+      for (int r = 0; r < R; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
+      const int64_t nr = std::min<int64_t>(R, n1 - n);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t mm = std::min<int64_t>(4, M - m0);
+        const float* xm = x + m0 * K;
+        const W* next = m0 == 0 && n + R < L.n ? w + (n + R) * K : nullptr;  // once per row group
+        switch (mm) {
+          case 1: tile<W, R, 1>(wr, xm, K, K, o, next); break;
+          case 2: tile<W, R, 2>(wr, xm, K, K, o, next); break;
+          case 3: tile<W, R, 3>(wr, xm, K, K, o, next); break;
+          default: tile<W, R, 4>(wr, xm, K, K, o, next);
+        }
+        for (int64_t r = 0; r < nr; ++r)
+          for (int64_t m = 0; m < mm; ++m) put(m0 + m, n + r, o[r * mm + m]);
+      }
+    }
+    return;
+  }
+#endif
   if (M == 1) {
     for (int64_t n = n0; n < n1; ++n) put(0, n, dot(w + n * K, x, K));
     return;
@@ -161,11 +287,7 @@ void swiglu(const Linear& gate, const Linear& up, const float* x, int64_t M, flo
     const int64_t n1 = std::min(up.n, n0 + kBlock);
     block(gate, x, M, n0, n1, tmp, kBlock, false);
     block(up, x, M, n0, n1, u, kBlock, false);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) {
-        const float g = tmp[m * kBlock + n - n0];
-        act[m * up.n + n] = g / (1.f + std::exp(-g)) * u[m * kBlock + n - n0];  // F.silu(g) * up
-      }
+    for (int64_t m = 0; m < M; ++m) silu_mul(tmp + m * kBlock, u + m * kBlock, n1 - n0, act + m * up.n + n0);
   }
 }
 
@@ -207,6 +329,77 @@ inline void for_slots(const float* head, const int64_t* blocks, int64_t bs, int6
       f(s, slot);
     }
   }
+}
+
+// One query head qh over the slots lo..p of its KV head (kh, vh: for_slots's `head`): softmax of the scaled
+// scores q.k (sc: scratch indexed by slot), then o (D floats) = the weighted sum of the values.
+inline void attend(const float* qh, const float* kh, const float* vh, const int64_t* blocks, int64_t bs,
+                   int64_t sBlock, int64_t sS, int64_t D, int64_t lo, int64_t p, float scale, float* sc, float* o) {
+#ifdef SLUICE_AVX512
+  // Scores 16 slots at a time: 16 dot products share each load of q, and one reduce16 sums them.
+  const float* ks[16];
+  int cnt = 0;
+  int64_t first = lo;
+  auto scores16 = [&]() {
+    for (int j = cnt; j < 16; ++j) ks[j] = ks[0];  // a short last group: lanes past cnt are dropped
+    __m512 a[16];
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 k = first_lanes(D - d);
+      const __m512 qv = _mm512_maskz_loadu_ps(k, qh + d);
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, ks[j] + d), qv, a[j]);
+    }
+    _mm512_mask_storeu_ps(sc + first, first_lanes(cnt), _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
+    first += cnt;
+    cnt = 0;
+  };
+  for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t, const float* slot) {
+    ks[cnt++] = slot;
+    if (cnt == 16) scores16();
+  });
+  if (cnt) scores16();
+  const int64_t n = p + 1 - lo;
+  float* s = sc + lo;
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, first_lanes(n - i), s + i));
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = first_lanes(n - i);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), top)));
+    _mm512_mask_storeu_ps(s + i, k, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = first_lanes(n - i);
+    _mm512_mask_storeu_ps(s + i, k, _mm512_div_ps(_mm512_maskz_loadu_ps(k, s + i), total));
+  }
+  // Values, 64 channels at a time in four registers.
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 a[4];
+    __mmask16 k[4];
+    for (int c = 0; c < 4; ++c) { a[c] = _mm512_setzero_ps(); k[c] = first_lanes(std::max<int64_t>(0, D - d0 - 16 * c)); }
+    for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t t, const float* vs) {
+      const __m512 w = _mm512_set1_ps(sc[t]);
+      for (int c = 0; c < 4; ++c) a[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(k[c], vs + d0 + 16 * c), a[c]);
+    });
+    for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(o + d0 + 16 * c, k[c], a[c]);
+  }
+#else
+  float mx = -INFINITY;
+  for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const float* ks) {
+    sc[s] = dot<float>(ks, qh, D) * scale;
+    mx = std::max(mx, sc[s]);
+  });
+  float sum = 0.f;
+  for (int64_t s = lo; s <= p; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
+  std::fill(o, o + D, 0.f);
+  for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const float* vs) {
+    const float w = sc[s] / sum;
+    for (int64_t d = 0; d < D; ++d) o[d] += w * vs[d];
+  });
+#endif
 }
 
 struct Layer {
@@ -375,8 +568,9 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
           std::copy(xh + KD, xh + KD + D_, vp + at);
         }
       }
-      // Attention of each query head over its row's slots <= position (and inside the window).
-#pragma omp for schedule(static)
+      // Attention of each query head over its row's slots <= position (and inside the window). Rows differ
+      // in length: items are dealt round-robin so each thread gets a share of every row.
+#pragma omp for schedule(static, 1)
       for (int64_t i = 0; i < M * H_; ++i) {
         const int64_t m = i / H_, hh = i % H_, b = m / T, p = pp[m];
         const int64_t lo = Ly.window ? std::max<int64_t>(0, p - Ly.window + 1) : 0;
@@ -384,19 +578,7 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
         const int64_t* blocks = &table[b * nb];
         const float* kh = kp + l * sL + (hh / G) * sK;  // this head's keys in block 0; blocks add their offset
         const float* vh = vp + l * sL + (hh / G) * sK;
-        float mx = -INFINITY;
-        for_slots(kh, blocks, bs, sBlock, sS, D_, lo, p, [&](int64_t s, const float* ks) {
-          sc[s] = dot<float>(ks, qh, D_) * scale_;
-          mx = std::max(mx, sc[s]);
-        });
-        float sum = 0.f;
-        for (int64_t s = lo; s <= p; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
-        float* o = &att[m * HD + hh * D_];
-        std::fill(o, o + D_, 0.f);
-        for_slots(vh, blocks, bs, sBlock, sS, D_, lo, p, [&](int64_t s, const float* vs) {
-          const float w = sc[s] / sum;
-          for (int64_t d = 0; d < D_; ++d) o[d] += w * vs[d];
-        });
+        attend(qh, kh, vh, blocks, bs, sBlock, sS, D_, lo, p, scale_, sc, &att[m * HD + hh * D_]);
       }
       linear(Ly.o, att.data(), M, x.data(), C_, true);  // x + o(attn)
 #pragma omp barrier
