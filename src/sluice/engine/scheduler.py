@@ -136,6 +136,7 @@ class Scheduler:
         self.preemptions = 0
         self._preempted_now = False
         self._joined: tuple[list[int], Sampler] | None = None  # see _draw
+        self.before_forward: Callable[[], None] | None = None  # called as each step's model work starts
         self.steps = 0
 
     # ------------------------------------------------------------------ requests in, out
@@ -314,6 +315,8 @@ class Scheduler:
         return out[:, 0] if final else None
 
     def _execute(self, batch: list[tuple[Seq, int]]) -> torch.Tensor | None:
+        if self.before_forward is not None:
+            self.before_forward()
         dev, rows = self.device, []
         decodes = [s for s, n in batch if n == 1]
         if decodes:

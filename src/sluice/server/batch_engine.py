@@ -23,7 +23,7 @@ import torch
 
 from ..engine.requests import token_ids
 from ..errors import SluiceError
-from .engine import Aborted, Delta, Done, Failed, Finished, RequestHandle, Started, one_wakeup
+from .engine import Aborted, Delta, Done, Failed, Finished, RequestHandle, HeldEvents, Started
 from .llm_engine import LLMEngine
 from .metrics import Snapshot
 
@@ -110,7 +110,18 @@ class BatchServingEngine(LLMEngine):
     def _work(self) -> None:
         if not self._load():
             return
+        held = HeldEvents()  # this thread's events, delivered before each forward and when work runs out
+        self._batch.scheduler.before_forward = held.deliver
+        with held.holding():
+            try:
+                self._rounds(held)
+            finally:
+                held.deliver()
+
+    def _rounds(self, held: HeldEvents) -> None:
         while True:
+            if not self._batch.scheduler.has_work:
+                held.deliver()  # no forward comes to deliver them
             with self._cond:
                 if not self._waiting and not self._live and not self._closed:
                     self._cond.wait(self.idle_wait_s)
@@ -122,24 +133,22 @@ class BatchServingEngine(LLMEngine):
                 if not self._idle():
                     return
                 continue
-            with one_wakeup():  # this round's events reach the event loop together, after the step
-                for handle in new:
-                    self._admit(handle)
-                for e in list(self._live.values()):
-                    if e.handle.aborted:
-                        for s in e.seqs:
-                            if not s.finished:
-                                self._abort_seq(s)
-                try:
-                    updates = self._step()
-                except Exception as e:  # noqa: BLE001 -- handled (and logged) by _step_failed
-                    if not self._step_failed(e):
-                        return
-                    continue
-                for u in updates:
-                    self._route(u)
-        with one_wakeup():
-            self._wind_down()
+            for handle in new:
+                self._admit(handle)
+            for e in list(self._live.values()):
+                if e.handle.aborted:
+                    for s in e.seqs:
+                        if not s.finished:
+                            self._abort_seq(s)
+            try:
+                updates = self._step()
+            except Exception as e:  # noqa: BLE001 -- handled (and logged) by _step_failed
+                if not self._step_failed(e):
+                    return
+                continue
+            for u in updates:
+                self._route(u)
+        self._wind_down()
 
     # What a tensor-parallel rank 0 (server/tp_engine.py) extends: each call that changes the
     # scheduler's state, the step, the idle wake-up, a failed step and the end.

@@ -111,10 +111,10 @@ class RequestHandle:
         self._aborted.set()
 
     def emit(self, event: Event) -> None:
-        """Called from the engine's thread; inside one_wakeup() the event waits for the block's end."""
-        held = getattr(_held, "events", None)
-        if held is not None:
-            held.append((self, event))
+        """Called from the engine's thread; inside HeldEvents.holding() the event waits for deliver()."""
+        box = getattr(_held, "box", None)
+        if box is not None:
+            box.events.append((self, event))
         else:
             _deliver([(self, event)])
 
@@ -140,21 +140,33 @@ class RequestHandle:
 _held = threading.local()
 
 
-@contextlib.contextmanager
-def one_wakeup():
-    """Hold this thread's emit() calls and deliver them together when the block ends, one wake-up of
-    each event loop instead of one per event. An engine step emits a token for each of its sequences;
-    waking the loop costs a syscall each time (asyncio's self-pipe write was 8% of the engine thread
-    with 8 clients). Each handle still gets its events in order. Nests: the outermost block delivers."""
-    if getattr(_held, "events", None) is not None:
-        yield
-        return
-    _held.events = []
-    try:
-        yield
-    finally:
-        events, _held.events = _held.events, None
-        _deliver(events)
+class HeldEvents:
+    """The engine thread's emit() calls, held and then delivered together: one wake-up of each event
+    loop per engine step instead of one per token (asyncio's self-pipe write per event was 8% of the
+    engine thread with 8 clients). Each handle still gets its events in order.
+
+    The worker delivers them just before the next forward (Scheduler.before_forward), not as soon as
+    the step ends. The event loop then turns them into SSE chunks while the native step runs with
+    the GIL released, instead of holding the GIL against the worker's own Python (scheduling,
+    sampling) and stalling it: on 2 cores the two threads' Python runs one at a time.
+    """
+
+    def __init__(self):
+        self.events: list[tuple[RequestHandle, Event]] = []
+
+    @contextlib.contextmanager
+    def holding(self):
+        """Within it, this thread's emit() calls wait here for deliver()."""
+        _held.box = self
+        try:
+            yield
+        finally:
+            _held.box = None
+
+    def deliver(self) -> None:
+        events, self.events = self.events, []
+        if events:
+            _deliver(events)
 
 
 def _deliver(events: list[tuple[RequestHandle, Event]]) -> None:
