@@ -331,35 +331,32 @@ inline void for_slots(const float* head, const int64_t* blocks, int64_t bs, int6
   }
 }
 
-// One query head qh over the slots lo..p of its KV head (kh, vh: for_slots's `head`): softmax of the scaled
-// scores q.k (sc: scratch indexed by slot), then o (D floats) = the weighted sum of the values.
-inline void attend(const float* qh, const float* kh, const float* vh, const int64_t* blocks, int64_t bs,
-                   int64_t sBlock, int64_t sS, int64_t D, int64_t lo, int64_t p, float scale, float* sc, float* o) {
 #ifdef SLUICE_AVX512
-  // Scores 16 slots at a time: 16 dot products share each load of q, and one reduce16 sums them.
-  const float* ks[16];
-  int cnt = 0;
-  int64_t first = lo;
-  auto scores16 = [&]() {
-    for (int j = cnt; j < 16; ++j) ks[j] = ks[0];  // a short last group: lanes past cnt are dropped
-    __m512 a[16];
-    for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __mmask16 k = first_lanes(D - d);
-      const __m512 qv = _mm512_maskz_loadu_ps(k, qh + d);
-      for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, ks[j] + d), qv, a[j]);
+// o[h] += sum over slots t of w[h][t] * v_t for NH (<= 4) query heads at once: each value vector, loaded once,
+// feeds NH accumulators, 64 channels (four registers) per pass.
+template <int NH>
+inline void weighted_values(const float* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
+                            int64_t D, int64_t lo, int64_t p, const float* w, int64_t ldw, float* o, int64_t ldo) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 a[NH][4];
+    __mmask16 k[4];
+    for (int c = 0; c < 4; ++c) {
+      k[c] = first_lanes(std::max<int64_t>(0, D - d0 - 16 * c));
+      for (int h = 0; h < NH; ++h) a[h][c] = _mm512_setzero_ps();
     }
-    _mm512_mask_storeu_ps(sc + first, first_lanes(cnt), _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
-    first += cnt;
-    cnt = 0;
-  };
-  for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t, const float* slot) {
-    ks[cnt++] = slot;
-    if (cnt == 16) scores16();
-  });
-  if (cnt) scores16();
-  const int64_t n = p + 1 - lo;
-  float* s = sc + lo;
+    for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t t, const float* vs) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512 v = _mm512_maskz_loadu_ps(k[c], vs + d0 + 16 * c);
+        for (int h = 0; h < NH; ++h) a[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[h * ldw + t]), v, a[h][c]);
+      }
+    });
+    for (int h = 0; h < NH; ++h)
+      for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(o + h * ldo + d0 + 16 * c, k[c], a[h][c]);
+  }
+}
+
+// s[0:n] = softmax(s[0:n]) in place.
+inline void softmax(float* s, int64_t n) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, first_lanes(n - i), s + i));
   const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
@@ -375,30 +372,67 @@ inline void attend(const float* qh, const float* kh, const float* vh, const int6
     const __mmask16 k = first_lanes(n - i);
     _mm512_mask_storeu_ps(s + i, k, _mm512_div_ps(_mm512_maskz_loadu_ps(k, s + i), total));
   }
-  // Values, 64 channels at a time in four registers.
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    __m512 a[4];
-    __mmask16 k[4];
-    for (int c = 0; c < 4; ++c) { a[c] = _mm512_setzero_ps(); k[c] = first_lanes(std::max<int64_t>(0, D - d0 - 16 * c)); }
-    for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t t, const float* vs) {
-      const __m512 w = _mm512_set1_ps(sc[t]);
-      for (int c = 0; c < 4; ++c) a[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(k[c], vs + d0 + 16 * c), a[c]);
-    });
-    for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(o + d0 + 16 * c, k[c], a[c]);
+}
+#endif
+
+// The G query heads q[h] = qh + h * D that share one KV head (kh, vh: for_slots's `head`), over its slots
+// lo..p: softmax of the scaled scores q.k (sc: scratch, G rows of `span` floats indexed by slot), then
+// o[h] = o + h * D (D floats) = the weighted sum of the values. One pass over the keys and values serves
+// all G heads: the cache is read once per KV head, not once per query head.
+inline void attend(const float* qh, int64_t G, const float* kh, const float* vh, const int64_t* blocks, int64_t bs,
+                   int64_t sBlock, int64_t sS, int64_t D, int64_t lo, int64_t p, float scale, float* sc,
+                   int64_t span, float* o) {
+#ifdef SLUICE_AVX512
+  // Scores 16 slots at a time: 16 dot products share each load of q, and one reduce16 sums them; the
+  // group's 16 keys stay in L1 for its other heads.
+  const float* ks[16];
+  int cnt = 0;
+  int64_t first = lo;
+  auto scores16 = [&]() {
+    for (int j = cnt; j < 16; ++j) ks[j] = ks[0];  // a short last group: lanes past cnt are dropped
+    for (int64_t h = 0; h < G; ++h) {
+      __m512 a[16];
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 k = first_lanes(D - d);
+        const __m512 qv = _mm512_maskz_loadu_ps(k, qh + h * D + d);
+        for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, ks[j] + d), qv, a[j]);
+      }
+      _mm512_mask_storeu_ps(sc + h * span + first, first_lanes(cnt), _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
+    }
+    first += cnt;
+    cnt = 0;
+  };
+  for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t, const float* slot) {
+    ks[cnt++] = slot;
+    if (cnt == 16) scores16();
+  });
+  if (cnt) scores16();
+  for (int64_t h = 0; h < G; ++h) softmax(sc + h * span + lo, p + 1 - lo);
+  for (int64_t h0 = 0; h0 < G; h0 += 4) {
+    const float* w = sc + h0 * span;
+    switch (std::min<int64_t>(4, G - h0)) {
+      case 1: weighted_values<1>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
+      case 2: weighted_values<2>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
+      case 3: weighted_values<3>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
+      default: weighted_values<4>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D);
+    }
   }
 #else
-  float mx = -INFINITY;
-  for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const float* ks) {
-    sc[s] = dot<float>(ks, qh, D) * scale;
-    mx = std::max(mx, sc[s]);
-  });
-  float sum = 0.f;
-  for (int64_t s = lo; s <= p; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
-  std::fill(o, o + D, 0.f);
-  for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const float* vs) {
-    const float w = sc[s] / sum;
-    for (int64_t d = 0; d < D; ++d) o[d] += w * vs[d];
-  });
+  for (int64_t h = 0; h < G; ++h, qh += D, sc += span, o += D) {
+    float mx = -INFINITY;
+    for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const float* ks) {
+      sc[s] = dot<float>(ks, qh, D) * scale;
+      mx = std::max(mx, sc[s]);
+    });
+    float sum = 0.f;
+    for (int64_t s = lo; s <= p; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
+    std::fill(o, o + D, 0.f);
+    for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const float* vs) {
+      const float w = sc[s] / sum;
+      for (int64_t d = 0; d < D; ++d) o[d] += w * vs[d];
+    });
+  }
 #endif
 }
 
@@ -516,7 +550,7 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
   const int nth = std::max(1, at::get_num_threads());
   // Scratch, fp32: residual x, normed h (one copy per thread), q, k|v, attention out, SwiGLU act, cos|sin, scores per thread.
   std::vector<float> x(M * C_), h(nth * M * C_), q(M * HD), kv(M * 2 * KD), att(M * HD), act(M * I_),
-      glu(nth * 2 * M * kBlock), cs(M * 2 * half), scores(nth * span);
+      glu(nth * 2 * M * kBlock), cs(M * 2 * half), scores(nth * G * span);
   float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const int64_t sL = kc.stride(0), sBlock = kc.stride(1), sK = kc.stride(2), sS = kc.stride(3);
   const float* inv = inv_freq_.data_ptr<float>();
@@ -526,7 +560,7 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
 
 #pragma omp parallel num_threads(nth)
   {
-    float* sc = scores.data() + omp_get_thread_num() * span;
+    float* sc = scores.data() + omp_get_thread_num() * G * span;
     float* tmp = glu.data() + omp_get_thread_num() * 2 * M * kBlock;
     // Each thread norms every row into its own copy of h: a few us of redundant work instead of a
     // barrier before each product (a barrier costs a time slice when the other core is busy).
@@ -549,36 +583,39 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
     for (int64_t l = 0; l < L; ++l) {
       const Layer& Ly = layers_[l];
       norm_rows(Ly.attn_norm);
-      linear(Ly.q, hn, M, q.data(), HD);
-      linear(Ly.k, hn, M, kv.data(), 2 * KD);
-      linear(Ly.v, hn, M, kv.data() + KD, 2 * KD);
-#pragma omp barrier
-      // Per head of each token: qk-norm, RoPE; new keys and values go to their cache slot.
+      // q, k and v one head at a time: item j < H is query head j, then the K key heads, then the K value
+      // heads. The thread that computes a head's D outputs also norms and rotates them (qk-norm, RoPE) and
+      // stores new keys and values in their cache slot, so no barrier is needed between the two.
 #pragma omp for schedule(static)
-      for (int64_t i = 0; i < M * (H_ + K_); ++i) {
-        const int64_t m = i / (H_ + K_), j = i % (H_ + K_), p = pp[m];
-        const bool is_q = j < H_;
-        float* xh = is_q ? &q[m * HD + j * D_] : &kv[m * 2 * KD + (j - H_) * D_];
+      for (int64_t j = 0; j < H_ + 2 * K_; ++j) {
+        const bool is_q = j < H_, is_k = !is_q && j < H_ + K_;
+        const int64_t hh = is_q ? j : is_k ? j - H_ : j - H_ - K_, ld = is_q ? HD : 2 * KD;
+        float* y = is_q ? &q[hh * D_] : &kv[(is_k ? 0 : KD) + hh * D_];  // row m's head at y + m * ld
+        block(is_q ? Ly.q : is_k ? Ly.k : Ly.v, hn, M, hh * D_, (hh + 1) * D_, y, ld, false);
         const float* gain = is_q ? Ly.q_norm : Ly.k_norm;
-        if (gain) rms_norm(xh, gain, offset_, eps_, D_, xh);
-        rope(xh, &cs[m * 2 * half], &cs[m * 2 * half + half], half);
-        if (!is_q) {
-          const int64_t at = l * sL + table[m / T * nb + p / bs] * sBlock + (j - H_) * sK + (p % bs) * sS;
-          std::copy(xh, xh + D_, kp + at);
-          std::copy(xh + KD, xh + KD + D_, vp + at);
+        for (int64_t m = 0; m < M; ++m) {
+          float* xh = y + m * ld;
+          const int64_t p = pp[m];
+          if (is_q || is_k) {
+            if (gain) rms_norm(xh, gain, offset_, eps_, D_, xh);
+            rope(xh, &cs[m * 2 * half], &cs[m * 2 * half + half], half);
+          }
+          if (!is_q)
+            std::copy(xh, xh + D_, (is_k ? kp : vp) + l * sL + table[m / T * nb + p / bs] * sBlock + hh * sK +
+                                       (p % bs) * sS);
         }
       }
-      // Attention of each query head over its row's slots <= position (and inside the window). Rows differ
-      // in length: items are dealt round-robin so each thread gets a share of every row.
+      // Attention of each token's query heads over its row's slots <= position (and inside the window), one
+      // item per KV head and its group of G query heads. Rows differ in length: items are dealt round-robin
+      // so each thread gets a share of every row.
 #pragma omp for schedule(static, 1)
-      for (int64_t i = 0; i < M * H_; ++i) {
-        const int64_t m = i / H_, hh = i % H_, b = m / T, p = pp[m];
+      for (int64_t i = 0; i < M * K_; ++i) {
+        const int64_t m = i / K_, g = i % K_, b = m / T, p = pp[m];
         const int64_t lo = Ly.window ? std::max<int64_t>(0, p - Ly.window + 1) : 0;
-        const float* qh = &q[m * HD + hh * D_];
-        const int64_t* blocks = &table[b * nb];
-        const float* kh = kp + l * sL + (hh / G) * sK;  // this head's keys in block 0; blocks add their offset
-        const float* vh = vp + l * sL + (hh / G) * sK;
-        attend(qh, kh, vh, blocks, bs, sBlock, sS, D_, lo, p, scale_, sc, &att[m * HD + hh * D_]);
+        const float* kh = kp + l * sL + g * sK;  // this KV head's keys in block 0; blocks add their offset
+        const float* vh = vp + l * sL + g * sK;
+        attend(&q[m * HD + g * G * D_], G, kh, vh, &table[b * nb], bs, sBlock, sS, D_, lo, p, scale_, sc, span,
+               &att[m * HD + g * G * D_]);
       }
       linear(Ly.o, att.data(), M, x.data(), C_, true);  // x + o(attn)
 #pragma omp barrier
