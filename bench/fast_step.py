@@ -18,6 +18,12 @@ runs, so medians are 3-10x the bests and only the bests say what the code can do
   bundled bf16, verify T=4 / T=8 per call: 4.3 / 6.6 ms (T=1 1.3 ms): a chunk of 8 costs ~5 steps
   Qwen3-0.6B shape and B=4/16: not trustworthy in that load (a 2-thread region whose partner is
   descheduled waits a time slice at each of its ~6 barriers per layer); re-measure on a quiet box.
+
+Batched decode on an Intel Xeon (2 cores, AVX-512F/BW/VL + AMX, 2 threads), 2026-12-01, after step.cpp's
+AVX-512 path (register tiles of 4 weight rows x 4 token rows, attention per KV head; docs/benchmarks.md
+"Batched decode on AVX-512"): the bundled fp32 model's native step, best of 15 alternating rounds
+against the previous step.cpp in the same process, context ~64: B=1 0.66 ms (was 0.66), B=2 0.62
+(0.76), B=4 0.77 (1.05), B=8 1.17 (2.00). Decode of 8 rows now costs ~1.8 single-row steps, not ~3.
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ def main():
     a = ap.parse_args()
     result = {"environment": environment(), "prompt_tokens_in_cache": PROMPT, "models": {}}
     for weights in ("float32", "bfloat16"):
-        result["models"][f"bundled/{weights}"] = bench_model(None, weights, (1, 4, 16), (1, 2, 4, 8, 16),
+        result["models"][f"bundled/{weights}"] = bench_model(None, weights, (1, 2, 4, 8, 16), (1, 2, 4, 8, 16),
                                                              a.repeats, a.seconds)
         save_json(a.out, result)  # after each model: a long run cut short keeps what it measured
     if a.q06 is not None:
