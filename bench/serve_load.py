@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -30,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its neighbour, however this file was loaded
+from sse_client import Stream  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LCPP_PYTHON = ROOT / ".peers/lcpp-venv/bin/python"
@@ -45,6 +48,7 @@ class Load:
     sampled: float = 0.5       # fraction of requests sampled (seeded) rather than greedy
     chat: float = 0.0          # fraction sent to /v1/chat/completions
     seed: int = 0
+    client: str = "lean"       # the load generator: "lean" (sse_client.py) or "httpx"
 
 
 @dataclass
@@ -116,16 +120,28 @@ def request_body(kind: str, spec: Spec) -> tuple[str, dict]:
     return "/v1/completions", {**body, "prompt": spec.prompt}
 
 
+@contextlib.asynccontextmanager
+async def _post(client, url: str, body: dict):
+    """(status, async iterator of lines, async reader of the whole body) of a streaming POST: through
+    httpx when `client` is an httpx.AsyncClient, else through sse_client.Stream."""
+    if client is None:
+        async with Stream(url, body) as r:
+            yield r.status, r.lines(), r.read
+    else:
+        async with client.stream("POST", url, json=body) as r:
+            yield r.status_code, r.aiter_lines(), r.aread
+
+
 async def _stream(client, base: str, kind: str, spec: Spec) -> Result:
     path, body = request_body(kind, spec)
     t0 = time.perf_counter()
     first = last = finish = usage = error = None
     chunks, done, pieces = 0, False, []
-    async with client.stream("POST", base + path, json=body) as r:
-        if r.status_code != 200:
-            error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+    async with _post(client, base + path, body) as (status, lines, read):
+        if status != 200:
+            error = f"HTTP {status}: {(await read())[:300]!r}"
         else:
-            async for line in r.aiter_lines():
+            async for line in lines:
                 if not line.startswith("data:"):
                     continue  # blank separators, ': ping' comments
                 data = line[5:].strip()
@@ -166,12 +182,13 @@ async def _one(client, base: str, kind: str, spec: Spec, timeout: float) -> Resu
     t0 = time.perf_counter()
     try:
         return await asyncio.wait_for(_stream(client, base, kind, spec), timeout)
-    except (httpx.HTTPError, asyncio.TimeoutError, json.JSONDecodeError, KeyError, TypeError) as e:
+    except (httpx.HTTPError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, KeyError,
+            TypeError) as e:  # JSONDecodeError is a ValueError; ConnectionError an OSError
         return Result(False, f"{type(e).__name__}: {e}"[:300], 0, 0, None, None, None, None, t0,
                       time.perf_counter())
 
 
-async def _load(base: str, kind: str, specs: list[Spec], concurrency: int, timeout: float):
+async def _load(base: str, kind: str, specs: list[Spec], concurrency: int, timeout: float, client: str):
     results: list[Result | None] = [None] * len(specs)
     todo = iter(enumerate(specs))  # shared by the clients: each takes the next request when done
 
@@ -179,16 +196,21 @@ async def _load(base: str, kind: str, specs: list[Spec], concurrency: int, timeo
         for i, spec in todo:
             results[i] = await _one(client, base, kind, spec, timeout)
 
-    limits = httpx.Limits(max_connections=concurrency + 2)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10), limits=limits) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        http = None
+        if client == "httpx":
+            limits = httpx.Limits(max_connections=concurrency + 2)
+            http = await stack.enter_async_context(
+                httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10), limits=limits))
         t0 = time.perf_counter()
-        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        await asyncio.gather(*(client_loop(http) for _ in range(concurrency)))
         return results, time.perf_counter() - t0
 
 
-def run_load(base: str, kind: str, specs: list[Spec], concurrency: int, timeout: float):
-    """`concurrency` clients send `specs` (streaming); returns ([Result], wall seconds)."""
-    return asyncio.run(_load(base, kind, specs, concurrency, timeout))
+def run_load(base: str, kind: str, specs: list[Spec], concurrency: int, timeout: float, client: str = "lean"):
+    """`concurrency` clients send `specs` (streaming); returns ([Result], wall seconds). client "lean":
+    sse_client.Stream, a connection per request; "httpx": one httpx.AsyncClient with keep-alive."""
+    return asyncio.run(_load(base, kind, specs, concurrency, timeout, client))
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -321,10 +343,10 @@ def measure(server: Server, kind: str, load: Load, count, timeout: float, settle
     specs = fit_prompts(make_specs(load.concurrency * load.requests, load.prompt_tokens, load.max_tokens,
                                    load.sampled, load.chat, load.seed), count, load.seed)
     warm = fit_prompts([Spec(prompt_tokens=16, max_tokens=4)], count, load.seed + 1)
-    run_load(server.base, kind, warm, 1, timeout)
+    run_load(server.base, kind, warm, 1, timeout, load.client)
     out = {"load": {**asdict(load), "serial": load.serial or len(specs)}}
-    res_c, wall_c = run_load(server.base, kind, specs, load.concurrency, timeout)
-    res_1, wall_1 = run_load(server.base, kind, specs[:load.serial or len(specs)], 1, timeout)
+    res_c, wall_c = run_load(server.base, kind, specs, load.concurrency, timeout, load.client)
+    res_1, wall_1 = run_load(server.base, kind, specs[:load.serial or len(specs)], 1, timeout, load.client)
     out[f"c{load.concurrency}"] = summarize(res_c, wall_c)
     out["c1"] = summarize(res_1, wall_1)
     out["ratio_c_over_1"] = (out[f"c{load.concurrency}"]["tok_s"] / out["c1"]["tok_s"]) if out["c1"]["tok_s"] else None
@@ -470,6 +492,8 @@ def main(argv=None) -> int:
     ap.add_argument("--q06-prompt-tokens", type=parse_range, default=(16, 128), metavar="LO:HI")
     ap.add_argument("--q06-max-tokens", type=parse_range, default=(8, 32), metavar="LO:HI")
     ap.add_argument("--sluice-arg", action="append", default=[], help="extra `sluice serve` argument (repeatable)")
+    ap.add_argument("--client", choices=("lean", "httpx"), default="lean",
+                    help="load generator: lean (bench/sse_client.py, ~10x less CPU a chunk) or httpx")
     ap.add_argument("--lcpp-python", type=Path, default=LCPP_PYTHON)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads")
     ap.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp context (one sequence)")
@@ -483,7 +507,7 @@ def main(argv=None) -> int:
         print(f"note: {args.lcpp_python} missing; llama.cpp skipped", file=sys.stderr)
         args.engines.remove("llama.cpp")
     base = Load(args.concurrency, args.requests, args.serial, args.prompt_tokens, args.max_tokens,
-                args.sampled, args.chat, args.seed)
+                args.sampled, args.chat, args.seed, args.client)
     result = {"env": {"cpu": cpu(), "python": platform.python_version(), "commit": _commit(),
                       "loadavg_start": os.getloadavg()}, "argv": sys.argv[1:], "models": {}}
     for name in args.models.split(","):

@@ -35,7 +35,10 @@ def run(sl):
         srv.wait_ready(120)
         result = sl.measure(srv, "sluice", load, sl.sluice_counter(None), timeout=120)
         # refused by the server (max_tokens < 0 is a 400): an error with the server's message
-        result["refused"], _ = sl.run_load(srv.base, "sluice", [sl.Spec(4, -1, prompt="x")], 1, 30)
+        result["refused"] = [sl.run_load(srv.base, "sluice", [sl.Spec(4, -1, prompt="x")], 1, 30, client)[0][0]
+                             for client in ("lean", "httpx")]
+        result["httpx"], _ = sl.run_load(srv.base, "sluice", [sl.Spec(12, 5, prompt="def main():")] * 3, 2, 60,
+                                         "httpx")  # the other load generator, same checks
     finally:
         result_exit = srv.stop(60)
     return result, result_exit, srv
@@ -84,8 +87,11 @@ def test_failures_are_errors(sl, run):
     """A refusal (HTTP 400) or a server that is gone counts as an error with its reason, never as a
     request that merely produced nothing."""
     r, _, srv = run
-    refused = r["refused"][0]
-    assert not refused.ok and refused.error.startswith("HTTP 400") and "max_tokens" in refused.error
-    gone, _ = sl.run_load(srv.base, "sluice", [sl.Spec(4, 2, prompt="x")], 1, 10)  # stopped: connect fails
-    assert not gone[0].ok and "ConnectError" in gone[0].error
-    assert sl.summarize(r["refused"] + gone, 1.0)["errors"] == 2
+    for refused in r["refused"]:  # through the lean client and through httpx
+        assert not refused.ok and refused.error.startswith("HTTP 400") and "max_tokens" in refused.error
+    gone = [sl.run_load(srv.base, "sluice", [sl.Spec(4, 2, prompt="x")], 1, 10, client)[0][0]
+            for client in ("lean", "httpx")]  # stopped: connect fails
+    assert not gone[0].ok and "ConnectionRefusedError" in gone[0].error
+    assert not gone[1].ok and "ConnectError" in gone[1].error
+    assert sl.summarize(r["refused"] + gone, 1.0)["errors"] == 4
+    assert [x.ok and x.tokens == 5 and x.finish_reason == "length" for x in r["httpx"]] == [True] * 3
