@@ -393,3 +393,19 @@ def test_a_top_k_race_over_the_candidates_equals_the_full_row_race():
             assert torch.equal(kept, reference)
             noise = exp_noise_(torch.empty(V), torch.Generator().manual_seed(p.seed))
             assert got[r] == (reference[0] - noise.log()).argmax(), (trial, r, p)
+
+
+def test_nonfinite_rows_matches_isfinite_all_for_nan_and_both_infinities():
+    """nonfinite_rows (amax/amin, shared by every sampler and head) flags exactly the rows
+    isfinite().all() rejects: a NaN, a +inf or a -inf anywhere, in any float dtype and any leading shape."""
+    from sluice.engine.sampling import nonfinite_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3, 500, generator=g)
+    for (i, j, k), bad in zip([(0, 0, 7), (1, 2, 499), (2, 1, 0), (4, 0, 250)],
+                              [float("nan"), float("inf"), float("-inf"), float("nan")], strict=True):
+        x[i, j, k] = bad
+    x[5, 1, :] = float("-inf")  # a whole row masked out
+    for t in (x, x.bfloat16(), x[:, 1]):
+        assert torch.equal(nonfinite_rows(t), ~t.isfinite().all(-1))
+    assert int(nonfinite_rows(x).sum()) == 5

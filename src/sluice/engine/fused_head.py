@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .sampling import NONFINITE, Sampler, SamplingParams, _filter, _penalize, exp_noise_, value_then_id
+from .sampling import NONFINITE, Sampler, SamplingParams, _filter, _penalize, exp_noise_, nonfinite_rows, value_then_id
 
 CHUNK = 32768  # head rows per step: a (32, 32768) fp32 block fits the L3 cache; few chunks, little overhead
 CANDIDATES = 1024  # the top-K kept per row with filters; raised to max(top_k) + 1 where a row needs it
@@ -114,7 +114,7 @@ class FusedHead:
             c = z.shape[1]
             if softcap is not None:
                 z = torch.tanh(z / softcap) * softcap
-            broken |= ~z.isfinite().all(-1)
+            broken |= nonfinite_rows(z)
             if logprobs:
                 m_raw, s_raw = _online(m_raw, s_raw, z)
             if smp._use_penalty:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .runner import Runner
-from .sampling import filtered_probs
+from .sampling import filtered_probs, nonfinite_rows
 from .speculative import draw
 
 
@@ -48,7 +48,7 @@ class DraftProposer:
         for i in range(k):
             if i:
                 logits = r.step(tokens[:, i - 1])
-            finite[:, i] = logits.isfinite().all(-1)
+            finite[:, i] = ~nonfinite_rows(logits)
             if greedy:
                 tokens[:, i] = logits.argmax(-1)
                 continue

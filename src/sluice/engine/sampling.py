@@ -103,6 +103,12 @@ def _uses_counts(p: SamplingParams) -> bool:
     return p.presence_penalty != 0 or p.frequency_penalty != 0
 
 
+def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
+    """Which rows (along the last dim) of x hold a NaN or an inf: x.amax / x.amin carry a NaN, and an
+    inf shows in one of them. Two reductions cost a fifth of isfinite().all() on (8, 8,192)."""
+    return ~(x.amax(-1).isfinite() & x.amin(-1).isfinite())
+
+
 def value_then_id(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Indices ordering (value, id) pairs along the last dim by value descending, then id ascending:
     the order a stable descending sort of the whole row gives any subset of it (the filters' and
@@ -144,7 +150,12 @@ def _filter(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool, use_m
     x = _scaled(x, rows)
     if not (use_top_k or use_top_p or use_min_p):
         return x
-    sorted_x, order, keep = _candidates(x, rows, use_top_k, use_top_p, use_min_p)
+    _, order, keep = _candidates(x, rows, use_top_k, use_top_p, use_min_p)
+    return _unkept_to_minus_inf(x, order, keep)
+
+
+def _unkept_to_minus_inf(x: torch.Tensor, order: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x (B, V) with -inf where the candidates' keep mask (B, L) in sort order `order` says no."""
     mask = torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, keep)  # back to vocabulary order
     return x.masked_fill(~mask, -math.inf)
 
@@ -179,13 +190,12 @@ def _race(x: torch.Tensor, rows: dict, flags: tuple[bool, bool, bool], noise: to
     its L candidates race: the same keys (log E taken over the whole row, as everywhere else) and the
     same winner, the lowest id among equal keys as a full-row argmax picks it; 0.2 ms less a step at
     8 rows, half of them sampled, than scattering the keep mask back over the vocabulary."""
-    if not any(flags):
-        return (_scaled(x, rows) - noise.log()).argmax(-1)
     scaled = _scaled(x, rows)
+    if not any(flags):
+        return (scaled - noise.log()).argmax(-1)
     values, ids, keep = _candidates(scaled, rows, *flags)
     if values.shape[1] == x.shape[1]:
-        mask = torch.zeros_like(scaled, dtype=torch.bool).scatter_(1, ids, keep)
-        return (scaled.masked_fill(~mask, -math.inf) - noise.log()).argmax(-1)
+        return (_unkept_to_minus_inf(scaled, ids, keep) - noise.log()).argmax(-1)
     key = values.masked_fill(~keep, -math.inf) - noise.log().gather(1, ids)
     first = torch.where(key == key.amax(-1, keepdim=True), ids, x.shape[1])
     return first.amin(-1)
@@ -363,7 +373,7 @@ class Sampler:
         logits are not all finite."""
         assert logits.shape == self.seen.shape, f"logits {tuple(logits.shape)} != {tuple(self.seen.shape)}"
         x = logits.float()
-        broken = ~(x.amax(-1).isfinite() & x.amin(-1).isfinite())  # (B,); a NaN carries through both
+        broken = nonfinite_rows(x)  # (B,)
         x = self.penalize(x)
         tokens = x.argmax(-1) if self._any_greedy else None
         if self._sampled_rows:

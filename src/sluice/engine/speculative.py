@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from .runner import Runner
-from .sampling import NONFINITE, Sampler, exp_noise_, filtered_probs
+from .sampling import NONFINITE, Sampler, exp_noise_, filtered_probs, nonfinite_rows
 
 MODES = ("off", "draft", "prompt-lookup")
 MAX_SPECULATIVE_TOKENS = 16  # past this a guess is almost never kept whole, and the verify forward grows
@@ -157,7 +157,7 @@ class Speculator:
             n, final = accept(self.probs(logits, self.seen_stack(draft)), q, draft, lengths,
                               [i for i in self.sampled_rows if i in active], self.generators)
         # A position whose logits hold NaN or inf ends the row's run with NONFINITE (the engine reports it).
-        bad = ~logits.isfinite().all(-1)  # (B, K+1)
+        bad = nonfinite_rows(logits)  # (B, K+1)
         first_bad = torch.where(bad.any(-1), bad.long().argmax(-1), K + 1)
         final = torch.where(first_bad <= n, NONFINITE, final)
         n = torch.minimum(n, first_bad)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..engine.logprobs import TokenLogprob, TopLogprob, _text
-from ..engine.sampling import NONFINITE, SamplingParams, value_then_id
+from ..engine.sampling import NONFINITE, SamplingParams, nonfinite_rows, value_then_id
 from . import group
 from .sampling import ParallelSampler, any_rank, greedy, log_z
 
@@ -32,7 +32,7 @@ class ParallelHead:
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V/N) -> (B,) global argmax ids, NONFINITE where any rank's logits are not all finite."""
-        broken = any_rank(~logits.isfinite().all(-1))
+        broken = any_rank(nonfinite_rows(logits))
         return greedy(logits, self.start).masked_fill(broken, NONFINITE)
 
     def logprobs(self, logits: torch.Tensor, chosen: torch.Tensor, top_n: list[int],

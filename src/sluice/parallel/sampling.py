@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..engine.sampling import NONFINITE, Sampler, SamplingParams, exp_noise_
+from ..engine.sampling import NONFINITE, Sampler, SamplingParams, exp_noise_, nonfinite_rows
 from . import group
 from .filters import filter_shard
 
@@ -112,7 +112,7 @@ class ParallelSampler(Sampler):
         NONFINITE for rows whose logits (on any rank) are not all finite."""
         assert logits.shape == self.seen.shape, f"logits {tuple(logits.shape)} != {tuple(self.seen.shape)}"
         x = logits.float()
-        broken = any_rank(~x.isfinite().all(-1))
+        broken = any_rank(nonfinite_rows(x))
         x = self.penalize(x)
         tokens = None
         if self._sampled_rows:
