@@ -151,7 +151,8 @@ def cmd_serve(args) -> int:
         t0 = time.perf_counter()
         if tp:
             from ..parallel import init
-            init(timeout_s=args.tp_timeout, device=getattr(args, "device", None))  # joins the others (part of the load: /health says 503 meanwhile)
+            # joins the others (part of the load: /health says 503 meanwhile)
+            init(timeout_s=args.tp_timeout, device=getattr(args, "device", None))
         llm = LLM(**kwargs)
         print(f"sluice serve: {name} loaded in {time.perf_counter() - t0:.1f} s; ready", file=sys.stderr)
         return llm
