@@ -55,9 +55,9 @@ def load(d, weights: str = "float32"):
     return model
 
 
-def prefilled(model):
+def prefilled(model, slots: int = SLOTS):
     r = Runner(model)
-    r.prefill(PROMPTS, SLOTS)
+    r.prefill(PROMPTS, slots)
     return r
 
 
@@ -68,7 +68,7 @@ def chunk(r, T: int, seed: int = 0):
 
 
 def check_chunk(model, T: int, rtol: float = 1e-4):
-    r = prefilled(model)
+    r = prefilled(model, max(SLOTS, 16 + T))
     tokens, positions = chunk(r, T)
     k, v = r.cache.k.clone(), r.cache.v.clone()
     with torch.inference_mode():
@@ -89,6 +89,24 @@ def check_chunk(model, T: int, rtol: float = 1e-4):
 def test_chunk_logits_and_cache_equal_the_torch_path(ckpt_dirs, name, T):
     assert unsupported(load(ckpt_dirs[name])) is None
     check_chunk(load(ckpt_dirs[name]), T)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mistral-window"])
+def test_a_chunk_past_max_chunk_runs_in_pieces_bit_for_bit(ckpt_dirs, name):
+    """A prefill-sized chunk (> MAX_CHUNK, the kernel's piece) equals the torch path, and any cut of it
+    into smaller calls gives exactly the same numbers: the scheduler's chunking never changes a prompt's."""
+    T = 2 * fast_step.MAX_CHUNK + 21
+    check_chunk(load(ckpt_dirs[name]), T)
+    model = load(ckpt_dirs[name])
+    r = prefilled(model, 16 + T)
+    tokens, positions = chunk(r, T, seed=3)
+    step, outs = FastStep(model), []
+    for cuts in ([0, T], [0, 1, 37, 100, T], [0, fast_step.MAX_CHUNK - 1, T]):
+        k, v = r.cache.k.clone(), r.cache.v.clone()
+        outs.append((torch.cat([step(tokens[:, a:b], positions[:, a:b], k, v) for a, b in zip(cuts, cuts[1:], strict=False)], 1),
+                     k, v))
+    for logits, k, v in outs[1:]:
+        assert torch.equal(logits, outs[0][0]) and torch.equal(k, outs[0][1]) and torch.equal(v, outs[0][2])
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama"])

@@ -89,6 +89,21 @@ def test_every_request_equals_itself_alone(tiny_dir, static_llm, kernels):
     assert native == (kernels == "auto" and engine.scheduler._fast is not None)
 
 
+def test_a_long_prompt_gives_the_same_numbers_however_it_is_chunked(tiny_dir):
+    """A 150-token prompt prefilled in one 256-token step, in 16-token steps or in 40-token ones (the
+    native step takes them all, in pieces of MAX_CHUNK): every logprob of the answer is bit for bit the
+    same, so what a request gets never depends on the budget the others left it."""
+    prompt = torch.randint(3, 500, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    got = {}
+    for budget in (256, 16, 40):
+        llm = sluice.LLM(str(tiny_dir), max_num_batched_tokens=budget)
+        out = llm.generate([prompt], p)[0]
+        assert llm.batch_engine().scheduler._use_fast  # the native step ran every chunk
+        got[budget] = [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in out.logprobs]
+    assert got[16] == got[256] and got[40] == got[256]
+
+
 def test_prefix_cache_computes_a_shared_prefix_once(tiny_dir, static_llm):
     system = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(2)).tolist()
     prompts = [system + [5, 6, 7], system + [9], system + [11, 12, 13, 14, 15, 16]]

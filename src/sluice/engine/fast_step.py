@@ -1,4 +1,4 @@
-"""A native whole-model step for short chunks (decode, speculative verification): step.cpp.
+"""A native whole-model step (decode, speculative verification, the scheduler's prefill): step.cpp.
 
 Why: a small model's eager step is hundreds of ATen calls, each with a fixed cost (dispatch,
 allocation, waking the thread pool) that dwarfs its arithmetic: the bundled 6.8 M-parameter model
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError, RequestError
+from ..errors import ConfigError
 from ..model.layers import MLP, Attention, Block, RMSNorm, Transformer
 from .gemv import FastLinear
 from .mixed import Bf16WeightLinear, UpcastEmbedding, activation_dtype
@@ -36,7 +36,7 @@ from .native import NativeExtension
 _EXT = NativeExtension(Path(__file__).with_name("step.cpp"), "whole-step CPU kernel")
 _LINEARS = (nn.Linear, FastLinear, Bf16WeightLinear)  # same parameters, forward differs only in speed
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
-MAX_CHUNK = 64  # tokens per row a call may take; more is prefill, where torch's GEMMs are the right tool
+MAX_CHUNK = 64  # tokens per row per kernel call; a longer chunk runs as pieces of this many (small scratch)
 
 
 def kernel():
@@ -176,9 +176,15 @@ class FastStep:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  hidden: bool = False, block_table: torch.Tensor | None = None) -> torch.Tensor:
-        if tokens.shape[-1] > MAX_CHUNK:
-            raise RequestError(f"the native step takes up to {MAX_CHUNK} tokens per row, got {tokens.shape[-1]}")
-        return self._step.run(tokens, positions, k, v, hidden, block_table)
+        T = tokens.shape[-1]
+        if T <= MAX_CHUNK:
+            return self._step.run(tokens, positions, k, v, hidden, block_table)
+        # A long chunk (a prompt's prefill) runs as pieces of MAX_CHUNK tokens, in order. That gives bit for
+        # bit what one call would: step.cpp computes each token's products alone, in an order that does not
+        # depend on how many rows share the call, and its attention reads the keys and values the earlier
+        # pieces wrote. So a prompt's numbers never depend on how the scheduler cut it into chunks.
+        return torch.cat([self._step.run(tokens[:, t0:t0 + MAX_CHUNK], positions[:, t0:t0 + MAX_CHUNK], k, v,
+                                         hidden, block_table) for t0 in range(0, T, MAX_CHUNK)], 1)
 
 
 def native_check(model: nn.Module, fast: FastStep | None) -> tuple[str | None, FastStep | None]:
