@@ -43,7 +43,7 @@ from ..model.layers import Transformer
 from .fast_step import FastStep, native_check
 from .logprobs import token_logprobs
 from .paged_cache import BlockPool, PagedView
-from .sampling import NONFINITE, Sampler, SamplingParams, nonfinite_rows
+from .sampling import NONFINITE, Sampler, SamplingParams, argmax_rows
 from .streaming import TextStream
 
 
@@ -102,7 +102,8 @@ class FullHead:
         return Sampler([params], self.vocab_size, self.device)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.argmax(-1).masked_fill(nonfinite_rows(logits), NONFINITE)  # as Sampler does
+        tokens, broken = argmax_rows(logits.float())  # as Sampler does
+        return tokens.masked_fill(broken, NONFINITE)
 
     logprobs = staticmethod(token_logprobs)
 

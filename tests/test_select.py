@@ -1,0 +1,79 @@
+"""engine/select.py: the sampler's row scans (select.cpp) give exactly what the torch versions give."""
+
+import math
+
+import pytest
+import torch
+
+from sluice.engine import select
+from sluice.engine.sampling import Sampler, SamplingParams
+
+pytestmark = pytest.mark.skipif(select.why_unavailable() is not None, reason="needs sluice's selection kernel")
+
+
+def rows(kind: str, B: int, V: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":  # few distinct values: every selection meets long runs of equal ones
+        return torch.randint(-3, 4, (B, V), generator=g).float()
+    return torch.randn(B, V, generator=g) * 4
+
+
+@pytest.mark.parametrize("V", [1, 7, 16, 17, 300, 8192 + 5])
+@pytest.mark.parametrize("kind", ["random", "ties"])
+def test_argmax_rows_equals_torch(V, kind):
+    x = rows(kind, 6, V, seed=V)
+    ids, bad = select.argmax_rows(x)
+    assert torch.equal(ids, x.argmax(-1)) and not bad.any()
+    assert ids.dtype == torch.int64 and bad.dtype == torch.bool
+
+
+@pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("at", [0, 5, 8192 + 4])  # in the vector part and in the scalar tail
+def test_argmax_rows_flags_nan_and_inf_rows_only(poison, at):
+    x = rows("random", 4, 8192 + 5, seed=1)
+    x[2, at] = poison
+    ids, bad = select.argmax_rows(x)
+    assert bad.tolist() == [False, False, True, False]
+    assert torch.equal(bad, select.nonfinite_rows(x))
+    keep = [0, 1, 3]
+    assert torch.equal(ids[keep], x[keep].argmax(-1))
+
+
+@pytest.mark.parametrize("V,k", [(300, 1), (8192, 40), (8192 + 3, 97), (50, 49)])
+def test_top_candidates_equal_topk_on_distinct_values(V, k):
+    x = rows("random", 5, V, seed=k)
+    got = select.top_candidates(x, k)
+    want = select.top_candidates(x, k, native=False)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("V,k", [(300, 3), (8192, 40), (1000 + 3, 97)])
+def test_top_candidates_are_the_stable_sorts_prefix_on_ties(V, k):
+    x = rows("ties", 5, V, seed=k)
+    values, ids, after = select.top_candidates(x, k)
+    full, order = x.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(values, full[:, :k]) and torch.equal(ids, order[:, :k]) and torch.equal(after, full[:, k])
+
+
+def test_top_candidates_refuses_a_bad_k():
+    with pytest.raises(RuntimeError, match="k = 5"):
+        select.top_candidates(torch.zeros(2, 5), 5)
+
+
+def test_the_sampler_draws_the_same_with_and_without_the_kernel(monkeypatch):
+    """Tie-heavy logits, greedy and sampled rows, top_k of different sizes with top_p and min_p,
+    a penalty: 30 steps give the same tokens through select.cpp and through torch's argmax / topk."""
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=5, seed=1),
+              SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=2),
+              SamplingParams(temperature=1.0, top_k=12, min_p=0.1, seed=3, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, repetition_penalty=1.2)]
+
+    def run():
+        s = Sampler(params, 2000)
+        return [s(rows("ties", len(params), 2000, seed=t) + 0.25 * rows("random", len(params), 2000, seed=t)
+                  ).tolist() for t in range(30)]
+
+    native = run()
+    monkeypatch.setattr(select, "_kernel", lambda x: None)
+    assert run() == native
