@@ -16,7 +16,8 @@
 //
 // SIMD: built with -march=native, so the code paths are chosen at compile time by what the CPU has. With
 // AVX-512 the products run in register tiles of 4 weight rows x 4 token rows (one weight load serves 4
-// rows: batched decode costs ~1.7 single-row steps, not ~3) and attention runs 16 lanes wide; with only
+// rows: batched decode costs ~1.7 single-row steps, not ~3), in passes that keep a few weight rows in L1
+// while all token rows run over them (prefill chunks), and attention runs 16 lanes wide; with only
 // AVX2 + FMA, the 8-lane loops below; without either, plain loops. A row's result does not depend on the
 // other rows of its batch on the AVX-512 path (every tile shape sums in the same order).
 #include <torch/extension.h>
@@ -129,32 +130,66 @@ inline __m512 reduce16(const __m512 v[16]) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
 }
 
-// out[r * MT + m] = dot(w[r][0:K], x row m) for R weight rows x MT activation rows (R * MT <= 16): the
-// R * MT accumulators stay in registers, each weight vector serves MT rows and each activation vector
-// R rows (R + MT loads per R * MT FMAs), and one reduce16 finishes all the sums.
-// next: the R weight rows after these (contiguous, R * K values), prefetched while these are summed so the
-// weights stream from memory at a steady rate instead of stalling at the start of each tile; or null.
-template <typename W, int R, int MT>
-inline void tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, float out[16], const W* next) {
+// The sums dot(w[r][0:K], x row m) for R weight rows x MT activation rows (R * MT <= 16), returned in
+// one vector at lane m * R + r: a row's R sums lie side by side, so they store as one piece. The R * MT
+// accumulators stay in registers, each weight vector serves MT rows and each activation vector R rows
+// (R + MT loads per R * MT FMAs), and one reduce16 finishes all the sums.
+// pf: lines of weights a later tile will read, prefetched a few per step of 16 k while these are summed, so the
+// weights stream from memory (L3 here) at a steady rate instead of stalling at the start of a tile.
+//
+// Every sum's arithmetic is the same whatever the tile shape or the batch (the engine relies on a token's
+// numbers not depending on which chunk or batch it ran in): 16 lanes of FMAs over ascending k, reduce16's
+// tree, then the K % 16 last products one at a time. For those, Tail says which are FMAs and which a
+// rounded product then an add: what GCC had made of the earlier scalar tail loop, per tile shape (its
+// vectorizers chose mul + add for some), now explicit so the numbers stay those of every earlier build.
+enum TailKind { kFmaTail, kRoundedTail, kFold8Tail };
+
+// A stream of 64-byte lines [p, end) to prefetch, per_step lines at each step of a tile's k loop.
+struct Prefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int64_t per_step = 0;
+};
+
+template <typename W, int R, int MT, TailKind Tail>
+inline __m512 tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, Prefetch& pf) {
   static_assert(R * MT <= 16, "one reduce16 per tile");
-  constexpr int kLines = R * sizeof(W) / 4;  // 64-byte lines of `next` per step of 16 k (R * 16 values)
+  const char *pp = pf.p, *const pend = pf.end;  // in registers while the loop runs
   __m512 a[16];
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    if (next)
-      for (int j = 0; j < kLines; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + k * R) + 64 * j, _MM_HINT_T0);
+    for (int64_t j = 0; j < pf.per_step && pp < pend; ++j, pp += 64) _mm_prefetch(pp, _MM_HINT_T0);
     __m512 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(x + m * ldx + k);
     for (int r = 0; r < R; ++r) {
       const __m512 wv = load16(w[r] + k);
-      for (int m = 0; m < MT; ++m) a[r * MT + m] = _mm512_fmadd_ps(wv, xv[m], a[r * MT + m]);
+      for (int m = 0; m < MT; ++m) a[m * R + r] = _mm512_fmadd_ps(wv, xv[m], a[m * R + r]);
     }
   }
-  _mm512_storeu_ps(out, reduce16(a));
-  for (; k < K; ++k)
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m) out[r * MT + m] += widen(w[r][k]) * x[m * ldx + k];
+  pf.p = pp;
+  __m512 s = reduce16(a);
+  if (k < K) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, s);
+    // Tail kFmaTail: every product an FMA; kRoundedTail: every product rounded, then added; kFold8Tail: a
+    // tail of 8 or more starts with 8 rounded products (GCC's in-order vectorized reduction), then FMAs.
+    const int64_t rounded = Tail == kRoundedTail ? K - k : Tail == kFold8Tail && K - k >= 8 ? 8 : 0;
+    for (const int64_t k1 = k + rounded; k < K; ++k)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m) {
+          float& o = out[m * R + r];
+          if (k < k1) {
+            float p = widen(w[r][k]) * x[m * ldx + k];
+            asm("" : "+v"(p));  // opaque to the optimizer: p stays a rounded product, never fused into the add
+            o += p;
+          } else {
+            o = std::fma(widen(w[r][k]), x[m * ldx + k], o);
+          }
+        }
+    s = _mm512_load_ps(out);
+  }
+  return s;
 }
 
 // e^x in 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, Cephes' expf polynomial in r, then 2^n by scalef
@@ -199,6 +234,37 @@ struct Linear {  // an nn.Linear's tensors: weight (N, K) fp32 or bf16, bias (N,
   int64_t n = 0, k = 0;
 };
 
+#ifdef SLUICE_AVX512
+// How each tile shape sums its K % 16 tail (see tile), as the build before this one did: probed bit for
+// bit against it for every tail length 1..15 and M = 1..6, fp32 and bf16 weights.
+template <typename W, int R, int MT>
+constexpr TailKind tail_kind() {
+  return !std::is_same_v<W, float> ? kFmaTail : R == 4 && MT <= 2 ? kFold8Tail : kRoundedTail;
+}
+
+// y[0:nr] (+)= s[0:nr] + bias[0:nr] (bias null: + 0, as before): the bias first, then the residual, as
+// torch adds them.
+inline void put16(__m512 s, const float* bias, int64_t nr, float* y, bool accumulate) {
+  const __mmask16 k = first_lanes(nr);
+  s = _mm512_add_ps(s, bias ? _mm512_maskz_loadu_ps(k, bias) : _mm512_setzero_ps());
+  if (accumulate) s = _mm512_add_ps(_mm512_maskz_loadu_ps(k, y), s);
+  _mm512_mask_storeu_ps(y, k, s);
+}
+
+// The same for a 4-row tile's vector: row m's sums s[4m:4m + nr] go to y + m * ldy, m < mm.
+inline void put4(__m512 s, const float* bias, int64_t nr, float* y, int64_t ldy, int64_t mm, bool accumulate) {
+  const __mmask8 k = static_cast<__mmask8>((1u << nr) - 1);
+  s = _mm512_add_ps(s, bias ? _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(k, bias)) : _mm512_setzero_ps());
+  alignas(64) float o[16];
+  _mm512_store_ps(o, s);
+  for (int64_t m = 0; m < mm; ++m) {
+    __m128 v = _mm_load_ps(o + 4 * m);
+    if (accumulate) v = _mm_add_ps(_mm_maskz_loadu_ps(k, y + m * ldy), v);
+    _mm_mask_storeu_ps(y + m * ldy, k, v);
+  }
+}
+#endif
+
 constexpr int64_t kBlock = 16;  // weight rows per work item: 16 rows x K stay in L1/L2 across the M rows
 
 // y[m, n - n0] (+)= x[m] . W[n] + b[n] for m < M and weight rows n0 <= n < n1. accumulate: the
@@ -215,33 +281,55 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
   };
 #ifdef SLUICE_AVX512
   {
-    // Tiles of 4 weight rows x 4 activation rows (16 x 1 at M = 1); a short last group repeats its
-    // last row. The rows' weights, read from memory by the first tile, serve the later ones from L1.
-    constexpr int R = 4;
-    for (int64_t n = n0; n < n1; n += (M == 1 ? 16 : R)) {
-      float o[16];
-      if (M == 1) {
-        const W* wr[16];
+    // M = 1 (decode): tiles of 16 weight rows x 1 activation row, the next 16 rows prefetched meanwhile.
+    const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W));
+    const W* wr[16];
+    if (M == 1) {
+      for (int64_t n = n0; n < n1; n += 16) {
         for (int r = 0; r < 16; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
-        tile<W, 16, 1>(wr, x, K, K, o, n + 16 < L.n ? w + (n + 16) * K : nullptr);
-        for (int64_t r = 0; r < std::min<int64_t>(16, n1 - n); ++r) put(0, n + r, o[r]);
-        continue;
+        Prefetch pf;
+        if (n + 16 < L.n) {
+          pf.p = reinterpret_cast<const char*>(w + (n + 16) * K);
+          pf.end = pf.p + 16 * row_bytes;
+          pf.per_step = 16 * sizeof(W) / 4;  // 16 rows x 16 k per step
+        }
+        const __m512 s = tile<W, 16, 1, tail_kind<W, 16, 1>()>(wr, x, K, K, pf);
+        put16(s, L.b ? L.b + n : nullptr, std::min<int64_t>(16, n1 - n), y + n - n0, accumulate);
       }
-      const W* wr[R];
-      for (int r = 0; r < R; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
-      const int64_t nr = std::min<int64_t>(R, n1 - n);
+      return;
+    }
+    // M > 1: tiles of 4 weight rows x 4 activation rows (a short last group repeats its last row), in
+    // passes over `pass` weight rows: their weights (~kPassBytes) stay in L1 while every group of 4
+    // activation rows runs over them, so each weight is read from memory once per block and each activation
+    // row from L1 or L2 once per pass. Meanwhile the next pass's rows (or the next block's, which under
+    // linear()'s guided schedule is usually this thread's next) are prefetched, spread over the pass's tiles.
+    constexpr int R = 4;
+    constexpr int64_t kPassBytes = 24 << 10;
+    // (One group of activation rows, M <= 4, reuses nothing: passes of one weight group, each prefetching the next.)
+    const int64_t pass = M <= 4 ? R : std::clamp<int64_t>(kPassBytes / std::max<int64_t>(row_bytes, 1) / R * R, R, 16);
+    for (int64_t p0 = n0; p0 < n1; p0 += pass) {
+      const int64_t p1 = std::min(n1, p0 + pass);
+      Prefetch pf;
+      if (p1 < L.n && K >= 16) {
+        pf.p = reinterpret_cast<const char*>(w + p1 * K);
+        pf.end = pf.p + std::min(pass, L.n - p1) * row_bytes;
+        const int64_t steps = (M + 3) / 4 * ((p1 - p0 + R - 1) / R) * (K / 16), lines = (pf.end - pf.p + 63) / 64;
+        pf.per_step = (lines + steps - 1) / steps;  // at M <= 4: R * sizeof(W) / 4, the rows of the next group
+      }
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int64_t mm = std::min<int64_t>(4, M - m0);
         const float* xm = x + m0 * K;
-        const W* next = m0 == 0 && n + R < L.n ? w + (n + R) * K : nullptr;  // once per row group
-        switch (mm) {
-          case 1: tile<W, R, 1>(wr, xm, K, K, o, next); break;
-          case 2: tile<W, R, 2>(wr, xm, K, K, o, next); break;
-          case 3: tile<W, R, 3>(wr, xm, K, K, o, next); break;
-          default: tile<W, R, 4>(wr, xm, K, K, o, next);
+        for (int64_t n = p0; n < p1; n += R) {
+          for (int r = 0; r < R; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
+          __m512 s;
+          switch (mm) {
+            case 1: s = tile<W, R, 1, tail_kind<W, R, 1>()>(wr, xm, K, K, pf); break;
+            case 2: s = tile<W, R, 2, tail_kind<W, R, 2>()>(wr, xm, K, K, pf); break;
+            case 3: s = tile<W, R, 3, tail_kind<W, R, 3>()>(wr, xm, K, K, pf); break;
+            default: s = tile<W, R, 4, tail_kind<W, R, 4>()>(wr, xm, K, K, pf);
+          }
+          put4(s, L.b ? L.b + n : nullptr, std::min<int64_t>(R, n1 - n), y + m0 * ldy + n - n0, ldy, mm, accumulate);
         }
-        for (int64_t r = 0; r < nr; ++r)
-          for (int64_t m = 0; m < mm; ++m) put(m0 + m, n + r, o[r * mm + m]);
       }
     }
     return;
@@ -279,8 +367,12 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
 
 // y (M, N) (+)= x (M, K) W^T + b, this thread's share of the weight rows (call inside the parallel
 // region: `omp for nowait`, the caller places the barrier, so independent products share one).
+// Guided: each thread first takes a long contiguous run of blocks (so block()'s prefetch of the rows after
+// its own is mostly for itself), then shorter ones, so a thread slowed by something else on its core (here
+// one core often ran 15-20% slower than the other) does less instead of making the other wait at the
+// barrier. Which thread computes a block changes no number.
 void linear(const Linear& L, const float* x, int64_t M, float* y, int64_t ldy, bool accumulate = false) {
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(guided) nowait
   for (int64_t n0 = 0; n0 < L.n; n0 += kBlock)
     block(L, x, M, n0, std::min(L.n, n0 + kBlock), y + n0, ldy, accumulate);
 }
@@ -289,7 +381,7 @@ void linear(const Linear& L, const float* x, int64_t M, float* y, int64_t ldy, b
 // thread's scratch `tmp` (2 * M * kBlock), then combined, so the MLP needs no barrier in between.
 void swiglu(const Linear& gate, const Linear& up, const float* x, int64_t M, float* act, float* tmp) {
   float* u = tmp + M * kBlock;
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(guided) nowait
   for (int64_t n0 = 0; n0 < up.n; n0 += kBlock) {
     const int64_t n1 = std::min(up.n, n0 + kBlock);
     block(gate, x, M, n0, n1, tmp, kBlock, false);
@@ -304,6 +396,44 @@ inline void rms_norm(const float* x, const float* w, float offset, float eps, in
   for (int64_t c = 0; c < C; ++c) ss += x[c] * x[c];
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
   for (int64_t c = 0; c < C; ++c) out[c] = (x[c] * inv) * (w[c] + offset);
+}
+
+// rms_norm of n rows, x + m * ldx into out + m * ldo (in place is fine), bit for bit. rms_norm's sum of
+// squares is one chain of C dependent adds (GCC may not reorder them), ~4 cycles per element; with AVX-512
+// the sums run 16 rows at once, a row per lane, each lane the same chain, and the rest (an exact division
+// and square root, then per element) is elementwise anyway. The chain as GCC compiles rms_norm: squares
+// of 16 (then 8) elements at a time rounded and added in order, the last C % 8 as scalar FMAs.
+inline void rms_norm_rows(const float* x, int64_t ldx, const float* w, float offset, float eps, int64_t C,
+                          int64_t n, float* out, int64_t ldo) {
+  int64_t m0 = 0;
+#ifdef SLUICE_AVX512
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(ldx)));
+  for (; m0 < n; m0 += 16) {
+    const __mmask16 live = first_lanes(n - m0);
+    const float* xm = x + m0 * ldx;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, rows, xm + c, 4);
+      if (c < C / 8 * 8) {
+        __m512 sq = _mm512_mul_ps(v, v);
+        asm("" : "+v"(sq));  // opaque: the square stays rounded, never fused into the add
+        ss = _mm512_add_ps(ss, sq);
+      } else {
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+    }
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_sqrt_ps(_mm512_add_ps(
+                                          _mm512_div_ps(ss, _mm512_set1_ps(static_cast<float>(C))), _mm512_set1_ps(eps)))));
+    for (int64_t m = 0; m < std::min<int64_t>(16, n - m0); ++m) {
+      const float *xr = xm + m * ldx, iv = inv[m];
+      float* o = out + (m0 + m) * ldo;
+      for (int64_t c = 0; c < C; ++c) o[c] = (xr[c] * iv) * (w[c] + offset);
+    }
+  }
+#endif
+  for (; m0 < n; ++m0) rms_norm(x + m0 * ldx, w, offset, eps, C, out + m0 * ldo);
 }
 
 // RoPE on the first R channels of one head, halves layout: the pair (x[i], x[i + R/2]) turns by the
@@ -573,7 +703,7 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
     // barrier before each product (a barrier costs a time slice when the other core is busy).
     float* hn = h.data() + omp_get_thread_num() * M * C_;
     auto norm_rows = [&](const float* gain) {
-      for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * C_], gain, offset_, eps_, C_, hn + m * C_);
+      rms_norm_rows(x.data(), C_, gain, offset_, eps_, C_, M, hn, C_);
     };
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) {
@@ -592,21 +722,20 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
       norm_rows(Ly.attn_norm);
       // q, k and v one head at a time: item j < H is query head j, then the K key heads, then the K value
       // heads. The thread that computes a head's D outputs also norms and rotates them (qk-norm, RoPE) and
-      // stores new keys and values in their cache slot, so no barrier is needed between the two.
-#pragma omp for schedule(static)
+      // stores new keys and values in their cache slot, so no barrier is needed between the two. Dynamic:
+      // the items are few and unequal (v heads have no norm or RoPE), and a core may be slowed (see linear).
+#pragma omp for schedule(dynamic)
       for (int64_t j = 0; j < H_ + 2 * K_; ++j) {
         const bool is_q = j < H_, is_k = !is_q && j < H_ + K_;
         const int64_t hh = is_q ? j : is_k ? j - H_ : j - H_ - K_, ld = is_q ? HD : 2 * KD;
         float* y = is_q ? &q[hh * D_] : &kv[(is_k ? 0 : KD) + hh * D_];  // row m's head at y + m * ld
         block(is_q ? Ly.q : is_k ? Ly.k : Ly.v, hn, M, hh * D_, (hh + 1) * D_, y, ld, false);
-        const float* gain = is_q ? Ly.q_norm : Ly.k_norm;
+        const float* gain = is_q ? Ly.q_norm : is_k ? Ly.k_norm : nullptr;
+        if (gain) rms_norm_rows(y, ld, gain, offset_, eps_, D_, M, y, ld);
         for (int64_t m = 0; m < M; ++m) {
           float* xh = y + m * ld;
           const int64_t p = pp[m];
-          if (is_q || is_k) {
-            if (gain) rms_norm(xh, gain, offset_, eps_, D_, xh);
-            rope(xh, &cs[m * 2 * half], &cs[m * 2 * half + half], half);
-          }
+          if (is_q || is_k) rope(xh, &cs[m * 2 * half], &cs[m * 2 * half + half], half);
           if (!is_q)
             std::copy(xh, xh + D_, (is_k ? kp : vp) + l * sL + table[m / T * nb + p / bs] * sBlock + hh * sK +
                                        (p % bs) * sS);
@@ -614,7 +743,8 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
       }
       // Attention of each token's query heads over its row's slots <= position (and inside the window), one
       // item per KV head and its group of G query heads. Rows differ in length: items are dealt round-robin
-      // so each thread gets a share of every row.
+      // so each thread gets a share of every row (and, with two threads and an even number of KV heads,
+      // always the same heads: their keys and values stay in its core's caches).
 #pragma omp for schedule(static, 1)
       for (int64_t i = 0; i < M * K_; ++i) {
         const int64_t m = i / K_, g = i % K_, b = m / T, p = pp[m];
@@ -634,10 +764,11 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
     }
     if (hidden) {
 #pragma omp for schedule(static)
-      for (int64_t m = 0; m < M; ++m) {
-        float* dst = out.data_ptr<float>() + m * C_;
-        if (final_norm_) rms_norm(&x[m * C_], final_norm_, offset_, eps_, C_, dst);
-        else std::copy(&x[m * C_], &x[m * C_] + C_, dst);
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {  // 16 rows per item: rms_norm_rows sums 16 at once
+        float* dst = out.data_ptr<float>() + m0 * C_;
+        const int64_t n = std::min<int64_t>(16, M - m0);
+        if (final_norm_) rms_norm_rows(&x[m0 * C_], C_, final_norm_, offset_, eps_, C_, n, dst, C_);
+        else std::copy(&x[m0 * C_], &x[(m0 + n) * C_], dst);
       }
     } else {
       if (final_norm_) norm_rows(final_norm_);
