@@ -151,7 +151,9 @@ struct Prefetch {
   int64_t per_step = 0;
 };
 
-template <typename W, int R, int MT, TailKind Tail>
+// Pf > 0: exactly Pf lines per step from pf.p (unless null), unrolled and unchecked: decode's tiles, whose
+// stream is exactly the next rows' K / 16 * Pf lines.
+template <typename W, int R, int MT, TailKind Tail, int Pf = 0>
 inline __m512 tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, Prefetch& pf) {
   static_assert(R * MT <= 16, "one reduce16 per tile");
   const char *pp = pf.p, *const pend = pf.end;  // in registers while the loop runs
@@ -159,7 +161,14 @@ inline __m512 tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, 
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    for (int64_t j = 0; j < pf.per_step && pp < pend; ++j, pp += 64) _mm_prefetch(pp, _MM_HINT_T0);
+    if constexpr (Pf > 0) {
+      if (pp) {
+        for (int j = 0; j < Pf; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T0);
+        pp += 64 * Pf;
+      }
+    } else {
+      for (int64_t j = 0; j < pf.per_step && pp < pend; ++j, pp += 64) _mm_prefetch(pp, _MM_HINT_T0);
+    }
     __m512 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(x + m * ldx + k);
     for (int r = 0; r < R; ++r) {
@@ -268,10 +277,12 @@ inline void put4(__m512 s, const float* bias, int64_t nr, float* y, int64_t ldy,
 constexpr int64_t kBlock = 16;  // weight rows per work item: 16 rows x K stay in L1/L2 across the M rows
 
 // y[m, n - n0] (+)= x[m] . W[n] + b[n] for m < M and weight rows n0 <= n < n1. accumulate: the
-// residual add, x + f(x), in the order torch adds (the bias before the residual).
+// residual add, x + f(x), in the order torch adds (the bias before the residual). after: the weight rows
+// (same K and type) this thread reads next, when they are not the rows after n1 (swiglu's gate, then up):
+// the last tiles prefetch those instead.
 template <typename W>
 void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
-           bool accumulate) {
+           bool accumulate, const void* after) {
   const W* w = static_cast<const W*>(L.w);
   const int64_t K = L.k;
   auto put = [&](int64_t m, int64_t n, float s) {
@@ -288,12 +299,13 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
       for (int64_t n = n0; n < n1; n += 16) {
         for (int r = 0; r < 16; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
         Prefetch pf;
-        if (n + 16 < L.n) {
-          pf.p = reinterpret_cast<const char*>(w + (n + 16) * K);
+        const void* next = n + 16 >= n1 && after ? after : n + 16 < L.n ? w + (n + 16) * K : nullptr;
+        if (next) {
+          pf.p = static_cast<const char*>(next);
           pf.end = pf.p + 16 * row_bytes;
           pf.per_step = 16 * sizeof(W) / 4;  // 16 rows x 16 k per step
         }
-        const __m512 s = tile<W, 16, 1, tail_kind<W, 16, 1>()>(wr, x, K, K, pf);
+        const __m512 s = tile<W, 16, 1, tail_kind<W, 16, 1>(), 16 * sizeof(W) / 4>(wr, x, K, K, pf);
         put16(s, L.b ? L.b + n : nullptr, std::min<int64_t>(16, n1 - n), y + n - n0, accumulate);
       }
       return;
@@ -310,9 +322,10 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     for (int64_t p0 = n0; p0 < n1; p0 += pass) {
       const int64_t p1 = std::min(n1, p0 + pass);
       Prefetch pf;
-      if (p1 < L.n && K >= 16) {
-        pf.p = reinterpret_cast<const char*>(w + p1 * K);
-        pf.end = pf.p + std::min(pass, L.n - p1) * row_bytes;
+      const void* next = p1 == n1 && after ? after : p1 < L.n ? w + p1 * K : nullptr;
+      if (next && K >= 16) {
+        pf.p = static_cast<const char*>(next);
+        pf.end = pf.p + (next == after ? pass : std::min(pass, L.n - p1)) * row_bytes;
         const int64_t steps = (M + 3) / 4 * ((p1 - p0 + R - 1) / R) * (K / 16), lines = (pf.end - pf.p + 63) / 64;
         pf.per_step = (lines + steps - 1) / steps;  // at M <= 4: R * sizeof(W) / 4, the rows of the next group
       }
@@ -322,10 +335,15 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
         for (int64_t n = p0; n < p1; n += R) {
           for (int r = 0; r < R; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
           __m512 s;
-          switch (mm) {
-            case 1: s = tile<W, R, 1, tail_kind<W, R, 1>()>(wr, xm, K, K, pf); break;
-            case 2: s = tile<W, R, 2, tail_kind<W, R, 2>()>(wr, xm, K, K, pf); break;
-            case 3: s = tile<W, R, 3, tail_kind<W, R, 3>()>(wr, xm, K, K, pf); break;
+          constexpr int kGroup = R * sizeof(W) / 4;  // M <= 4: the next group's R rows, 16 k per step
+          switch (M <= 4 ? mm : 4 + mm) {
+            case 1: s = tile<W, R, 1, tail_kind<W, R, 1>(), kGroup>(wr, xm, K, K, pf); break;
+            case 2: s = tile<W, R, 2, tail_kind<W, R, 2>(), kGroup>(wr, xm, K, K, pf); break;
+            case 3: s = tile<W, R, 3, tail_kind<W, R, 3>(), kGroup>(wr, xm, K, K, pf); break;
+            case 4: s = tile<W, R, 4, tail_kind<W, R, 4>(), kGroup>(wr, xm, K, K, pf); break;
+            case 5: s = tile<W, R, 1, tail_kind<W, R, 1>()>(wr, xm, K, K, pf); break;
+            case 6: s = tile<W, R, 2, tail_kind<W, R, 2>()>(wr, xm, K, K, pf); break;
+            case 7: s = tile<W, R, 3, tail_kind<W, R, 3>()>(wr, xm, K, K, pf); break;
             default: s = tile<W, R, 4, tail_kind<W, R, 4>()>(wr, xm, K, K, pf);
           }
           put4(s, L.b ? L.b + n : nullptr, std::min<int64_t>(R, n1 - n), y + m0 * ldy + n - n0, ldy, mm, accumulate);
@@ -360,9 +378,9 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
 }
 
 void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
-           bool accumulate) {
-  if (L.is_bf16) block<bf16>(L, x, M, n0, n1, y, ldy, accumulate);
-  else block<float>(L, x, M, n0, n1, y, ldy, accumulate);
+           bool accumulate, const void* after = nullptr) {
+  if (L.is_bf16) block<bf16>(L, x, M, n0, n1, y, ldy, accumulate, after);
+  else block<float>(L, x, M, n0, n1, y, ldy, accumulate, after);
 }
 
 // y (M, N) (+)= x (M, K) W^T + b, this thread's share of the weight rows (call inside the parallel
@@ -384,8 +402,13 @@ void swiglu(const Linear& gate, const Linear& up, const float* x, int64_t M, flo
 #pragma omp for schedule(guided) nowait
   for (int64_t n0 = 0; n0 < up.n; n0 += kBlock) {
     const int64_t n1 = std::min(up.n, n0 + kBlock);
-    block(gate, x, M, n0, n1, tmp, kBlock, false);
-    block(up, x, M, n0, n1, u, kBlock, false);
+    // While the gate's last rows run, the up rows of this block are prefetched, and vice versa the gate's
+    // next rows (usually this thread's next block: guided schedule).
+    const auto row = [](const Linear& L, int64_t n) -> const void* {
+      return n < L.n ? static_cast<const char*>(L.w) + n * L.k * (L.is_bf16 ? 2 : 4) : nullptr;
+    };
+    block(gate, x, M, n0, n1, tmp, kBlock, false, row(up, n0));
+    block(up, x, M, n0, n1, u, kBlock, false, row(gate, n1));
     for (int64_t m = 0; m < M; ++m) silu_mul(tmp + m * kBlock, u + m * kBlock, n1 - n0, act + m * up.n + n0);
   }
 }
@@ -409,7 +432,7 @@ inline void rms_norm_rows(const float* x, int64_t ldx, const float* w, float off
 #ifdef SLUICE_AVX512
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(static_cast<int>(ldx)));
-  for (; m0 < n; m0 += 16) {
+  for (; n - m0 >= 4; m0 += 16) {  // (a gather for fewer rows costs more than the scalar chains)
     const __mmask16 live = first_lanes(n - m0);
     const float* xm = x + m0 * ldx;
     __m512 ss = _mm512_setzero_ps();
