@@ -153,8 +153,8 @@ def test_greedy_generation_is_the_same(ckpt_dirs, name):
 
 def random_model(seed: int = 0, **fields) -> Transformer:
     """A sluice model with a non-default value of config fields transformers has no tiny switch for."""
-    cfg = ModelConfig(vocab_size=50, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=128, qk_norm="head", **fields)
+    cfg = ModelConfig(**{**dict(vocab_size=50, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=16, max_position_embeddings=128, qk_norm="head"), **fields})
     model = Transformer(cfg)
     g = torch.Generator().manual_seed(seed)
     model.init_weights(std=0.2, generator=g)
@@ -173,6 +173,32 @@ def test_config_fields_with_non_default_values(fields):
     model = random_model(**fields)
     assert unsupported(model) is None
     check_chunk(model, 4)
+
+
+@pytest.mark.skipif(fast_step.kernel() is None or not fast_step.kernel().batch_invariant(),
+                    reason="the AVX-512 products only (the AVX2 path sums a lone row in another order)")
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_odd_sizes_give_a_token_the_same_numbers_in_any_chunk(weights):
+    """hidden 44, intermediate 76, head_dim 20: most products end in a scalar tail of 12 (K % 16). A chunk cut
+    so that the kernel's tiles take 1, 2, 3, 4, 5 and more rows gives bit for bit one call's logits
+    and cache (the scheduler cuts prompts wherever its token budget ends)."""
+    model = random_model(seed=4, hidden_size=44, intermediate_size=76, head_dim=20)
+    if weights == "bfloat16":  # mixed.py's mode: bf16 linear weights, everything else fp32
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.to(torch.bfloat16)
+        assert mixed.use_fp32_compute(model) > 0
+    T = 60
+    tokens = torch.randint(0, 50, (1, T), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(T)[None]
+    step, outs = FastStep(model), []
+    for cuts in ([0, T], [0, 1, 3, 6, 10, 15, 29, T], [0, 5, 6, 13, 17, T]):
+        cache = KVCache(model.config, 1, 64)
+        with torch.inference_mode():
+            outs.append((torch.cat([step(tokens[:, a:b], positions[:, a:b], cache.k, cache.v)
+                                    for a, b in zip(cuts, cuts[1:], strict=False)], 1), cache.k, cache.v))
+    for logits, k, v in outs[1:]:
+        assert torch.equal(logits, outs[0][0]) and torch.equal(k, outs[0][1]) and torch.equal(v, outs[0][2])
 
 
 def test_a_chunk_is_causal_within_itself(ckpt_dirs):

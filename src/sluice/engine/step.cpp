@@ -139,10 +139,9 @@ inline __m512 reduce16(const __m512 v[16]) {
 //
 // Every sum's arithmetic is the same whatever the tile shape or the batch (the engine relies on a token's
 // numbers not depending on which chunk or batch it ran in): 16 lanes of FMAs over ascending k, reduce16's
-// tree, then the K % 16 last products one at a time. For those, Tail says which are FMAs and which a
-// rounded product then an add: what GCC had made of the earlier scalar tail loop, per tile shape (its
-// vectorizers chose mul + add for some), now explicit so the numbers stay those of every earlier build.
-enum TailKind { kFmaTail, kRoundedTail, kFold8Tail };
+// tree, then the K % 16 last products, one FMA each. (Before 2026-12-01 that tail was a plain loop whose
+// products GCC fused at some tile shapes and not at others, so with K % 16 != 0 a token's last bits
+// depended on how many rows shared its call.)
 
 // A stream of 64-byte lines [p, end) to prefetch, per_step lines at each step of a tile's k loop.
 struct Prefetch {
@@ -153,7 +152,7 @@ struct Prefetch {
 
 // Pf > 0: exactly Pf lines per step from pf.p (unless null), unrolled and unchecked: decode's tiles, whose
 // stream is exactly the next rows' K / 16 * Pf lines.
-template <typename W, int R, int MT, TailKind Tail, int Pf = 0>
+template <typename W, int R, int MT, int Pf = 0>
 inline __m512 tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, Prefetch& pf) {
   static_assert(R * MT <= 16, "one reduce16 per tile");
   const char *pp = pf.p, *const pend = pf.end;  // in registers while the loop runs
@@ -181,21 +180,9 @@ inline __m512 tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, 
   if (k < K) {
     alignas(64) float out[16];
     _mm512_store_ps(out, s);
-    // Tail kFmaTail: every product an FMA; kRoundedTail: every product rounded, then added; kFold8Tail: a
-    // tail of 8 or more starts with 8 rounded products (GCC's in-order vectorized reduction), then FMAs.
-    const int64_t rounded = Tail == kRoundedTail ? K - k : Tail == kFold8Tail && K - k >= 8 ? 8 : 0;
-    for (const int64_t k1 = k + rounded; k < K; ++k)
+    for (; k < K; ++k)
       for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MT; ++m) {
-          float& o = out[m * R + r];
-          if (k < k1) {
-            float p = widen(w[r][k]) * x[m * ldx + k];
-            asm("" : "+v"(p));  // opaque to the optimizer: p stays a rounded product, never fused into the add
-            o += p;
-          } else {
-            o = std::fma(widen(w[r][k]), x[m * ldx + k], o);
-          }
-        }
+        for (int m = 0; m < MT; ++m) out[m * R + r] = std::fma(widen(w[r][k]), x[m * ldx + k], out[m * R + r]);
     s = _mm512_load_ps(out);
   }
   return s;
@@ -244,13 +231,6 @@ struct Linear {  // an nn.Linear's tensors: weight (N, K) fp32 or bf16, bias (N,
 };
 
 #ifdef SLUICE_AVX512
-// How each tile shape sums its K % 16 tail (see tile), as the build before this one did: probed bit for
-// bit against it for every tail length 1..15 and M = 1..6, fp32 and bf16 weights.
-template <typename W, int R, int MT>
-constexpr TailKind tail_kind() {
-  return !std::is_same_v<W, float> ? kFmaTail : R == 4 && MT <= 2 ? kFold8Tail : kRoundedTail;
-}
-
 // y[0:nr] (+)= s[0:nr] + bias[0:nr] (bias null: + 0, as before): the bias first, then the residual, as
 // torch adds them.
 inline void put16(__m512 s, const float* bias, int64_t nr, float* y, bool accumulate) {
@@ -305,7 +285,7 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
           pf.end = pf.p + 16 * row_bytes;
           pf.per_step = 16 * sizeof(W) / 4;  // 16 rows x 16 k per step
         }
-        const __m512 s = tile<W, 16, 1, tail_kind<W, 16, 1>(), 16 * sizeof(W) / 4>(wr, x, K, K, pf);
+        const __m512 s = tile<W, 16, 1, 16 * sizeof(W) / 4>(wr, x, K, K, pf);
         put16(s, L.b ? L.b + n : nullptr, std::min<int64_t>(16, n1 - n), y + n - n0, accumulate);
       }
       return;
@@ -337,14 +317,14 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
           __m512 s;
           constexpr int kGroup = R * sizeof(W) / 4;  // M <= 4: the next group's R rows, 16 k per step
           switch (M <= 4 ? mm : 4 + mm) {
-            case 1: s = tile<W, R, 1, tail_kind<W, R, 1>(), kGroup>(wr, xm, K, K, pf); break;
-            case 2: s = tile<W, R, 2, tail_kind<W, R, 2>(), kGroup>(wr, xm, K, K, pf); break;
-            case 3: s = tile<W, R, 3, tail_kind<W, R, 3>(), kGroup>(wr, xm, K, K, pf); break;
-            case 4: s = tile<W, R, 4, tail_kind<W, R, 4>(), kGroup>(wr, xm, K, K, pf); break;
-            case 5: s = tile<W, R, 1, tail_kind<W, R, 1>()>(wr, xm, K, K, pf); break;
-            case 6: s = tile<W, R, 2, tail_kind<W, R, 2>()>(wr, xm, K, K, pf); break;
-            case 7: s = tile<W, R, 3, tail_kind<W, R, 3>()>(wr, xm, K, K, pf); break;
-            default: s = tile<W, R, 4, tail_kind<W, R, 4>()>(wr, xm, K, K, pf);
+            case 1: s = tile<W, R, 1, kGroup>(wr, xm, K, K, pf); break;
+            case 2: s = tile<W, R, 2, kGroup>(wr, xm, K, K, pf); break;
+            case 3: s = tile<W, R, 3, kGroup>(wr, xm, K, K, pf); break;
+            case 4: s = tile<W, R, 4, kGroup>(wr, xm, K, K, pf); break;
+            case 5: s = tile<W, R, 1>(wr, xm, K, K, pf); break;
+            case 6: s = tile<W, R, 2>(wr, xm, K, K, pf); break;
+            case 7: s = tile<W, R, 3>(wr, xm, K, K, pf); break;
+            default: s = tile<W, R, 4>(wr, xm, K, K, pf);
           }
           put4(s, L.b ? L.b + n : nullptr, std::min<int64_t>(R, n1 - n), y + m0 * ldy + n - n0, ldy, mm, accumulate);
         }
@@ -812,8 +792,20 @@ bool has_avx2() {
 #endif
 }
 
+// Whether the products run on the AVX-512 tiles, where a token's numbers do not depend on its batch. The
+// AVX2 path sums a lone row (dot: four accumulators, to keep loads in flight) in another order than
+// rows in a batch (dot_2xM), so there a token alone and in a batch can differ in the last bits.
+bool batch_invariant() {
+#ifdef SLUICE_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &has_avx2, "whether this build has the AVX2 + FMA paths");
+  m.def("batch_invariant", &batch_invariant, "whether a token's numbers are the same in any chunk or batch");
   pybind11::class_<Step>(m, "Step")
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
                           torch::Tensor, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double, double>())
