@@ -1,8 +1,9 @@
 """Exact per-row selections the sampler runs at every step: each row's argmax with its NaN / inf check,
 and each row's top-k candidates in a stable descending sort's order. select.cpp scans each row once
 (a few microseconds where ATen's argmax and topk took 70-130 and 95 us for a batch of 8,192-token
-rows); the torch versions below are the reference and the fallback without a compiler. Both give the
-same values and ids, bit for bit: nothing is computed from the logits, only chosen."""
+rows); the torch versions below are the reference and the fallback without a compiler. Nothing is
+computed from the logits, only chosen, so both give the same values and ids, bit for bit (the one
+freedom, which of several tokens tied at top_candidates' k-th place it takes, is its docstring's)."""
 
 from __future__ import annotations
 

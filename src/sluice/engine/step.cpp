@@ -136,12 +136,7 @@ inline __m512 reduce16(const __m512 v[16]) {
 // (R + MT loads per R * MT FMAs), and one reduce16 finishes all the sums.
 // pf: lines of weights a later tile will read, prefetched a few per step of 16 k while these are summed, so the
 // weights stream from memory (L3 here) at a steady rate instead of stalling at the start of a tile.
-//
-// Every sum's arithmetic is the same whatever the tile shape or the batch (the engine relies on a token's
-// numbers not depending on which chunk or batch it ran in): 16 lanes of FMAs over ascending k, reduce16's
-// tree, then the K % 16 last products, one FMA each. (Before 2026-12-01 that tail was a plain loop whose
-// products GCC fused at some tile shapes and not at others, so with K % 16 != 0 a token's last bits
-// depended on how many rows shared its call.)
+
 
 // A stream of 64-byte lines [p, end) to prefetch, per_step lines at each step of a tile's k loop.
 struct Prefetch {
@@ -150,6 +145,12 @@ struct Prefetch {
   int64_t per_step = 0;
 };
 
+// Every sum's arithmetic is the same whatever the tile shape or the batch (the engine relies on a token's
+// numbers not depending on which chunk or batch it ran in): 16 lanes of FMAs over ascending k, reduce16's
+// tree, then the K % 16 last products, one FMA each. (Before 2026-12-01 that tail was a plain loop whose
+// products GCC fused at some tile shapes and not at others, so with K % 16 != 0 a token's last bits
+// depended on how many rows shared its call.)
+//
 // Pf > 0: exactly Pf lines per step from pf.p (unless null), unrolled and unchecked: decode's tiles, whose
 // stream is exactly the next rows' K / 16 * Pf lines.
 template <typename W, int R, int MT, int Pf = 0>
@@ -278,13 +279,9 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     if (M == 1) {
       for (int64_t n = n0; n < n1; n += 16) {
         for (int r = 0; r < 16; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
-        Prefetch pf;
+        Prefetch pf;  // the next 16 rows, 16 k of each (16 * sizeof(W) / 4 lines) per step: tile's Pf
         const void* next = n + 16 >= n1 && after ? after : n + 16 < L.n ? w + (n + 16) * K : nullptr;
-        if (next) {
-          pf.p = static_cast<const char*>(next);
-          pf.end = pf.p + 16 * row_bytes;
-          pf.per_step = 16 * sizeof(W) / 4;  // 16 rows x 16 k per step
-        }
+        pf.p = static_cast<const char*>(next);
         const __m512 s = tile<W, 16, 1, 16 * sizeof(W) / 4>(wr, x, K, K, pf);
         put16(s, L.b ? L.b + n : nullptr, std::min<int64_t>(16, n1 - n), y + n - n0, accumulate);
       }
@@ -394,18 +391,28 @@ void swiglu(const Linear& gate, const Linear& up, const float* x, int64_t M, flo
 }
 
 // RMSNorm as layers.py computes it in fp32: x / sqrt(mean(x^2) + eps) * (w + offset).
+// The sum of squares is one chain in a fixed form: rounded squares added in order, the last C % 8 fused
+// (what GCC 12 made of a plain `ss += x * x` loop, kept so the numbers stay the same), written out so
+// that no compiler's contraction choice makes a row alone (here) differ from a row of 4+ (rms_norm_rows).
 inline void rms_norm(const float* x, const float* w, float offset, float eps, int64_t C, float* out) {
   float ss = 0.f;
-  for (int64_t c = 0; c < C; ++c) ss += x[c] * x[c];
+  for (int64_t c = 0; c < C; ++c) {
+    if (c < C / 8 * 8) {
+      float sq = x[c] * x[c];
+      asm("" : "+x"(sq));  // opaque: the square stays rounded, never fused into the add
+      ss += sq;
+    } else {
+      ss = std::fma(x[c], x[c], ss);
+    }
+  }
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
   for (int64_t c = 0; c < C; ++c) out[c] = (x[c] * inv) * (w[c] + offset);
 }
 
 // rms_norm of n rows, x + m * ldx into out + m * ldo (in place is fine), bit for bit. rms_norm's sum of
 // squares is one chain of C dependent adds (GCC may not reorder them), ~4 cycles per element; with AVX-512
-// the sums run 16 rows at once, a row per lane, each lane the same chain, and the rest (an exact division
-// and square root, then per element) is elementwise anyway. The chain as GCC compiles rms_norm: squares
-// of 16 (then 8) elements at a time rounded and added in order, the last C % 8 as scalar FMAs.
+// the sums run 16 rows at once, a row per lane, each lane rms_norm's chain, and the rest (an exact division
+// and square root, then per element) is elementwise anyway.
 inline void rms_norm_rows(const float* x, int64_t ldx, const float* w, float offset, float eps, int64_t C,
                           int64_t n, float* out, int64_t ldo) {
   int64_t m0 = 0;
