@@ -47,17 +47,31 @@ class Stream:
             await self._writer.wait_closed()
 
     async def chunks(self):
-        """The body's bytes as they arrive, de-chunked."""
+        """The body's bytes as they arrive, de-chunked: all the chunks one read brought, joined."""
         r = self._reader
         if self.headers.get("transfer-encoding", "").lower() == "chunked":
+            # Parsed out of a buffer, one await per read instead of three per chunk (size line, data,
+            # CRLF): at 8 streams a token is a chunk, and the client shares the server's two cores.
+            buf, at = b"", 0
             while True:
-                size = int((await r.readline()).split(b";")[0], 16)
-                if size == 0:
-                    while (await r.readline()) not in (b"\r\n", b"\n", b""):
-                        pass  # trailers
-                    return
-                yield await r.readexactly(size)
-                await r.readexactly(2)  # the CRLF after each chunk
+                pieces = []
+                while (eol := buf.find(b"\r\n", at)) >= 0:
+                    size = int(buf[at:eol].split(b";")[0], 16)
+                    if size == 0:  # the last chunk; trailers, if any, are not read
+                        if pieces:
+                            yield b"".join(pieces)
+                        return
+                    end = eol + 2 + size
+                    if len(buf) < end + 2:
+                        break  # this chunk's data (or its CRLF) is still on the way
+                    pieces.append(buf[eol + 2:end])
+                    at = end + 2
+                if pieces:
+                    yield b"".join(pieces)
+                more = await r.read(1 << 16)
+                if not more:
+                    raise asyncio.IncompleteReadError(buf[at:], None)
+                buf, at = buf[at:] + more, 0
         elif "content-length" in self.headers:
             yield await r.readexactly(int(self.headers["content-length"]))
         else:

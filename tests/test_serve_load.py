@@ -95,3 +95,37 @@ def test_failures_are_errors(sl, run):
     assert not gone[1].ok and "ConnectError" in gone[1].error
     assert sl.summarize(r["refused"] + gone, 1.0)["errors"] == 4
     assert [x.ok and x.tokens == 5 and x.finish_reason == "length" for x in r["httpx"]] == [True] * 3
+
+
+def test_the_lean_client_dechunks_any_split_of_the_wire(sl):
+    """bench/sse_client.py parses the chunked framing out of whatever each read brought: the same bytes
+    for any way the wire is cut, and a body cut short is an error, never a silent success or a hang."""
+    import asyncio
+    import random
+
+    from sse_client import Stream
+
+    async def body(wire: bytes, cuts: list[int]) -> bytes:
+        reader, stream = asyncio.StreamReader(), Stream("http://127.0.0.1:1/", {})
+        stream.headers, stream._reader = {"transfer-encoding": "chunked"}, reader
+
+        async def feed():
+            for a, b in zip([0, *cuts], [*cuts, len(wire)]):
+                reader.feed_data(wire[a:b])
+                await asyncio.sleep(0)
+            reader.feed_eof()
+
+        feeding = asyncio.create_task(feed())
+        try:
+            return await stream.read()
+        finally:
+            await feeding
+
+    rng = random.Random(1)
+    for trial in range(200):
+        payloads = [rng.randbytes(rng.randint(1, 300)) for _ in range(rng.randint(0, 12))]
+        wire = b"".join(b"%x\r\n" % len(p) + p + b"\r\n" for p in payloads) + b"0\r\n\r\n"
+        cuts = sorted(rng.sample(range(1, len(wire)), min(len(wire) - 1, rng.randint(0, 30))))
+        assert asyncio.run(body(wire, cuts)) == b"".join(payloads), trial
+        with pytest.raises(asyncio.IncompleteReadError):
+            asyncio.run(body(wire[:-6], cuts[: len(cuts) // 2]))
