@@ -110,7 +110,7 @@ def test_the_lean_client_dechunks_any_split_of_the_wire(sl):
         stream.headers, stream._reader = {"transfer-encoding": "chunked"}, reader
 
         async def feed():
-            for a, b in zip([0, *cuts], [*cuts, len(wire)]):
+            for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True):
                 reader.feed_data(wire[a:b])
                 await asyncio.sleep(0)
             reader.feed_eof()
