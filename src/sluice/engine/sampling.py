@@ -57,7 +57,18 @@ def exp_noise_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     sampled sequences paid that at every step. U is at least tiny, so E <= 87.3 and log E is finite;
     U < 1, so E > 0. Drawing a row in pieces gives the same values as drawing it whole (uniform_
     consumes the generator one value at a time), which the fused head's chunks rely on."""
-    return out.uniform_(generator=generator).clamp_min_(_TINY).log_().neg_()
+    return _exp_of_uniform_(out.uniform_(generator=generator))
+
+
+def _exp_of_uniform_(u: torch.Tensor) -> torch.Tensor:
+    """E = -log max(u, tiny), in place: exp_noise_'s draws from its uniforms."""
+    return u.clamp_min_(_TINY).log_().neg_()
+
+
+def _log_exp(u: torch.Tensor) -> torch.Tensor:
+    """log E of exp_noise_'s E for the uniforms u (a new tensor): the race's noise term, elementwise, so
+    taking it on a gathered subset of a row's uniforms gives exactly the values of the whole row's."""
+    return u.clamp_min(_TINY).log_().neg_().log_()  # _exp_of_uniform_'s steps, out of place
 
 
 def _row_values(p: SamplingParams, vocab_size: int) -> tuple:
@@ -169,19 +180,20 @@ def _candidates(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool,
     return sorted_x, order, keep
 
 
-def _race(x: torch.Tensor, rows: dict, flags: tuple[bool, bool, bool], noise: torch.Tensor) -> torch.Tensor:
-    """(B,) the exponential race's winners: argmax of filtered(x) - log E, E = noise (B, V), from the
-    penalised logits x (B, V). When the filters leave a prefix of the sort (every row has top_k), only
-    its L candidates race: the same keys (log E taken over the whole row, as everywhere else) and the
-    same winner, the lowest id among equal keys as a full-row argmax picks it; 0.2 ms less a step at
-    8 rows, half of them sampled, than scattering the keep mask back over the vocabulary."""
+def _race(x: torch.Tensor, rows: dict, flags: tuple[bool, bool, bool], uniforms: torch.Tensor) -> torch.Tensor:
+    """(B,) the exponential race's winners: argmax of filtered(x) - log E, E = exp_noise_'s draws from the
+    rows' uniforms (B, V), from the penalised logits x (B, V). When the filters leave a prefix of the sort
+    (every row has top_k), only its L candidates race: the same keys and the same winner, the lowest id
+    among equal keys as a full-row argmax picks it; 0.2 ms less a step at 8 rows, half of them sampled,
+    than scattering the keep mask back over the vocabulary. Their noise is made from their own uniforms
+    only (L values a row, not V: ~0.1 ms less a step at 4 sampled rows of 8,192 tokens)."""
     scaled = _scaled(x, rows)
     if not any(flags):
-        return (scaled - noise.log()).argmax(-1)
+        return (scaled - _log_exp(uniforms)).argmax(-1)
     values, ids, keep = _candidates(scaled, rows, *flags)
     if values.shape[1] == x.shape[1]:
-        return (_unkept_to_minus_inf(scaled, ids, keep) - noise.log()).argmax(-1)
-    key = values.masked_fill(~keep, -math.inf) - noise.log().gather(1, ids)
+        return (_unkept_to_minus_inf(scaled, ids, keep) - _log_exp(uniforms)).argmax(-1)
+    key = values.masked_fill(~keep, -math.inf) - _log_exp(uniforms.gather(1, ids))
     first = torch.where(key == key.amax(-1, keepdim=True), ids, x.shape[1])
     return first.amin(-1)
 
@@ -369,8 +381,8 @@ class Sampler:
             xs = x[self._sampled_index] if some else x
             if self._noise is None or self._noise.shape != xs.shape:
                 self._noise = torch.empty_like(xs)
-            for r, i in enumerate(self._sampled_rows):
-                exp_noise_(self._noise[r], self._generators[i])
+            for r, i in enumerate(self._sampled_rows):  # exp_noise_'s uniforms; _race makes E of those it needs
+                self._noise[r].uniform_(generator=self._generators[i])
             drawn = _race(xs, self._sampled_params, self._filters, self._noise)
             tokens = tokens.index_copy(0, self._sampled_index, drawn) if some else drawn
         if self._use_penalty:
