@@ -366,8 +366,9 @@ def test_a_top_k_race_over_the_candidates_equals_the_full_row_race():
     """With top_k on every sampled row (k <= V/4) the Sampler races only the sort's first k candidates
     (sampling._race). Its token must be the full-row formula's, bit for bit: argmax over the
     vocabulary of filtered(x) - log E, the filters from the full-sort reference (_filter with top_k
-    too large for the prefix) and E drawn from the row's own seed. Tie-heavy logits included."""
-    from sluice.engine.sampling import _filter, _flags, _row_tensors, exp_noise_
+    too large for the prefix) and E the whole row's noise from the row's own seed. Tie-heavy logits included."""
+    from sluice.engine.noise import RowStream, log_exp_noise, uniforms_range
+    from sluice.engine.sampling import _filter, _flags, _row_tensors
 
     V, g = 2000, torch.Generator().manual_seed(5)
     settings = [dict(top_k=40, top_p=0.9), dict(top_k=7, min_p=0.2), dict(top_k=100, top_p=0.6, min_p=0.01),
@@ -391,8 +392,8 @@ def test_a_top_k_race_over_the_candidates_equals_the_full_row_race():
             reference = _filter(logits[[r, r]], _row_tensors(both, V, "cpu"), *_flags(both))[:1]
             kept = _filter(logits[r:r + 1], _row_tensors([p], V, "cpu"), *_flags([p]))  # through the prefix
             assert torch.equal(kept, reference)
-            noise = exp_noise_(torch.empty(V), torch.Generator().manual_seed(p.seed))
-            assert got[r] == (reference[0] - noise.log()).argmax(), (trial, r, p)
+            log_e = log_exp_noise(uniforms_range([RowStream(p.seed)], 0, V))[0]  # the row's first draw
+            assert got[r] == (reference[0] - log_e).argmax(), (trial, r, p)
 
 
 def test_nonfinite_rows_matches_isfinite_all_for_nan_and_both_infinities():

@@ -21,6 +21,7 @@ from scipy.stats import chisquare
 import sluice
 from ckpt import build, build_with_tokenizer
 from sluice import SamplingParams
+from sluice.engine.noise import RowStream
 from sluice.engine.proposers import DraftProposer, lookup
 from sluice.engine.runner import Runner
 from sluice.engine.sampling import Sampler, filtered_probs
@@ -153,7 +154,7 @@ def test_accept_alone_against_the_formula(proposer):
     N, V = 20000, 6
     p = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10, 0.00])
     q = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.25, 0.25])
-    gens = [torch.Generator().manual_seed(i) for i in range(N)]
+    gens = [RowStream(i) for i in range(N)]
     g = torch.Generator().manual_seed(1234)
     x = torch.multinomial(q, N, replacement=True, generator=g)[:, None]  # (N, 1) guesses drawn from q
     if proposer == "lookup":

@@ -7,8 +7,8 @@ samples. Here each chunk of c head rows (c, C) meets the hidden states and gives
 live only while that chunk is processed; per row we keep
 
 - a running max and a running sum of exp (the online softmax of observatory/softmax.py): log Z;
-- the running best key: the logit (greedy), or logit / T - log E with E ~ Exp(1) drawn from the
-  row's own generator (the exponential race of sampling.py, which needs no normaliser at all);
+- the running best key: the logit (greedy), or logit / T - log E with E ~ Exp(1) from the
+  row's own stream, for this chunk's tokens (the exponential race of sampling.py, which needs no normaliser at all);
 - each chunk's top-K (values, ids) for rows with top_k / top_p / min_p: their union holds the
   vocabulary's top-K, from which the filters are resolved at the end.
 
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .sampling import NONFINITE, Sampler, SamplingParams, _filter, _penalize, exp_noise_, nonfinite_rows, value_then_id
+from .noise import RowStream, log_exp_noise, uniforms_at, uniforms_range
+from .sampling import NONFINITE, Sampler, SamplingParams, _filter, _penalize, nonfinite_rows, value_then_id
 
 CHUNK = 32768  # head rows per step: a (32, 32768) fp32 block fits the L3 cache; few chunks, little overhead
 CANDIDATES = 1024  # the top-K kept per row with filters; raised to max(top_k) + 1 where a row needs it
@@ -63,12 +64,11 @@ def _online(m: torch.Tensor, s: torch.Tensor, z: torch.Tensor, t: torch.Tensor |
     return m_new, s * torch.exp((m - m_new) / t) + torch.exp((z - m_new[:, None]) / t[:, None]).sum(-1)
 
 
-def _race(x: torch.Tensor, rows: list[int], generators: list) -> torch.Tensor:
-    """argmax(x - log E) per row of x (n, m), E ~ Exp(1) from generators[rows[r]] for row r."""
-    noise = torch.empty_like(x)
-    for r, i in enumerate(rows):
-        exp_noise_(noise[r], generators[i])
-    return (x - noise.log()).argmax(-1)
+def _race(x: torch.Tensor, ids: torch.Tensor | None, streams: list[RowStream]) -> torch.Tensor:
+    """argmax(x - log E) per row of x (n, m), E the noise of row r's stream (noise.py) for the tokens ids
+    (n, m), or for tokens 0..m-1 when ids is None."""
+    u = uniforms_range(streams, 0, x.shape[1]) if ids is None else uniforms_at(streams, ids)
+    return (x - log_exp_noise(u)).argmax(-1)
 
 
 class FusedHead:
@@ -108,7 +108,7 @@ class FusedHead:
         m_raw, s_raw = torch.full((B,), -math.inf, device=dev), torch.zeros(B, device=dev)
         m_t, s_t = torch.full((len(filt),), -math.inf, device=dev), torch.zeros(len(filt), device=dev)
         cand_v, cand_i = [], []  # per chunk (Bf, <=K): penalised logits and token ids
-        noise = torch.ones(B, min(self.chunk, V), device=dev) if race else None  # 1: log 1 = 0 elsewhere
+        race_streams = [smp._streams[i] for i in race]
         for start in range(0, V, self.chunk):
             z = F.linear(hidden, weight[start:start + self.chunk]).float()  # (B, c) as Transformer.logits
             c = z.shape[1]
@@ -121,11 +121,10 @@ class FusedHead:
                 z = _penalize(z, smp.seen[:, start:start + c], smp.rows["penalty"])
             if pick:
                 key = z  # greedy rows: the penalised logit; their temperature reads 1 and noise stays 1
-                if race:
-                    n = noise[:, :c]
-                    for i in race:
-                        exp_noise_(n[i], smp._generators[i])
-                    key = z / temp[:, None] - n.log()
+                if race:  # the race rows' noise for this chunk's tokens; log E = 0 for the others
+                    log_e = torch.zeros(B, c, device=dev)
+                    log_e[race] = log_exp_noise(uniforms_range(race_streams, start, c))
+                    key = z / temp[:, None] - log_e
                 j = key.argmax(-1)  # (B,) the first maximum within the chunk
                 v = key.gather(1, j[:, None])[:, 0]
                 better = v > best  # strict: on a tie the earlier chunk wins, as in a full-row argmax
@@ -149,6 +148,8 @@ class FusedHead:
                 tokens[idx] = self._plain(hidden[idx], weight, softcap, idx.tolist())
             self.rows_filtered, self.rows_fallback = self.rows_filtered + len(filt), self.rows_fallback + n_fallback
         self.calls += 1
+        for i in race + filt:  # one draw a sampled row, whichever path it took
+            smp._streams[i].advance()
         if smp._use_penalty:
             smp.seen.scatter_(1, tokens[:, None], True)
         out = HeadOut(tokens, fallback)
@@ -195,7 +196,7 @@ class FusedHead:
                 exact |= ~keep_m[:, -1]  # the K-th value fails min_p, so every smaller one does
         keep[:, 0] = True
         fallback = ~exact | (topk_on & ~k_proven)  # an unproven top-k set also leaves top-p's mass unknown
-        pick = _race(x.masked_fill(~keep, -math.inf), fr.tolist(), smp._generators)
+        pick = _race(x.masked_fill(~keep, -math.inf), ids, [smp._streams[i] for i in fr.tolist()])
         return ids.gather(1, pick[:, None])[:, 0], fallback
 
     def _plain(self, hidden, weight, softcap, idx: list[int]) -> torch.Tensor:
@@ -207,7 +208,7 @@ class FusedHead:
         rows = {name: t[idx] for name, t in smp.rows.items()}
         if smp._use_penalty:
             z = _penalize(z, smp.seen[idx], rows["penalty"])
-        return _race(_filter(z, rows, *smp._filters), idx, smp._generators)
+        return _race(_filter(z, rows, *smp._filters), None, [smp._streams[i] for i in idx])
 
     @staticmethod
     def _logits_of(hidden, weight, softcap, tokens) -> torch.Tensor:

@@ -358,7 +358,7 @@ class LLM:
             sampler.add_context(b, out.prompt_token_ids)
         # Speculation verifies guesses against the target's logits, so it takes the plain head.
         spec = self._speculator(sampler) if self.speculative != "off" else None
-        # The Sampler keeps the rows' params, generators and penalty masks, so the two paths can
+        # The Sampler keeps the rows' params, streams and penalty masks, so the two paths can
         # take turns: sample() reads `fused` when called, hidden states (B, C) in, or logits (B, V).
         fused, head = spec is None and self._use_fused_head(params), FusedHead(sampler)
 

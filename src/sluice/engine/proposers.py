@@ -53,7 +53,7 @@ class DraftProposer:
                 tokens[:, i] = logits.argmax(-1)
                 continue
             probs = filtered_probs(logits, spec.params, seen)  # the target's processing, on the draft's logits
-            tokens[:, i] = draw(probs, rows, spec.generators)
+            tokens[:, i] = draw(probs, rows, spec.streams)
             q[:, i] = probs
             if seen is not None:
                 seen.scatter_(1, tokens[:, i : i + 1], True)

@@ -22,20 +22,21 @@ Conventions where the reference libraries differ or are vague:
 Sampling is the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability
 p_i, with no cumulative sums, no torch.multinomial and nothing read back to the host. It is done
 in log space, argmax(logit_i - log E_i), so tiny probabilities do not underflow. The Exp(1) draws
-come from exp_noise_ (-log U of a uniform U; torch's own exponential_ costs 5x more on the CPU), and
-every sampler in sluice (this one, the joined one, the fused head, the tensor-parallel shards,
-speculative decoding's) draws them the same way, a row's generator filling the whole vocabulary.
+come from engine/noise.py: counter-based, E_i a function of the row's seed, its draw count and the
+token id i, so a row makes noise only for the tokens that race (the top-k candidates when top_k is
+on), and every sampler in sluice (this one, the joined one, the fused head, the tensor-parallel
+shards, speculative decoding's) gives a token the same noise at the same draw.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
 # SamplingParams lives in sampling_params.py; it is imported from here across sluice, so re-exported.
+from .noise import RowStream, log_exp_noise, uniforms_at, uniforms_range
 from .sampling_params import DEFAULT_MAX_TOKENS, SamplingParams  # noqa: F401  (re-exported)
 from .select import argmax_rows, nonfinite_rows, top_candidates, value_then_id  # noqa: F401  (re-exported)
 
@@ -45,31 +46,6 @@ NONFINITE = -1
 
 
 # ---------------------------------------------------------------- tensor math, shared by both users
-
-_TINY = torch.finfo(torch.float32).tiny
-
-
-def exp_noise_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Fill the fp32 tensor `out` with Exp(1) draws from `generator`, in place; returns `out`.
-
-    E = -log U with U uniform on [tiny, 1): uniform_ and one vectorised log are 5x cheaper than
-    torch's exponential_ (on a 2-core Xeon, 37 against 180 us for 8,192 draws), and a row of 8
-    sampled sequences paid that at every step. U is at least tiny, so E <= 87.3 and log E is finite;
-    U < 1, so E > 0. Drawing a row in pieces gives the same values as drawing it whole (uniform_
-    consumes the generator one value at a time), which the fused head's chunks rely on."""
-    return _exp_of_uniform_(out.uniform_(generator=generator))
-
-
-def _exp_of_uniform_(u: torch.Tensor) -> torch.Tensor:
-    """E = -log max(u, tiny), in place: exp_noise_'s draws from its uniforms."""
-    return u.clamp_min_(_TINY).log_().neg_()
-
-
-def _log_exp(u: torch.Tensor) -> torch.Tensor:
-    """log E of exp_noise_'s E for the uniforms u (a new tensor): the race's noise term, elementwise, so
-    taking it on a gathered subset of a row's uniforms gives exactly the values of the whole row's."""
-    return u.clamp_min(_TINY).log_().neg_().log_()  # _exp_of_uniform_'s steps, out of place
-
 
 def _row_values(p: SamplingParams, vocab_size: int) -> tuple:
     """One row's params as plain numbers, in the order of _COLUMNS."""
@@ -180,21 +156,21 @@ def _candidates(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool,
     return sorted_x, order, keep
 
 
-def _race(x: torch.Tensor, rows: dict, flags: tuple[bool, bool, bool], uniforms: torch.Tensor) -> torch.Tensor:
-    """(B,) the exponential race's winners: argmax of filtered(x) - log E, E = exp_noise_'s draws from the
-    rows' uniforms (B, V), from the penalised logits x (B, V). When the filters leave a prefix of the sort
-    (every row has top_k), only its L candidates race: the same keys and the same winner, the lowest id
-    among equal keys as a full-row argmax picks it; 0.2 ms less a step at 8 rows, half of them sampled,
-    than scattering the keep mask back over the vocabulary. Their noise is made from their own uniforms
-    only (L values a row, not V: ~0.1 ms less a step at 4 sampled rows of 8,192 tokens)."""
+def _race(x: torch.Tensor, rows: dict, flags: tuple[bool, bool, bool], streams: list[RowStream]) -> torch.Tensor:
+    """(B,) the exponential race's winners: argmax of filtered(x) - log E, from the penalised logits x
+    (B, V) and the rows' streams (noise.py) at their current draws. When the filters leave a prefix of
+    the sort (every row has top_k), only its L candidates race, with their own noise: the same keys and
+    the same winner as the whole row's race, the lowest id among equal keys as a full-row argmax picks
+    it; 0.2 ms less a step at 8 rows, half of them sampled, than scattering the keep mask back."""
     scaled = _scaled(x, rows)
+    V = x.shape[1]
     if not any(flags):
-        return (scaled - _log_exp(uniforms)).argmax(-1)
+        return (scaled - log_exp_noise(uniforms_range(streams, 0, V))).argmax(-1)
     values, ids, keep = _candidates(scaled, rows, *flags)
-    if values.shape[1] == x.shape[1]:
-        return (_unkept_to_minus_inf(scaled, ids, keep) - _log_exp(uniforms)).argmax(-1)
-    key = values.masked_fill(~keep, -math.inf) - _log_exp(uniforms.gather(1, ids))
-    first = torch.where(key == key.amax(-1, keepdim=True), ids, x.shape[1])
+    if values.shape[1] == V:
+        return (_unkept_to_minus_inf(scaled, ids, keep) - log_exp_noise(uniforms_range(streams, 0, V))).argmax(-1)
+    key = values.masked_fill(~keep, -math.inf) - log_exp_noise(uniforms_at(streams, ids))
+    first = torch.where(key == key.amax(-1, keepdim=True), ids, V)
     return first.amin(-1)
 
 
@@ -235,16 +211,10 @@ def filtered_probs(
     return probs[0] if single else probs
 
 
-def _generator(seed: int | None, device: torch.device) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed % 2**64)
-    return g
-
-
 class Sampler:
     """Samples one token per batch row per call, with per-row params and per-row RNG.
 
-    Each row owns a torch.Generator seeded from its params.seed, so a row's tokens depend only on
+    Each row owns a RowStream (noise.py) keyed by its params.seed, so a row's tokens depend only on
     its own seed and logits, not on which other rows share the batch. __call__ launches device work
     only: no .item(), no host syncs, fixed shapes.
     """
@@ -264,8 +234,7 @@ class Sampler:
         # penalty: a batch without them pays nothing (4 bytes a vocabulary entry a row otherwise).
         self.counts: torch.Tensor | None = None
         self._ones = torch.ones(B, 1, device=self.device)  # what one step adds to the counts
-        self._noise: torch.Tensor | None = None  # (B, V) fp32, made on first use (engine/fused_head.py needs none)
-        self._generators = [_generator(p.seed, self.device) for p in self.params]
+        self._streams = [RowStream(p.seed) for p in self.params]
         self._refresh_flags()
 
     def _refresh_flags(self) -> None:
@@ -292,7 +261,7 @@ class Sampler:
     @classmethod
     def joined(cls, samplers: list[Sampler]) -> Sampler:
         """One sampler over the rows of `samplers` (the continuous-batching scheduler keeps one per
-        sequence), so a step filters and draws for all of them at once. It holds their generators
+        sequence), so a step filters and draws for all of them at once. It holds their streams
         themselves and copies of their penalty state; write_back() returns that state after a call.
         A row draws exactly what its own sampler would: every operation is per row."""
         self = cls.__new__(cls)
@@ -305,8 +274,7 @@ class Sampler:
         self.counts = torch.cat([s.counts if s.counts is not None else torch.zeros_like(s.seen, dtype=torch.float32)
                                  for s in samplers]) if counted else None
         self._ones = torch.ones(len(self.params), 1, device=self.device)
-        self._noise = None
-        self._generators = [g for s in samplers for g in s._generators]
+        self._streams = [r for s in samplers for r in s._streams]  # the same objects: draws advance theirs
         self._parts = samplers
         self._refresh_flags()
         return self
@@ -327,14 +295,14 @@ class Sampler:
     def set_row(self, row: int, params: SamplingParams, context=()) -> None:
         """Give a batch slot to a new request: new params, fresh generator, fresh penalty state.
 
-        The other rows keep their generators, so their streams are unaffected (continuous batching).
+        The other rows keep their streams, unaffected (continuous batching).
         """
         p = params.with_defaults(None)
         p.validate(self.vocab_size)
         self.params[row] = p
         for (name, _), value in zip(_COLUMNS, _row_values(p, self.vocab_size), strict=True):
             self.rows[name][row] = value
-        self._generators[row] = _generator(p.seed, self.device)
+        self._streams[row] = RowStream(p.seed)
         self.seen[row] = False
         if self.counts is not None:
             self.counts[row] = 0
@@ -379,11 +347,10 @@ class Sampler:
         if self._sampled_rows:
             some = self._any_greedy  # then only the sampled rows are filtered, noised and raced
             xs = x[self._sampled_index] if some else x
-            if self._noise is None or self._noise.shape != xs.shape:
-                self._noise = torch.empty_like(xs)
-            for r, i in enumerate(self._sampled_rows):  # exp_noise_'s uniforms; _race makes E of those it needs
-                self._noise[r].uniform_(generator=self._generators[i])
-            drawn = _race(xs, self._sampled_params, self._filters, self._noise)
+            streams = [self._streams[i] for i in self._sampled_rows]
+            drawn = _race(xs, self._sampled_params, self._filters, streams)
+            for r in streams:
+                r.advance()
             tokens = tokens.index_copy(0, self._sampled_index, drawn) if some else drawn
         if self._use_penalty:
             self.seen.scatter_(1, tokens[:, None], True)

@@ -10,7 +10,7 @@ One `step()`:
    computed once;
 3. runs the model: every 1-token row in one forward, each prefill chunk in its own;
 4. samples a token for every sequence whose computed tokens reached its end, each with its own
-   Sampler (its own generator and penalty state), so a request draws exactly what it would alone;
+   Sampler (its own random stream and penalty state), so a request draws exactly what it would alone;
 5. keys the blocks that filled up, and frees the blocks of sequences that finished.
 
 Under tensor parallelism (LLM(tensor_parallel=N)) every rank runs this same scheduler on its part of
@@ -379,7 +379,7 @@ class Scheduler:
 
     def _draw(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor:
         """(N,) next tokens. Plain greedy rows (no penalty: nothing of their own to keep) take one
-        argmax together; every other row its own Sampler (its generator, its penalty state)."""
+        argmax together; every other row its own Sampler (its stream, its penalty state)."""
         kept, self._joined = self._joined, None  # (ids, sampler) of the last joined draw; other paths drop it
         if all(s.sampler.plain_greedy for s in seqs):
             return self.head.argmax(logits)

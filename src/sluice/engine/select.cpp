@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -152,6 +153,50 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> top_candidates(torch::Te
   return {values, ids, next};
 }
 
+// Counter-based uniforms for the samplers (engine/noise.py has the definition and the numpy reference):
+// token t of a row whose draw has base b gets u = (mix(b + (t + 1) * kGolden) >> 40) * 2^-24 in [0, 1),
+// where mix is splitmix64's finaliser. Integer arithmetic only, so both give the same bits.
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+
+inline float counter_uniform(uint64_t base, uint64_t t) {
+  uint64_t z = base + (t + 1) * kGolden;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * 0x1p-24f;  // 24 bits: exact in fp32
+}
+
+// (B, L) uniforms of the tokens ids (B, L) for rows with draw bases (B,) (int64 holding uint64 bits).
+torch::Tensor counter_uniforms(torch::Tensor bases, torch::Tensor ids) {
+  TORCH_CHECK(bases.dim() == 1 && bases.scalar_type() == torch::kLong && ids.dim() == 2 &&
+                  ids.scalar_type() == torch::kLong && ids.size(0) == bases.size(0),
+              "counter_uniforms: bases (B,) and ids (B, L), int64");
+  auto b = bases.contiguous(), i = ids.contiguous();
+  const int64_t B = i.size(0), L = i.size(1);
+  auto out = torch::empty({B, L}, torch::kFloat32);
+  const int64_t *bp = b.data_ptr<int64_t>(), *ip = i.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < B; ++r)
+    for (int64_t j = 0; j < L; ++j)
+      o[r * L + j] = counter_uniform(static_cast<uint64_t>(bp[r]), static_cast<uint64_t>(ip[r * L + j]));
+  return out;
+}
+
+// (B, n) uniforms of the tokens start..start + n - 1 of every row.
+torch::Tensor counter_uniform_rows(torch::Tensor bases, int64_t start, int64_t n) {
+  TORCH_CHECK(bases.dim() == 1 && bases.scalar_type() == torch::kLong && start >= 0 && n >= 0,
+              "counter_uniform_rows: bases (B,) int64, start and n >= 0");
+  auto b = bases.contiguous();
+  const int64_t B = b.size(0);
+  auto out = torch::empty({B, n}, torch::kFloat32);
+  const int64_t* bp = b.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < B; ++r)
+    for (int64_t j = 0; j < n; ++j)  // GCC vectorises this loop (64-bit lanes) at -O3 -march=native
+      o[r * n + j] = counter_uniform(static_cast<uint64_t>(bp[r]), static_cast<uint64_t>(start + j));
+  return out;
+}
+
 bool has_avx2() {
 #ifdef SLUICE_AVX2
   return true;
@@ -163,5 +208,7 @@ bool has_avx2() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first argmax and whether it holds a NaN or an inf");
   m.def("top_candidates", &top_candidates, "each row's k best in stable descending order, and the (k+1)-th value");
+  m.def("counter_uniforms", &counter_uniforms, "counter-based uniforms of the given tokens (engine/noise.py)");
+  m.def("counter_uniform_rows", &counter_uniform_rows, "counter-based uniforms of a range of tokens (engine/noise.py)");
   m.def("has_avx2", &has_avx2);
 }

@@ -25,7 +25,8 @@ import torch
 
 from ..errors import ConfigError
 from .runner import Runner
-from .sampling import NONFINITE, Sampler, exp_noise_, filtered_probs, nonfinite_rows
+from .noise import ACCEPT, RowStream, exp_noise, uniforms_range
+from .sampling import NONFINITE, Sampler, filtered_probs, nonfinite_rows
 
 MODES = ("off", "draft", "prompt-lookup")
 MAX_SPECULATIVE_TOKENS = 16  # past this a guess is almost never kept whole, and the verify forward grows
@@ -36,18 +37,20 @@ AUTO_MAX_TOKENS = 8  # num_speculative_tokens="auto" guesses between 1 and this 
 # ---------------------------------------------------------------- the acceptance rule, alone
 
 
-def draw(probs: torch.Tensor, rows: list[int], generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row from probs (B, V), each sampled row with its own generator (the exponential race
-    of sampling.py, in log space); rows not listed (greedy: probs is one-hot) take the argmax."""
+def draw(probs: torch.Tensor, rows: list[int], streams: list[RowStream]) -> torch.Tensor:
+    """One token per row from probs (B, V), each sampled row with its own stream (the exponential race of
+    sampling.py, in log space, one draw of the row's stream); rows not listed (greedy: probs is one-hot)
+    take the argmax."""
     tokens = probs.argmax(-1)
     for i in rows:
-        e = exp_noise_(torch.empty_like(probs[i], dtype=torch.float32), generators[i])
+        e = exp_noise(uniforms_range([streams[i]], 0, probs.shape[-1]))[0]
+        streams[i].advance()
         tokens[i] = (probs[i].float().log() - e.log()).argmax()
     return tokens
 
 
 def accept(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths: list[int],
-           rows: list[int], generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+           rows: list[int], streams: list[RowStream]) -> tuple[torch.Tensor, torch.Tensor]:
     """The acceptance rule for a batch. p (B, K+1, V): the target's probabilities after the last token
     and after each guess; q (B, K, V): the draft's, or None for a point mass on each guess; draft (B, K)
     the guesses, of which row b proposed lengths[b]; rows: the sampled (non-greedy) rows, the others
@@ -56,8 +59,9 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths
     px = p[:, :K].gather(-1, draft[..., None])[..., 0]  # (B, K) target probability of each guess
     qx = torch.ones_like(px) if q is None else q.gather(-1, draft[..., None])[..., 0]
     u = torch.zeros_like(px)  # greedy rows: u = 0 keeps a guess iff p(x) > 0, i.e. x is the argmax
-    for i in rows:
-        u[i, : lengths[i]] = torch.rand(lengths[i], generator=generators[i], device=u.device)
+    for i in rows:  # a draw of the row's stream in its own domain: uniforms for guesses 0..lengths[i] - 1
+        u[i, : lengths[i]] = uniforms_range([streams[i]], 0, lengths[i], ACCEPT)[0]
+        streams[i].advance()
     # u < min(1, p/q) is u < p/q for u in [0, 1); multiplied out, since q(x) > 0 for a drawn x.
     ok = (u * qx < px) & (torch.arange(K, device=p.device) < torch.tensor(lengths, device=p.device)[:, None])
     n = ok.long().cumprod(-1).sum(-1)  # (B,) leading run of kept guesses
@@ -70,7 +74,7 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths
         residual = (target - q[at, n.clamp(max=max(K - 1, 0))]).clamp_min(0) if K else target
     # p == q in exact arithmetic never rejects; rounding can, with a residual of zeros: then p itself.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target)
-    final = draw(torch.where(rejected, residual, target), rows, generators)
+    final = draw(torch.where(rejected, residual, target), rows, streams)
     return n, final
 
 
@@ -89,8 +93,8 @@ class Speculator:
     """One request's speculative rounds over a prefilled target Runner: round() returns the tokens each
     active row emits (its kept guesses, then one more), at one target forward per round.
 
-    The sampler is the request's: its per-row params, generators (every random draw of a row, the
-    draft's included, comes from the row's own generator, so a seeded request repeats) and penalty mask
+    The sampler is the request's: its per-row params, streams (every random draw of a row, the
+    draft's included, comes from the row's own stream, so a seeded request repeats) and penalty mask
     (the tokens seen so far, which round() extends with what it emits)."""
 
     def __init__(self, runner: Runner, proposer, sampler: Sampler, num_tokens: int | str):
@@ -99,7 +103,7 @@ class Speculator:
         self.k = DEFAULT_SPECULATIVE_TOKENS if self.adaptive else num_tokens
         self.keep_rate: float | None = None  # "auto": running estimate of P(a guess is kept | it is checked)
         self.params = sampler.params
-        self.generators = sampler._generators  # the rows' own streams, shared with the first (prefill) token
+        self.streams = sampler._streams  # the rows' own streams, shared with the first (prefill) token
         self.sampled_rows = [i for i, p in enumerate(self.params) if p.temperature > 0]
         self.penalty = any(p.repetition_penalty != 1 for p in self.params)
         # Temperature 0 everywhere and no penalty: q would be one-hot and the rule compares argmaxes only.
@@ -155,7 +159,7 @@ class Speculator:
             n, final = accept_greedy(logits.argmax(-1), draft, lengths)
         else:
             n, final = accept(self.probs(logits, self.seen_stack(draft)), q, draft, lengths,
-                              [i for i in self.sampled_rows if i in active], self.generators)
+                              [i for i in self.sampled_rows if i in active], self.streams)
         # A position whose logits hold NaN or inf ends the row's run with NONFINITE (the engine reports it).
         bad = nonfinite_rows(logits)  # (B, K+1)
         first_bad = torch.where(bad.any(-1), bad.long().argmax(-1), K + 1)

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..engine.sampling import NONFINITE, Sampler, SamplingParams, exp_noise_, nonfinite_rows
+from ..engine.noise import log_exp_noise, uniforms_range
+from ..engine.sampling import NONFINITE, Sampler, SamplingParams, nonfinite_rows
 from . import group
 from .filters import filter_shard
 
@@ -70,7 +71,7 @@ def any_rank(flags: torch.Tensor) -> torch.Tensor:
 
 class ParallelSampler(Sampler):
     """engine/sampling.Sampler over this rank's vocabulary columns start..stop: the same params,
-    filters, penalties and per-row generators, drawing exactly the tokens the single-process Sampler
+    filters, penalties and per-row streams, drawing exactly the tokens the single-process Sampler
     draws from the same logits and seeds. Its seen mask and counts cover its own columns only; token
     ids going in and out are global. joined(), write_back() and set_row() are Sampler's own."""
 
@@ -117,11 +118,14 @@ class ParallelSampler(Sampler):
         tokens = None
         if self._sampled_rows:
             filtered = filter_shard(x, self.params, self.rows, self._filters, self.start)
-            if self._noise is None:
-                self._noise = torch.ones(x.shape[0], self.vocab_size, device=self.device)
-            for i in self._sampled_rows:
-                exp_noise_(self._noise[i], self._generators[i])
-            value, idx = (filtered - self._noise[:, self.start:self.stop].log()).max(-1)
+            # The sampled rows' noise for this rank's tokens only: the values the whole row's would hold
+            # there (noise.py indexes it by token id); log E = 0 for greedy rows, whose pick is `greedy`.
+            log_e = torch.zeros_like(filtered)
+            streams = [self._streams[i] for i in self._sampled_rows]
+            log_e[self._sampled_rows] = log_exp_noise(uniforms_range(streams, self.start, self.stop - self.start))
+            for r in streams:
+                r.advance()
+            value, idx = (filtered - log_e).max(-1)
             tokens = _merge_argmax(value, idx + self.start)
         if self._any_greedy:
             top = greedy(x, self.start)
