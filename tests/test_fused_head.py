@@ -242,3 +242,18 @@ def test_top_p_one_row_keeps_far_tail_next_to_a_filtered_row(monkeypatch):
     assert not out.fallback.any()
     assert out.tokens[0] == 5  # top_p 0.5 keeps only the top token
     assert out.tokens[1] not in (5, 40) and z[1, out.tokens[1]] == -30.0  # the far tail was kept
+
+
+def test_seeded_filtered_rows_draw_the_plain_samplers_tokens():
+    """With counter-based noise (engine/noise.py) a token's noise at a draw is the same on every path, so
+    the fused head's candidate race picks the plain Sampler's token for the same seed, step after step."""
+    V, C, B = 3000, 24, 6
+    g = torch.Generator().manual_seed(4)
+    w, h = torch.randn(V, C, generator=g), torch.randn(B, C, generator=g) * 2
+    params = [SamplingParams(temperature=[0.7, 1.0, 1.3][i % 3], top_k=[5, 40, 200][i % 3], top_p=[1.0, 0.9][i % 2],
+                             seed=100 + i) for i in range(B)]
+    plain, fused = Sampler(params, V), FusedHead(Sampler(params, V))
+    for step in range(20):
+        x = h + 0.3 * step
+        want, got = plain(F.linear(x, w)), fused(x, w).tokens
+        assert torch.equal(got, want), step
