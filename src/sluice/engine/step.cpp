@@ -166,8 +166,8 @@ inline __m512 tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, 
         for (int j = 0; j < Pf; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T0);
         pp += 64 * Pf;
       }
-    } else {
-      for (int64_t j = 0; j < pf.per_step && pp < pend; ++j, pp += 64) _mm_prefetch(pp, _MM_HINT_T0);
+    } else {  // into L2 only: see block()'s M > 1 comment
+      for (int64_t j = 0; j < pf.per_step && pp < pend; ++j, pp += 64) _mm_prefetch(pp, _MM_HINT_T1);
     }
     __m512 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(x + m * ldx + k);
@@ -291,7 +291,12 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     // passes over `pass` weight rows: their weights (~kPassBytes) stay in L1 while every group of 4
     // activation rows runs over them, so each weight is read from memory once per block and each activation
     // row from L1 or L2 once per pass. Meanwhile the next pass's rows (or the next block's, which under
-    // linear()'s guided schedule is usually this thread's next) are prefetched, spread over the pass's tiles.
+    // linear()'s guided schedule is usually this thread's next) are prefetched, spread over the pass's tiles,
+    // into L2 only (_MM_HINT_T1): at K = 768 a pass (24 KB) + a group's activations (12 KB) + the next pass
+    // fetched into L1 (24 KB) overflow its 48 KB; the next pass's first tiles pull their rows from L2 into L1
+    // instead. Products alone (1 thread, weights from L3, old/new interleaved on a noisy machine): M = 64,
+    // K = 768 won 5 rounds of 5 (median 33.6 -> 40.6 FLOP per TSC cycle), K = 256 even; M = 8 ~5% faster.
+    // M <= 4 (decode, small batches) keeps T0: the next group's rows are needed within a few hundred cycles.
     constexpr int R = 4;
     constexpr int64_t kPassBytes = 24 << 10;
     // (One group of activation rows, M <= 4, reuses nothing: passes of one weight group, each prefetching the next.)
