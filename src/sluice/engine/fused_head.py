@@ -7,8 +7,9 @@ samples. Here each chunk of c head rows (c, C) meets the hidden states and gives
 live only while that chunk is processed; per row we keep
 
 - a running max and a running sum of exp (the online softmax of observatory/softmax.py): log Z;
-- the running best key: the logit (greedy), or logit / T - log E with E ~ Exp(1) from the
-  row's own stream, for this chunk's tokens (the exponential race of sampling.py, which needs no normaliser at all);
+- the running best key: the logit (greedy), or logit / T - log E with E ~ Exp(1) from the row's
+  own stream, for this chunk's tokens (the exponential race of sampling.py, which needs no
+  normaliser at all);
 - each chunk's top-K (values, ids) for rows with top_k / top_p / min_p: their union holds the
   vocabulary's top-K, from which the filters are resolved at the end.
 

@@ -293,7 +293,7 @@ class Sampler:
             r += n
 
     def set_row(self, row: int, params: SamplingParams, context=()) -> None:
-        """Give a batch slot to a new request: new params, fresh generator, fresh penalty state.
+        """Give a batch slot to a new request: new params, fresh stream, fresh penalty state.
 
         The other rows keep their streams, unaffected (continuous batching).
         """

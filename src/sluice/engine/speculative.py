@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from .runner import Runner
-from .noise import ACCEPT, RowStream, exp_noise, uniforms_range
+from .noise import ACCEPT, RowStream, log_exp_noise, uniforms_range
 from .sampling import NONFINITE, Sampler, filtered_probs, nonfinite_rows
 
 MODES = ("off", "draft", "prompt-lookup")
@@ -42,10 +42,11 @@ def draw(probs: torch.Tensor, rows: list[int], streams: list[RowStream]) -> torc
     sampling.py, in log space, one draw of the row's stream); rows not listed (greedy: probs is one-hot)
     take the argmax."""
     tokens = probs.argmax(-1)
-    for i in rows:
-        e = exp_noise(uniforms_range([streams[i]], 0, probs.shape[-1]))[0]
-        streams[i].advance()
-        tokens[i] = (probs[i].float().log() - e.log()).argmax()
+    if rows:
+        mine = [streams[i] for i in rows]
+        tokens[rows] = (probs[rows].float().log() - log_exp_noise(uniforms_range(mine, 0, probs.shape[-1]))).argmax(-1)
+        for s in mine:
+            s.advance()
     return tokens
 
 
@@ -59,9 +60,11 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths
     px = p[:, :K].gather(-1, draft[..., None])[..., 0]  # (B, K) target probability of each guess
     qx = torch.ones_like(px) if q is None else q.gather(-1, draft[..., None])[..., 0]
     u = torch.zeros_like(px)  # greedy rows: u = 0 keeps a guess iff p(x) > 0, i.e. x is the argmax
-    for i in rows:  # a draw of the row's stream in its own domain: uniforms for guesses 0..lengths[i] - 1
-        u[i, : lengths[i]] = uniforms_range([streams[i]], 0, lengths[i], ACCEPT)[0]
-        streams[i].advance()
+    if rows:  # a draw of each row's stream in its own domain: uniforms for guesses 0..lengths[i] - 1
+        drawn = uniforms_range([streams[i] for i in rows], 0, K, ACCEPT)
+        for r, i in enumerate(rows):
+            u[i, : lengths[i]] = drawn[r, : lengths[i]]
+            streams[i].advance()
     # u < min(1, p/q) is u < p/q for u in [0, 1); multiplied out, since q(x) > 0 for a drawn x.
     ok = (u * qx < px) & (torch.arange(K, device=p.device) < torch.tensor(lengths, device=p.device)[:, None])
     n = ok.long().cumprod(-1).sum(-1)  # (B,) leading run of kept guesses
