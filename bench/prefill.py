@@ -43,8 +43,8 @@ def main() -> None:
     engine = llm.batch_engine()
     llm.generate(["warm up"], SamplingParams(max_tokens=2, temperature=0.0))  # builds the native step
     sched, lengths = engine.scheduler, [int(t) for t in args.lengths.split(",")]
-    if sched._fast is None:
-        raise SystemExit(f"the native step cannot run this model here: {sched.native_reason}")
+    if sched.forward.fast is None:
+        raise SystemExit(f"the native step cannot run this model here: {sched.forward.native_reason}")
     pool, model = sched.pool, sched.model
     blocks = [pool.take() for _ in range(-(-max(lengths) // pool.block_size))]
     view = PagedView(pool, [blocks], sched.device)
@@ -56,7 +56,7 @@ def main() -> None:
         positions = torch.arange(T)[None]
         last = torch.full((1,), T - 1)
         with torch.inference_mode():
-            native = median_ms(lambda t=tokens, p=positions: sched._fast(t, p, pool.k, pool.v, hidden=True,
+            native = median_ms(lambda t=tokens, p=positions: sched.forward.fast(t, p, pool.k, pool.v, hidden=True,
                                                                          block_table=view.table), args.repeats)
             eager = median_ms(lambda t=tokens, p=positions, at=last: model(t, p, view, logits_at=at), args.repeats)
         print(f"T={T:4d}  native {native:8.2f} ms ({native / T * 1e3:6.1f} us/token)   "

@@ -77,13 +77,13 @@ def test_auto_picks_fp32_compute_where_the_native_step_runs_the_model(tiny_dir, 
     llm = sluice.LLM(tiny_dir, dtype="bfloat16")
     assert mixed.activation_dtype(llm.model) == torch.float32
     llm.generate("hello", sluice.SamplingParams(max_tokens=3, temperature=0))
-    sched = llm.batch_engine().scheduler
-    assert sched.native and sched.native_reason is None and sched._fast is not None
+    sched = llm.batch_engine().scheduler.forward
+    assert sched.native and sched.native_reason is None and sched.fast is not None
     llm = sluice.LLM(tiny_dir, dtype="bfloat16", kernels=False)  # no native code at all: plain bf16
     assert mixed.activation_dtype(llm.model) == torch.bfloat16
     llm.generate("hello", sluice.SamplingParams(max_tokens=3, temperature=0))
-    sched = llm.batch_engine().scheduler
-    assert sched._fast is None and sched.native_reason == "not asked for"
+    sched = llm.batch_engine().scheduler.forward
+    assert sched.fast is None and sched.native_reason == "not asked for"
 
 
 @pytest.mark.parametrize("kwargs,words", [

@@ -85,8 +85,8 @@ def test_every_request_equals_itself_alone(tiny_dir, static_llm, kernels):
     for a, o in zip(alone, out, strict=True):
         assert (o.token_ids, o.text, o.finish_reason) == (a.token_ids, a.text, a.finish_reason)
     assert engine.pool.stats().used == 0
-    native = engine.scheduler.native_reason is None and engine.scheduler._use_fast
-    assert native == (kernels == "auto" and engine.scheduler._fast is not None)
+    native = engine.scheduler.forward.native_reason is None and engine.scheduler.forward.use_fast
+    assert native == (kernels == "auto" and engine.scheduler.forward.fast is not None)
 
 
 def test_a_long_prompt_gives_the_same_numbers_however_it_is_chunked(tiny_dir):
@@ -99,7 +99,7 @@ def test_a_long_prompt_gives_the_same_numbers_however_it_is_chunked(tiny_dir):
     for budget in (256, 16, 40):
         llm = sluice.LLM(str(tiny_dir), max_num_batched_tokens=budget)
         out = llm.generate([prompt], p)[0]
-        assert llm.batch_engine().scheduler._use_fast  # the native step ran every chunk
+        assert llm.batch_engine().scheduler.forward.use_fast  # the native step ran every chunk
         got[budget] = [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in out.logprobs]
     assert got[16] == got[256] and got[40] == got[256]
 
@@ -182,7 +182,7 @@ def test_nan_in_one_sequence_ends_it_and_not_the_others(tiny_dir, monkeypatch):
     llm = sluice.LLM(str(tiny_dir), max_num_seqs=4)
     engine = llm.batch_engine()
     sched = engine.scheduler
-    real = sched._forward
+    real = sched.forward.logits_of
     p = SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
     a, b = engine.add([5, 6, 7], p), engine.add([8, 9], p)
 
@@ -192,12 +192,12 @@ def test_nan_in_one_sequence_ends_it_and_not_the_others(tiny_dir, monkeypatch):
             out = out.clone()
             out[seqs.index(a)] = float("nan")
         return out
-    monkeypatch.setattr(sched, "_forward", forward)
+    monkeypatch.setattr(sched.forward, "logits_of", forward)
     engine.run([a, b])
     assert a.finish_reason == "error" and "non-finite logits (NaN or inf) at step 3" in a.error
     assert b.finish_reason == "length" and len(b.token_ids) == 8
     assert engine.pool.stats().used == 0
-    monkeypatch.setattr(sched, "_forward", lambda *args: _poison_late(real, *args))
+    monkeypatch.setattr(sched.forward, "logits_of", lambda *args: _poison_late(real, *args))
     with pytest.raises(NumericsError, match="at step 3 of prompt 0"):
         llm.generate([[5, 6, 7]], p)
     assert engine.pool.stats().used == 0 and not sched.has_work
@@ -236,15 +236,15 @@ def test_a_forward_hook_sends_the_scheduler_to_the_torch_modules(tiny_dir):
     p = SamplingParams(max_tokens=6, **GREEDY, ignore_eos=True)
     want = [o.token_ids for o in llm.generate(["def add(a, b):", "x"], p)]
     sched = llm.batch_engine().scheduler
-    assert sched.native_reason is None and sched._use_fast
+    assert sched.forward.native_reason is None and sched.forward.use_fast
     calls = []
     handle = llm.model.final_norm.register_forward_hook(lambda *a: calls.append(1))
     try:
         assert [o.token_ids for o in llm.generate(["def add(a, b):", "x"], p)] == want
     finally:
         handle.remove()
-    assert "hook" in sched.native_reason and len(calls) == 2 + 5  # two prefills, five decode steps
-    assert [o.token_ids for o in llm.generate(["def add(a, b):", "x"], p)] == want and sched.native_reason is None
+    assert "hook" in sched.forward.native_reason and len(calls) == 2 + 5  # two prefills, five decode steps
+    assert [o.token_ids for o in llm.generate(["def add(a, b):", "x"], p)] == want and sched.forward.native_reason is None
 
 
 def test_penalised_and_sampled_rows_drawn_together_equal_each_alone(tiny_dir):
@@ -267,13 +267,13 @@ def test_penalised_and_sampled_rows_drawn_together_equal_each_alone(tiny_dir):
 
 
 def test_a_kept_joined_sampler_draws_as_each_row_alone_while_the_batch_changes():
-    """The scheduler keeps its joined Sampler while the batch's rows stay the same (_draw). A row that
+    """The scheduler keeps its joined Sampler while the batch's rows stay the same (BatchDraw). A row that
     drew alone in between (its own Sampler's penalty state moved on) must not get the kept copy's
     stale state when the old batch comes back: every draw equals the row's own Sampler's."""
     from types import SimpleNamespace
 
     from sluice.engine.sampling import Sampler
-    from sluice.engine.scheduler import FullHead, Scheduler
+    from sluice.engine.batch_sampling import BatchDraw, FullHead
 
     V = 40
 
@@ -282,10 +282,10 @@ def test_a_kept_joined_sampler_draws_as_each_row_alone_while_the_batch_changes()
 
     a, b, c = (SimpleNamespace(id=i, sampler=Sampler([params(i)], V)) for i in range(3))
     alone = {i: Sampler([params(i)], V) for i in range(3)}
-    sched = SimpleNamespace(_joined=None, head=FullHead(V, torch.device("cpu")))
+    draw = BatchDraw(FullHead(V, torch.device("cpu")))
     g = torch.Generator().manual_seed(0)
     pattern = [(a, b), (a, b), (a,), (a, b), (a, b, c), (b,), (a, b, c), (a, b), (c,), (a, b)] * 6
     for rows in pattern:
         logits = torch.randn(len(rows), V, generator=g) * 2
-        got = Scheduler._draw(sched, list(rows), logits).tolist()
+        got = draw(list(rows), logits).tolist()
         assert got == [alone[s.id](logits[i:i + 1]).item() for i, s in enumerate(rows)], rows

@@ -24,7 +24,8 @@ from .mixed import activation_dtype
 from .outputs import RequestOutput, Stats
 from .paged_cache import DEFAULT_BLOCK_SIZE, BlockPool
 from .sampling import SamplingParams
-from .scheduler import Scheduler, Seq, Update
+from .scheduler import Scheduler
+from .sequence import Seq, Update
 
 DEFAULT_MAX_NUM_SEQS = 8
 DEFAULT_MAX_BATCHED_TOKENS = 256  # per step: a long prompt's chunk; decodes wait at most one such chunk

@@ -13,21 +13,21 @@ from ..errors import ConfigError, NumericsError, RequestError
 from ..model.hub import resolve_model_dir
 from ..model.loading import bundled_model_dir, load
 from ..tokenizer import Tokenizer
-from .fused_head import FusedHead
+from . import static_path
+from .batching import (
+    DEFAULT_MAX_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    BatchEngine,
+    collect,
+)
 from .cpu_paths import COMPUTE_CHOICES, kernels_pay_off, set_compute, use_kernels
+from .kv_cache import KVCache, check_budget, default_budget, parse_size
 from .mixed import activation_dtype
 from .outputs import RequestOutput, Stats
-from .kv_cache import KVCache, check_budget, default_budget, parse_size
 from .requests import as_prompt_list, token_ids
-from .proposers import DraftProposer, PromptLookup
 from .runner import Runner
-from .batching import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, BatchEngine, collect
-from .speculative import Speculator, check_draft, draft_dir, resolve_mode
-from .sampling import NONFINITE, Sampler, SamplingParams
-from .streaming import TextStream
-
-# "auto" steps taken on the fused head before its fallback rate may send a batch back to the plain one.
-AUTO_PROBATION = 16
+from .sampling import SamplingParams
+from .speculative import check_draft, draft_dir, resolve_mode
 
 
 class LLM:
@@ -57,7 +57,7 @@ class LLM:
         Requests run on the continuous-batching engine (batching.py, scheduler.py): generate(), stream()
         and chat() may be called from several threads, and several stream()s may be open at once, all
         sharing one batch. Speculative decoding, compile=True and fused_head=True run on the static
-        one-request path instead (runner.py), which the scheduler does not implement; there a second
+        one-request path instead (static_path.py), which the scheduler does not implement; there a second
         request while one runs is an error. batching=False sends every request there.
         tensor_parallel: N > 1 splits the model over the N ranks of a torchrun launch (or of a group
         started with sluice.parallel.init): every rank runs this same script, loads only its slices,
@@ -83,7 +83,7 @@ class LLM:
             raise ConfigError(f"compile must be True or False, got {compile!r}")
         if compute not in COMPUTE_CHOICES:  # before the (slow) load
             raise ConfigError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, got {compute!r}")
-        self.fused_head = fused_head  # see _use_fused_head
+        self.fused_head = fused_head  # see static_path.use_fused_head
         self.model_dir = resolve_model_dir(model) if model is not None else bundled_model_dir()
         self.speculative, draft, self.num_speculative_tokens = resolve_mode(  # before the (slow) loads
             speculative, draft_model, num_speculative_tokens, model is None)
@@ -138,7 +138,7 @@ class LLM:
         """Generate for every prompt (strings or token-id lists), decoding them as one batch."""
         outputs, params = self._start(as_prompt_list(prompts), params)
         if self.static_path:
-            for _ in self._run(outputs, params):
+            for _ in static_path.run(self, outputs, params):
                 pass
             return outputs
         engine, t0 = self.batch_engine(), time.perf_counter()
@@ -206,7 +206,7 @@ class LLM:
             raise NumericsError(bad.error)
 
     def _stream(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[str]:
-        run = self._run(outputs, params)
+        run = static_path.run(self, outputs, params)
         try:
             for _, delta in run:
                 yield delta
@@ -239,30 +239,6 @@ class LLM:
             return budget
         draft = self.draft_runner.model
         return max(budget - KVCache.nbytes_for(draft.config, rows, slots, activation_dtype(draft)), 0)
-
-    def _speculator(self, sampler: Sampler) -> Speculator:
-        proposer = DraftProposer(self.draft_runner) if self.speculative == "draft" else PromptLookup()
-        return Speculator(self.runner, proposer, sampler, self.num_speculative_tokens)
-
-    # ------------------------------------------------------------------ the loop
-    def _use_fused_head(self, params: list[SamplingParams]) -> bool:
-        """Sample through the fused LM head (fused_head.py) or the plain one (logits, Sampler)?
-
-        Hooks on the model or its LM head (the observatory) need the logits and the head module to
-        run, so they always get the plain path. "auto" takes the fused path where bench/fused_head.py
-        measured it faster on CPU: a batch with a sampled row that uses top-k, top-p or min-p (no
-        full-vocabulary sort); greedy and plain-temperature batches keep the plain path, where the
-        two are even (docs/benchmarks.md, "The softmax toll booth"). A fused "auto" batch whose
-        rows keep falling back (over a quarter of them after AUTO_PROBATION steps: a model too
-        flat for the candidates to prove its cuts, paying for the LM head twice) returns to the
-        plain path for the rest of its steps (see _run)."""
-        m = self.model
-        if not isinstance(m.lm_head, torch.nn.Linear):  # a quantized head (model/quant.py) has no float weight
-            return False
-        if self.fused_head is False or any(mod._forward_hooks or mod._forward_pre_hooks for mod in (m, m.lm_head)):
-            return False
-        return self.fused_head is True or any(
-            p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params)
 
     def _start(self, prompts: list, params) -> tuple[list[RequestOutput], list[SamplingParams]]:
         """Validate the request and resolve its params, before any compute. Every check comes
@@ -331,110 +307,3 @@ class LLM:
         check_budget(cfg, len(outputs), slots, dtype, self._minus_draft(budget, len(outputs), slots),
                      self.kv_cache_memory is not None)
         return outputs, params
-
-    def _run(self, outputs: list[RequestOutput],
-             params: list[SamplingParams]) -> Iterator[tuple[int, str]]:
-        """Prefill all rows together, then decode until every row has finished.
-
-        Yields (row, text delta) as text becomes final. One host sync per step (the sampled ids,
-        needed to detokenize and check stops); the model step and the sampler have none. Holds the
-        LLM for its whole life: a stream() closed early (close(), break, garbage collection) runs
-        the finally clause below and frees it."""
-        if not self._busy.acquire(blocking=False):
-            raise RequestError("this LLM is already running a request (a stream() that is still open, or "
-                               "another thread?); finish or close it first, or use one LLM per thread")
-        try:
-            yield from self._decode(outputs, params)
-        finally:
-            self._busy.release()
-
-    def _decode(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[tuple[int, str]]:
-        B = len(outputs)
-        if self._kernels_pending and (B >= 2 or kernels_pay_off(self.model, self.device)):
-            self._kernels_pending = False  # swapped (or not) once, for good
-            self.kernels_in_use = use_kernels(self.model, self.device, required=False)
-        sampler = Sampler(params, self.model.config.vocab_size, self.device)
-        for b, out in enumerate(outputs):
-            sampler.add_context(b, out.prompt_token_ids)
-        # Speculation verifies guesses against the target's logits, so it takes the plain head.
-        spec = self._speculator(sampler) if self.speculative != "off" else None
-        # The Sampler keeps the rows' params, streams and penalty masks, so the two paths can
-        # take turns: sample() reads `fused` when called, hidden states (B, C) in, or logits (B, V).
-        fused, head = spec is None and self._use_fused_head(params), FusedHead(sampler)
-
-        def sample(x: torch.Tensor) -> torch.Tensor:
-            if not fused:
-                return sampler(x)
-            w = self.model.lm_head.weight  # in engine/mixed.py's mode x is fp32 and w bf16: as the bf16 head
-            return head(x.to(w.dtype), w, self.model.final_softcap).tokens
-        streams = [TextStream(self.tokenizer.decode, p.stop) for p in params]
-        stop_ids = [set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) for p in params]
-        stats = self.last_stats = Stats(prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs), rows=B,
-                                        speculative=self.speculative)
-
-        def take(b: int, tok: int) -> str:
-            """Row b's next token: record it, check the stops, return the text it releases."""
-            out = outputs[b]
-            if tok == NONFINITE:  # the sampler found NaN or inf in this row's logits
-                raise NumericsError(
-                    f"the model produced non-finite logits (NaN or inf) at step {len(out.token_ids)} of "
-                    f"prompt {b} (NaN or inf in the weights or the config?); `sluice inspect` shows "
-                    "the layer where it starts")
-            out.token_ids.append(tok)
-            stats.generated_tokens += 1
-            if tok in stop_ids[b]:
-                out.finish_reason = "stop"
-                return streams[b].finish()
-            delta = streams[b].push(tok)
-            if streams[b].stopped:
-                out.finish_reason = "stop"
-            elif len(out.token_ids) >= params[b].max_tokens:
-                out.finish_reason = "length"
-                delta += streams[b].finish()
-            return delta
-
-        needed = max(len(o.prompt_token_ids) + p.max_tokens for o, p in zip(outputs, params, strict=True))
-        t0 = time.perf_counter()
-        active = list(range(B))
-        prompts = [o.prompt_token_ids for o in outputs]
-        try:
-            if spec is None:
-                first = self.runner.prefill(prompts, Runner.slots_for(needed), hidden=fused)
-            else:
-                first = spec.prefill(prompts, Runner.slots_for(needed))
-            tokens = sample(first)  # (B,): the first generated token ends the prefill
-            stats.prefill_seconds = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            runs = [[t] for t in tokens.tolist()]  # per row, the tokens it gets this step (a speculative round: 1+)
-            if spec is not None:
-                spec.start([r[0] for r in runs])
-            while True:
-                for b in list(active):
-                    for tok in runs[b]:
-                        delta = take(b, tok)
-                        outputs[b].text += delta
-                        done = outputs[b].finish_reason is not None
-                        if done:  # a stop inside a speculative run ends the row there
-                            active.remove(b)
-                        if delta:
-                            yield b, delta
-                        if done:
-                            break
-                if not active:
-                    break
-                if spec is not None:
-                    runs = spec.round(active)
-                    continue
-                if fused and self.fused_head == "auto" and head.calls >= AUTO_PROBATION and head.fallback_rate > 0.25:
-                    fused = False  # the candidates rarely prove this batch's cuts (a flat model): plain from here
-                # A finished row may have gone non-finite; it keeps stepping (static shapes) on a real id.
-                tokens = sample(self.runner.step(tokens.clamp_min(0), hidden=fused))
-                runs = [[t] for t in tokens.tolist()]
-        finally:
-            stats.decode_seconds = time.perf_counter() - t0
-            stats.fused_head_steps, stats.fallback_rate = head.calls, head.fallback_rate
-            if spec is not None:
-                stats.proposed, stats.accepted = spec.proposed, spec.accepted
-                stats.target_forwards, stats.row_forwards = spec.forwards, spec.row_forwards
-                spec.release()
-            self.runner.release()

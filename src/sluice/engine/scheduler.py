@@ -8,9 +8,10 @@ One `step()`:
    batch has room (max_num_seqs), the budget lasts and the pool has blocks. A new request first
    takes its prompt's blocks from the prefix cache (paged_cache.py): a shared system prompt is
    computed once;
-3. runs the model: every 1-token row in one forward, each prefill chunk in its own;
-4. samples a token for every sequence whose computed tokens reached its end, each with its own
-   Sampler (its own random stream and penalty state), so a request draws exactly what it would alone;
+3. runs the model (batch_forward.py): every 1-token row in one forward, each prefill chunk in its own;
+4. samples a token for every sequence whose computed tokens reached its end (batch_sampling.py), each
+   with its own Sampler (its own random stream and penalty state), so a request draws exactly what it
+   would alone;
 5. keys the blocks that filled up, and frees the blocks of sequences that finished.
 
 Under tensor parallelism (LLM(tensor_parallel=N)) every rank runs this same scheduler on its part of
@@ -33,79 +34,21 @@ import collections
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from ..errors import RequestError
 from ..model.layers import Transformer
-from .fast_step import FastStep, native_check
-from .logprobs import token_logprobs
-from .paged_cache import BlockPool, PagedView
-from .sampling import NONFINITE, Sampler, SamplingParams, argmax_rows
+from .batch_forward import BatchForward
+from .batch_sampling import BatchDraw, FullHead
+from .paged_cache import BlockPool
+from .sampling import NONFINITE, SamplingParams
+from .sequence import Seq, Update
 from .streaming import TextStream
 
 
-@dataclass(eq=False)  # a sequence is itself: `in` and remove() compare identity, not every field
-class Seq:
-    """One generation: a prompt and one SamplingParams (a request with n choices is n of these)."""
-    id: int
-    prompt_len: int
-    ids: list[int]  # prompt + generated so far
-    params: SamplingParams
-    sampler: Sampler
-    stream: TextStream
-    stop_ids: set[int]
-    blocks: list[int] = field(default_factory=list)
-    serials: list[int] = field(default_factory=list)  # prefix names of this sequence's keyed blocks
-    num_computed: int = 0  # tokens whose keys and values are in `blocks`
-    text: str = ""
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
-    error: str | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    preemptions: int = 0
-    label: str = "this request"  # how errors name it ("prompt 2")
-    logprobs: list = field(default_factory=list)  # TokenLogprob per generated token, if asked for
-    pending: collections.deque = field(default_factory=collections.deque)  # updates not yet read
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.ids[self.prompt_len:]
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class Update:
-    """What one step did to one sequence: the text it released, the tokens and their logprobs."""
-    seq: Seq
-    text: str
-    token_ids: list[int]
-    logprobs: list | None
-    finished: bool
-
-
 _serials = itertools.count()
-
-
-class FullHead:
-    """The samplers, argmax and logprobs of a step whose logits cover the whole vocabulary."""
-
-    def __init__(self, vocab_size: int, device: torch.device):
-        self.vocab_size, self.device = vocab_size, device
-
-    def sampler(self, params: SamplingParams) -> Sampler:
-        return Sampler([params], self.vocab_size, self.device)
-
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        tokens, broken = argmax_rows(logits.float())  # as Sampler does
-        return tokens.masked_fill(broken, NONFINITE)
-
-    logprobs = staticmethod(token_logprobs)
 
 
 class Scheduler:
@@ -122,10 +65,8 @@ class Scheduler:
         # What a step does with its logits (samplers, argmax, logprobs): the full vocabulary's here,
         # parallel/head.ParallelHead's when the model is one rank's part (logits (B, V/N)).
         self.head = head or FullHead(self.vocab_size, self.device)
-        self.native = native
-        self.native_reason: str | None = None if native else "not asked for"
-        self._fast: FastStep | None = None
-        self._use_fast = False
+        self.draw = BatchDraw(self.head)
+        self.forward = BatchForward(model, pool, native)  # the model work of a step (native step or torch)
         self.nonfinite_origin = nonfinite_origin  # ids -> where a NaN starts (the observatory's, from the server)
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []  # in admission order
@@ -134,7 +75,6 @@ class Scheduler:
         self._lock = threading.Lock()
         self.preemptions = 0
         self._preempted_now = False
-        self._joined: tuple[list[int], Sampler] | None = None  # see _draw
         self.before_forward: Callable[[], None] | None = None  # called as each step's model work starts
         self.steps = 0
 
@@ -183,12 +123,14 @@ class Scheduler:
     def step(self) -> list[Update]:
         updates = self.apply_aborts()
         if not self.running and self.waiting:  # a busy period starts: hooks may have come or gone
-            self._use_fast = self._native_ok()
+            self.forward.refresh()
         batch = self._schedule()
         if not batch:
             return updates
         self.steps += 1
-        logits = self._execute(batch)  # (N, V) for the sequences that reached their end, in batch order
+        if self.before_forward is not None:
+            self.before_forward()
+        logits = self.forward(batch)  # (N, V) for the sequences that reached their end, in batch order
         done = [s for s, n in batch if s.num_computed == len(s.ids)]
         self._key_full_blocks([s for s, _ in batch])
         if done:
@@ -294,58 +236,9 @@ class Scheduler:
                 prev = seq.serials[-1] if seq.serials else 0
                 seq.serials.append(self.pool.register(seq.blocks[j], self.pool.key(prev, seq.ids[j * bs:(j + 1) * bs])))
 
-    # ------------------------------------------------------------------ the model
-    def _native_ok(self) -> bool:
-        if self.native:
-            self.native_reason, self._fast = native_check(self.model, self._fast)
-        return self.native and self.native_reason is None
-
-    def _forward(self, seqs: list[Seq], tokens: torch.Tensor, positions: torch.Tensor, final: bool) -> torch.Tensor:
-        """tokens, positions (B, T) of `seqs` -> logits (B, V) at each row's last token (final), or None."""
-        view = PagedView(self.pool, [s.blocks for s in seqs], self.device)
-        T = tokens.shape[1]
-        if self._use_fast:  # prefill too: 1.4-6x faster than torch's path on the bundled model (bench/prefill.py)
-            if T == 1:
-                return self._fast(tokens, positions, self.pool.k, self.pool.v, block_table=view.table)[:, -1]
-            h = self._fast(tokens, positions, self.pool.k, self.pool.v, hidden=True, block_table=view.table)
-            return self.model.logits(h[:, -1:].to(self.model.lm_head.weight.dtype))[:, 0] if final else None
-        last = torch.full((len(seqs),), T - 1, device=self.device)
-        out = self.model(tokens, positions, view, logits_at=last if final else None, return_hidden=not final)
-        return out[:, 0] if final else None
-
-    def _execute(self, batch: list[tuple[Seq, int]]) -> torch.Tensor | None:
-        if self.before_forward is not None:
-            self.before_forward()
-        dev, rows = self.device, []
-        decodes = [s for s, n in batch if n == 1]
-        if decodes:
-            tokens = torch.tensor([[s.ids[s.num_computed]] for s in decodes], device=dev)
-            positions = torch.tensor([[s.num_computed] for s in decodes], device=dev)
-            out = self._forward(decodes, tokens, positions, True)
-            for s in decodes:
-                s.num_computed += 1
-            if len(decodes) == len(batch) and all(s.num_computed == len(s.ids) for s in decodes):
-                return out  # the usual decode step: every row, in batch order, no copy
-            # a 1-token prefill chunk rides with the decodes; only rows at their end are sampled
-            rows += [(s, o) for s, o in zip(decodes, out, strict=True) if s.num_computed == len(s.ids)]
-        for s, n in batch:
-            if n == 1:
-                continue
-            start = s.num_computed
-            tokens = torch.tensor([s.ids[start:start + n]], device=dev)
-            positions = torch.arange(start, start + n, device=dev)[None]
-            s.num_computed += n
-            final = s.num_computed == len(s.ids)
-            out = self._forward([s], tokens, positions, final)
-            if final:
-                rows.append((s, out[0]))
-        order = {s.id: i for i, (s, _) in enumerate(batch)}
-        rows.sort(key=lambda r: order[r[0].id])
-        return torch.stack([r for _, r in rows]) if rows else None
-
     # ------------------------------------------------------------------ sampling
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[Update]:
-        tokens = self._draw(seqs, logits).tolist()  # the step's one host sync
+        tokens = self.draw(seqs, logits).tolist()  # the step's one host sync
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         lps = self._logprobs(want, [seqs[i] for i in want], logits[want], [tokens[i] for i in want]) if want else {}
         now, updates = time.perf_counter(), []
@@ -376,24 +269,6 @@ class Scheduler:
             seq.pending.append(update)
             updates.append(update)
         return updates
-
-    def _draw(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor:
-        """(N,) next tokens. Plain greedy rows (no penalty: nothing of their own to keep) take one
-        argmax together; every other row its own Sampler (its stream, its penalty state)."""
-        kept, self._joined = self._joined, None  # (ids, sampler) of the last joined draw; other paths drop it
-        if all(s.sampler.plain_greedy for s in seqs):
-            return self.head.argmax(logits)
-        if len(seqs) == 1:
-            return seqs[0].sampler(logits)
-        # One sampler over every row (one sort for every filtered row), kept while the rows stay the
-        # same: joining costs ~0.2 ms a step at 8 rows, and the batch changes only when a sequence
-        # joins or leaves. The kept one holds the rows' penalty state, copied back after each call.
-        key = [s.id for s in seqs]
-        joined = kept[1] if kept and kept[0] == key else type(seqs[0].sampler).joined([s.sampler for s in seqs])
-        tokens = joined(logits)
-        joined.write_back()
-        self._joined = (key, joined)
-        return tokens
 
     def _logprobs(self, index: list[int], seqs: list[Seq], logits: torch.Tensor, tokens: list[int]) -> dict:
         """{index in the step's list: TokenLogprob} for the sequences that asked for logprobs."""

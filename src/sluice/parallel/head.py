@@ -2,7 +2,7 @@
 
 engine/scheduler.py asks its `head` for three things: a sampler per sequence, the greedy argmax of
 a batch, and the logprobs of the rows that want them. The single-process answers are in
-scheduler.FullHead; here each rank sees (B, V/N) logits of ids start..stop and the answers are the
+batch_sampling.FullHead; here each rank sees (B, V/N) logits of ids start..stop and the answers are the
 same numbers, computed with a few small collectives (every rank calls them in the same order,
 because every rank schedules the same sequences):
 

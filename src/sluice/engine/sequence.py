@@ -1,0 +1,51 @@
+"""A sequence the scheduler (scheduler.py) runs, and what one step did to it."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from .sampling import Sampler, SamplingParams
+from .streaming import TextStream
+
+
+@dataclass(eq=False)  # a sequence is itself: `in` and remove() compare identity, not every field
+class Seq:
+    """One generation: a prompt and one SamplingParams (a request with n choices is n of these)."""
+    id: int
+    prompt_len: int
+    ids: list[int]  # prompt + generated so far
+    params: SamplingParams
+    sampler: Sampler
+    stream: TextStream
+    stop_ids: set[int]
+    blocks: list[int] = field(default_factory=list)
+    serials: list[int] = field(default_factory=list)  # prefix names of this sequence's keyed blocks
+    num_computed: int = 0  # tokens whose keys and values are in `blocks`
+    text: str = ""
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    preemptions: int = 0
+    label: str = "this request"  # how errors name it ("prompt 2")
+    logprobs: list = field(default_factory=list)  # TokenLogprob per generated token, if asked for
+    pending: collections.deque = field(default_factory=collections.deque)  # updates not yet read
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.ids[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Update:
+    """What one step did to one sequence: the text it released, the tokens and their logprobs."""
+    seq: Seq
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+    finished: bool
