@@ -5,7 +5,8 @@ machine (-march=native; the build directory's name carries a hash of the source,
 torch's version, so a cache shared between different CPUs never runs a foreign build) and cached
 across runs in torch's extension directory. Without a compiler, or on a CPU without AVX2 + FMA, or
 with SLUICE_NO_KERNELS set, the extension is unavailable and says why; callers keep their plain
-torch path then.
+torch path then. SLUICE_KERNEL_FLAGS adds compiler flags (part of the build's hash): "-mno-avx512f"
+builds the AVX2 paths on an AVX-512 CPU, to test or time what an AVX2-only machine runs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ import torch
 # is compiled with OpenMP; without it the pragma is dropped and the kernel runs on one core (what the
 # first measurements in docs/benchmarks.md saw: 9-10 GB/s against 13-16 with two threads).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def cflags() -> list[str]:
+    """CFLAGS plus the extra flags in SLUICE_KERNEL_FLAGS (whitespace-separated), if any."""
+    return CFLAGS + os.environ.get("SLUICE_KERNEL_FLAGS", "").split()
 # torch's build lock (a file named `lock` in the build directory) is removed by the process that
 # built; one killed mid-build leaves it, and every later load would wait on it forever. A build takes
 # about a minute here: a lock this much older than that belongs to no live build.
@@ -68,7 +74,8 @@ class NativeExtension:
 
     def _build(self):
         from torch.utils.cpp_extension import _get_build_directory, load
-        tag = hashlib.sha256(self.source.read_bytes() + " ".join(sorted(cpu_flags()) + CFLAGS).encode()
+        flags = cflags()
+        tag = hashlib.sha256(self.source.read_bytes() + " ".join(sorted(cpu_flags()) + flags).encode()
                              + torch.__version__.encode()).hexdigest()[:12]
         name = f"sluice_{self.source.stem}_{tag}"
         build_dir = Path(_get_build_directory(name, verbose=False))
@@ -76,7 +83,7 @@ class NativeExtension:
         if not any(build_dir.glob("*.so")):
             print(f"sluice: building its {self.what} (once per machine, about a minute)...",
                   file=sys.stderr, flush=True)
-        return load(name=name, sources=[str(self.source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        return load(name=name, sources=[str(self.source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     verbose=False)
 
     def module(self):

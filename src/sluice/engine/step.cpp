@@ -56,51 +56,35 @@ inline float hsum(__m256 v) {
 inline float widen(float v) { return v; }
 inline float widen(bf16 v) { return static_cast<float>(v); }
 
-// dot(w[0:K], x[0:K]): four accumulators keep enough loads in flight to stream a weight row.
-template <typename W>
-inline float dot(const W* w, const float* x, int64_t K) {
-  int64_t k = 0;
-  float out = 0.f;
-#ifdef SLUICE_AVX2
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (; k + 32 <= K; k += 32) {
-    a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0);
-    a1 = _mm256_fmadd_ps(load8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-    a2 = _mm256_fmadd_ps(load8(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-    a3 = _mm256_fmadd_ps(load8(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
-  }
-  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0);
-  out = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-#endif
-  for (; k < K; ++k) out += widen(w[k]) * x[k];
-  return out;
-}
-
-// out[r][m] = dot(w row r, x row m) for 2 weight rows x M (<= 4) activation rows: each loaded weight
-// vector serves M rows and each activation vector 2 weight rows (6 loads per 8 FMAs at M = 4).
-template <typename W, int M>
-inline void dot_2xM(const W* w0, const W* w1, const float* x, int64_t ldx, int64_t K, float out[2][4]) {
+// out[r][m] = dot(w[r][0:K], x row m) for N weight rows x M activation rows (N * M <= 8): each loaded
+// weight vector serves M rows and each activation vector N weight rows. Every (r, m) sums in one order
+// whatever N and M are (8 lanes over k, then hsum, then the K % 8 tail), so a token's numbers do not
+// depend on how many rows share its call: decode alone (N = 4, M = 1: four independent chains keep
+// loads in flight) and in a batch or a prefill chunk (N = 2, M <= 4) give the same bits.
+template <typename W, int N, int M>
+inline void dot_NxM(const W* const w[N], const float* x, int64_t ldx, int64_t K, float out[4][4]) {
   int64_t k = 0;
 #ifdef SLUICE_AVX2
-  __m256 a[2][M];
-  for (int m = 0; m < M; ++m) a[0][m] = a[1][m] = _mm256_setzero_ps();
+  __m256 a[N][M];
+  for (int r = 0; r < N; ++r)
+    for (int m = 0; m < M; ++m) a[r][m] = _mm256_setzero_ps();
   for (; k + 8 <= K; k += 8) {
-    __m256 u = load8(w0 + k), v = load8(w1 + k);
+    __m256 u[N];
+    for (int r = 0; r < N; ++r) u[r] = load8(w[r] + k);
     for (int m = 0; m < M; ++m) {
       __m256 xm = _mm256_loadu_ps(x + m * ldx + k);
-      a[0][m] = _mm256_fmadd_ps(u, xm, a[0][m]);
-      a[1][m] = _mm256_fmadd_ps(v, xm, a[1][m]);
+      for (int r = 0; r < N; ++r) a[r][m] = _mm256_fmadd_ps(u[r], xm, a[r][m]);
     }
   }
-  for (int m = 0; m < M; ++m) { out[0][m] = hsum(a[0][m]); out[1][m] = hsum(a[1][m]); }
+  for (int r = 0; r < N; ++r)
+    for (int m = 0; m < M; ++m) out[r][m] = hsum(a[r][m]);
 #else
-  for (int m = 0; m < M; ++m) out[0][m] = out[1][m] = 0.f;
+  for (int r = 0; r < N; ++r)
+    for (int m = 0; m < M; ++m) out[r][m] = 0.f;
 #endif
   for (; k < K; ++k)
-    for (int m = 0; m < M; ++m) {
-      out[0][m] += widen(w0[k]) * x[m * ldx + k];
-      out[1][m] += widen(w1[k]) * x[m * ldx + k];
-    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < N; ++r) out[r][m] += widen(w[r][k]) * x[m * ldx + k];
 }
 
 #ifdef SLUICE_AVX512
@@ -345,21 +329,27 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     return;
   }
 #endif
-  if (M == 1) {
-    for (int64_t n = n0; n < n1; ++n) put(0, n, dot(w + n * K, x, K));
+  float o[4][4];
+  const W* wr[4];
+  if (M == 1) {  // decode: 4 weight rows at a time (a short last group repeats its last row)
+    for (int64_t n = n0; n < n1; n += 4) {
+      for (int r = 0; r < 4; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
+      dot_NxM<W, 4, 1>(wr, x, K, K, o);
+      for (int64_t r = 0; r < std::min<int64_t>(4, n1 - n); ++r) put(0, n + r, o[r][0]);
+    }
     return;
   }
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
     const int64_t mm = std::min<int64_t>(4, M - m0);
     const float* xm = x + m0 * K;
     for (int64_t n = n0; n < n1; n += 2) {
-      const W* w1 = w + std::min(n + 1, n1 - 1) * K;  // an odd last row pairs with itself
-      float o[2][4];
+      wr[0] = w + n * K;
+      wr[1] = w + std::min(n + 1, n1 - 1) * K;  // an odd last row pairs with itself
       switch (mm) {
-        case 1: dot_2xM<W, 1>(w + n * K, w1, xm, K, K, o); break;
-        case 2: dot_2xM<W, 2>(w + n * K, w1, xm, K, K, o); break;
-        case 3: dot_2xM<W, 3>(w + n * K, w1, xm, K, K, o); break;
-        default: dot_2xM<W, 4>(w + n * K, w1, xm, K, K, o);
+        case 1: dot_NxM<W, 2, 1>(wr, xm, K, K, o); break;
+        case 2: dot_NxM<W, 2, 2>(wr, xm, K, K, o); break;
+        case 3: dot_NxM<W, 2, 3>(wr, xm, K, K, o); break;
+        default: dot_NxM<W, 2, 4>(wr, xm, K, K, o);
       }
       for (int64_t m = 0; m < mm; ++m) {
         put(m0 + m, n, o[0][m]);
@@ -584,7 +574,10 @@ inline void attend(const float* qh, int64_t G, const float* kh, const float* vh,
   for (int64_t h = 0; h < G; ++h, qh += D, sc += span, o += D) {
     float mx = -INFINITY;
     for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const float* ks) {
-      sc[s] = dot<float>(ks, qh, D) * scale;
+      const float* kr[1] = {ks};
+      float d[4][4];
+      dot_NxM<float, 1, 1>(kr, qh, D, D, d);
+      sc[s] = d[0][0] * scale;
       mx = std::max(mx, sc[s]);
     });
     float sum = 0.f;
@@ -814,20 +807,8 @@ bool has_avx2() {
 #endif
 }
 
-// Whether the products run on the AVX-512 tiles, where a token's numbers do not depend on its batch. The
-// AVX2 path sums a lone row (dot: four accumulators, to keep loads in flight) in another order than
-// rows in a batch (dot_2xM), so there a token alone and in a batch can differ in the last bits.
-bool batch_invariant() {
-#ifdef SLUICE_AVX512
-  return true;
-#else
-  return false;
-#endif
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &has_avx2, "whether this build has the AVX2 + FMA paths");
-  m.def("batch_invariant", &batch_invariant, "whether a token's numbers are the same in any chunk or batch");
   pybind11::class_<Step>(m, "Step")
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
                           torch::Tensor, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double, double>())
