@@ -56,6 +56,27 @@ inline float hsum(__m256 v) {
 inline float widen(float v) { return v; }
 inline float widen(bf16 v) { return static_cast<float>(v); }
 
+// dot(a[0:K], b[0:K]) with four accumulators, so a lone dot product is not one chain of dependent FMAs:
+// the attention scores (a query row against each cached key) on AVX2. The products of the linears use
+// dot_NxM instead, whose order does not depend on the batch.
+inline float dot(const float* a, const float* b, int64_t K) {
+  int64_t k = 0;
+  float out = 0.f;
+#ifdef SLUICE_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16), _mm256_loadu_ps(b + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), a3);
+  }
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), a0);
+  out = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+  for (; k < K; ++k) out += a[k] * b[k];
+  return out;
+}
+
 // out[r][m] = dot(w[r][0:K], x row m) for N weight rows x M activation rows (N * M <= 8): each loaded
 // weight vector serves M rows and each activation vector N weight rows. Every (r, m) sums in one order
 // whatever N and M are (8 lanes over k, then hsum, then the K % 8 tail), so a token's numbers do not
@@ -574,10 +595,7 @@ inline void attend(const float* qh, int64_t G, const float* kh, const float* vh,
   for (int64_t h = 0; h < G; ++h, qh += D, sc += span, o += D) {
     float mx = -INFINITY;
     for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const float* ks) {
-      const float* kr[1] = {ks};
-      float d[4][4];
-      dot_NxM<float, 1, 1>(kr, qh, D, D, d);
-      sc[s] = d[0][0] * scale;
+      sc[s] = dot(ks, qh, D) * scale;
       mx = std::max(mx, sc[s]);
     });
     float sum = 0.f;
