@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +30,19 @@ def environment() -> dict:
     return {"cpu": cpu_info(), "versions": {"torch": torch.__version__,
                                             "transformers": transformers.__version__,
                                             "sluice": sluice.__version__}}
+
+
+def call_times(fn, repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` calls of fn, sorted, after `warmup` untimed calls (first-touch of
+    pages, lazy builds). Callers take the statistic they report: [0] the best, [len // 2] the median."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)
 
 
 def save_json(path: Path | None, result: dict) -> None:

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 
 import torch
 import torch.nn.functional as F
 
+from common import call_times
 from sluice.engine import gemv
 from sluice.model import quant
 from sluice.model.layers import decode_attention
@@ -33,13 +33,7 @@ QWEN3_06B = dict(C=1024, I=3072, H=16, KV=8, D=128, L=28)
 
 
 def best_of(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+    return call_times(fn, reps)[0]
 
 
 def linear_rows(shape: dict, rows_list, reps: int) -> list[dict]:

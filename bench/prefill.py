@@ -14,23 +14,18 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 import torch
 
+from common import call_times
 from sluice import LLM, SamplingParams
 from sluice.engine.native import cpu_flags
 from sluice.engine.paged_cache import PagedView
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()  # warm: first-touch of scratch and cache pages
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
+    times = call_times(fn, repeats)  # one warm-up call: first-touch of scratch and cache pages
+    return times[len(times) // 2] * 1e3
 
 
 def main() -> None:

@@ -11,24 +11,18 @@ microseconds. Results in docs/benchmarks.md ("counter-based sampling noise"), wi
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from common import call_times
 from sluice.engine.native import cpu_flags
 from sluice.engine.noise import RowStream, uniforms_at, uniforms_range
 from sluice.engine.sampling import Sampler, SamplingParams
 
 
 def us(fn, repeats: int) -> tuple[float, float]:
-    for _ in range(max(10, repeats // 10)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
+    """(median, 10th percentile) microseconds a call."""
+    times = call_times(fn, repeats, warmup=max(10, repeats // 10))
     return times[len(times) // 2] * 1e6, times[len(times) // 10] * 1e6
 
 
