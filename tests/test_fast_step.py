@@ -4,6 +4,11 @@ chunk of T tokens per row must give the same logits (and hidden states), write t
 values into the cache, and greedy decoding must pick the same tokens. Models outside what step.cpp
 implements must be refused with a reason naming the feature."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +17,7 @@ from ckpt import build
 from sluice.engine import fast_step, mixed
 from sluice.engine.fast_step import FastStep, unsupported
 from sluice.engine.kv_cache import KVCache
+from sluice.engine.native import cpu_flags
 from sluice.engine.runner import Runner
 from sluice.errors import ConfigError
 from sluice.model.config import ModelConfig
@@ -255,3 +261,23 @@ def test_a_missing_kernel_is_a_reason(ckpt_dirs, monkeypatch):
     monkeypatch.setenv("SLUICE_NO_KERNELS", "1")
     monkeypatch.setattr(fast_step, "_EXT", fast_step.NativeExtension(fast_step._EXT.source, "whole-step CPU kernel"))
     assert "SLUICE_NO_KERNELS" in unsupported(load(ckpt_dirs["qwen3"]))
+
+
+def test_the_avx2_products_are_built_and_pass_on_an_avx512_cpu():
+    """Which product path runs depends on the CPU (step.cpp's AVX-512 tiles, else AVX2's dot_NxM), and
+    machines differ. On an AVX-512 CPU the default build must use the tiles, and the AVX2 path is built
+    too (SLUICE_KERNEL_FLAGS=-mno-avx512f, about a minute) and checked in a subprocess: torch parity,
+    greedy tokens and a token's bits in any chunk. On an AVX2-only CPU the tests above run that path."""
+    if "avx512f" not in cpu_flags():
+        pytest.skip("no AVX-512 on this CPU: the default build is the AVX2 path, which the tests above check")
+    assert fast_step.kernel().has_avx512()
+    env = {**os.environ, "SLUICE_KERNEL_FLAGS": "-mno-avx512f"}
+    probe = ("from sluice.engine import fast_step; k = fast_step.kernel(); "
+             "assert k is not None, fast_step.why_unavailable(); assert k.has_avx2() and not k.has_avx512()")
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tests = Path(__file__).resolve()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), "-k",
+                        "(odd_sizes or chunk_logits or greedy or bf16_weights) and not avx512_cpu"],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=tests.parents[1])
+    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]

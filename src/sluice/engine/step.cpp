@@ -825,8 +825,17 @@ bool has_avx2() {
 #endif
 }
 
+bool has_avx512() {
+#ifdef SLUICE_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &has_avx2, "whether this build has the AVX2 + FMA paths");
+  m.def("has_avx512", &has_avx512, "whether this build's products run on the AVX-512 tiles");
   pybind11::class_<Step>(m, "Step")
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
                           torch::Tensor, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double, double>())
