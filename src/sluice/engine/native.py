@@ -24,14 +24,15 @@ import torch
 # first measurements in docs/benchmarks.md saw: 9-10 GB/s against 13-16 with two threads).
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
-
-def cflags() -> list[str]:
-    """CFLAGS plus the extra flags in SLUICE_KERNEL_FLAGS (whitespace-separated), if any."""
-    return CFLAGS + os.environ.get("SLUICE_KERNEL_FLAGS", "").split()
 # torch's build lock (a file named `lock` in the build directory) is removed by the process that
 # built; one killed mid-build leaves it, and every later load would wait on it forever. A build takes
 # about a minute here: a lock this much older than that belongs to no live build.
 STALE_LOCK_SECONDS = 15 * 60
+
+
+def cflags() -> list[str]:
+    """CFLAGS plus the extra flags in SLUICE_KERNEL_FLAGS (whitespace-separated), if any."""
+    return CFLAGS + os.environ.get("SLUICE_KERNEL_FLAGS", "").split()
 
 
 def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:

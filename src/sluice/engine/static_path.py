@@ -67,6 +67,7 @@ def run(llm, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iter
     finally:
         llm._busy.release()
 
+
 def decode(llm, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[tuple[int, str]]:
     """The body of run(), on the LLM's runner (and its draft's, when speculating)."""
     B = len(outputs)

@@ -309,7 +309,7 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     // percentiles, ~3-9%), B = 6 ~4%; same tiles, so the same bits.
     constexpr int R = 4;
     constexpr int64_t kPassBytes = 24 << 10;
-    // (One group of activation rows, M <= 4, reuses nothing: passes of one weight group, each prefetching the next.)
+    // (M <= 8, one or two groups of activation rows, reuses little: passes of one weight group, each prefetching the next.)
     const int64_t pass = M <= 8 ? R : std::clamp<int64_t>(kPassBytes / std::max<int64_t>(row_bytes, 1) / R * R, R, 16);
     for (int64_t p0 = n0; p0 < n1; p0 += pass) {
       const int64_t p1 = std::min(n1, p0 + pass);
