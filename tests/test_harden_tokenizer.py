@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, normalizers, pre_tokenizers
 
 from sluice.errors import CheckpointError, RequestError, TemplateError
-from sluice.tokenizer import Tokenizer
+from sluice.text.tokenizer import Tokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -78,7 +78,7 @@ def test_hostile_templates_fail_fast_and_small(qwen_dir, tmp_path):
     code = f"""
         import json, time
         from sluice.errors import SluiceError
-        from sluice.tokenizer import Tokenizer
+        from sluice.text.tokenizer import Tokenizer
         out = {{}}
         for name, path in {dirs!r}.items():
             tok = Tokenizer.from_pretrained(path)
@@ -115,7 +115,7 @@ def test_huge_prompt_refused_before_tokenizing(qwen_dir):
     code = f"""
         import time
         from sluice.errors import RequestError
-        from sluice.tokenizer import Tokenizer
+        from sluice.text.tokenizer import Tokenizer
         tok = Tokenizer.from_pretrained({str(qwen_dir)!r})
         text = "a" * 100_000_000
         for call in (lambda: tok.encode(text, max_tokens=512),

@@ -7,7 +7,7 @@ from tok_fixtures import build_tokenizer
 
 from sluice.errors import ModelNotFoundError
 from sluice.model.hub import hf_cache_dir, resolve_model_dir
-from sluice.tokenizer import Tokenizer
+from sluice.text.tokenizer import Tokenizer
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 CACHE_VARS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")

@@ -58,7 +58,7 @@ def _worker(ranks, dirs):
     from sluice.observatory import surgery
     from sluice.observatory.analysis import inspect
     from sluice.parallel import load_rank
-    from sluice.tokenizer import Tokenizer
+    from sluice.text.tokenizer import Tokenizer
     out = {}
     for fam, d in dirs.items():
         model = load_rank(d, ranks)
@@ -83,7 +83,7 @@ def tp(request, dirs, tmp_path_factory):
 def single(dirs):
     import sluice
     from sluice.observatory.analysis import inspect
-    from sluice.tokenizer import Tokenizer
+    from sluice.text.tokenizer import Tokenizer
     out = {}
     for fam, d in dirs.items():
         model = sluice.load(d)

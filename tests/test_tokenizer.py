@@ -1,4 +1,4 @@
-"""sluice.tokenizer against transformers (the reference) on tiny Qwen3-like and Llama-3-like tokenizers."""
+"""sluice.text.tokenizer against transformers (the reference) on tiny Qwen3-like and Llama-3-like tokenizers."""
 
 import json
 import shutil
@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import processors
 
 from sluice.errors import CheckpointError, ModelNotFoundError, RequestError, TemplateError
-from sluice.tokenizer import Tokenizer
+from sluice.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,7 +22,7 @@ _LAZY = {
     "ModelConfig": (".model", "ModelConfig"), "Transformer": (".model", "Transformer"),
     "Model": (".model", "Transformer"), "load": (".model", "load"),
     "observe": (".observatory", "observe"), "surgery": (".observatory.surgery", None),
-    "Tokenizer": (".tokenizer", "Tokenizer"),
+    "Tokenizer": (".text.tokenizer", "Tokenizer"),
 }
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "load", "observe", "Model", "ModelConfig", "Tokenizer",
@@ -50,4 +50,4 @@ if TYPE_CHECKING:  # what editors and type checkers see
     from .model import ModelConfig, Transformer, load
     from .model import Transformer as Model
     from .observatory import observe, surgery
-    from .tokenizer import Tokenizer
+    from .text.tokenizer import Tokenizer

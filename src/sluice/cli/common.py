@@ -109,7 +109,7 @@ def _params(args):
 def _utf8(text: str, what: str) -> str:
     """`text` as given (argv and stdin decode bad bytes to lone surrogates), refused by name if it was
     not valid UTF-8: a model sees text, and guessing what broken bytes meant would change the prompt."""
-    from ..token_bound import utf8_bytes  # the tokenizer's own check, here before the (slow) load
+    from ..text.token_bound import utf8_bytes  # the tokenizer's own check, here before the (slow) load
     utf8_bytes(text, what)
     return text
 

@@ -11,7 +11,7 @@ def cmd_inspect(args) -> int:
     from ..errors import ObservatoryError
     from ..model import load
     from ..observatory.analysis import inspect
-    from ..tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
     tp_rank(args, "inspect")  # --tp against torchrun's environment, before the load; silences ranks > 0
     prompt = _utf8(_stdin_lines().read() if args.prompt == "-" else args.prompt, "the prompt")
     if not prompt:  # refused before the (slow) load; too long is checked once the tokenizer is here
@@ -63,7 +63,7 @@ def _inspect_tp(args, prompt: str, tp: int) -> int:
     from ..observatory.analysis import inspect
     from ..parallel import init, load_rank, shutdown
     from ..parallel.group import all_gather_object
-    from ..tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
     if args.surgery or args.text:
         raise SurgeryError("--surgery/--text are not implemented under tensor parallelism (--tp): run the "
                            "what-if on one process")

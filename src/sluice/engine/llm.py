@@ -12,7 +12,7 @@ import torch
 from ..errors import ConfigError, NumericsError, RequestError
 from ..model.hub import resolve_model_dir
 from ..model.loading import bundled_model_dir, load
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from . import static_path
 from .batching import (
     DEFAULT_MAX_BATCHED_TOKENS,

@@ -72,7 +72,7 @@ def print_compare(data: dict, console: Console | None = None) -> None:
 def run_cli(args, prompt: str) -> int:
     """The --surgery branch of `sluice inspect`: 0 done, 3 a forward produced NaN/inf."""
     from ..model import load
-    from ..tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
     from .analysis import to_json
     from .surgery import compare, parse
     from .surgery_eval import MAX_TEXT_BYTES

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, TemplateError
-from .model.hub import is_inside
+from ..errors import CheckpointError, TemplateError
+from ..model.hub import is_inside
 
 MAX_TOKENIZER_JSON_BYTES = 2**30
 MAX_CONFIG_JSON_BYTES = 64 * 2**20

@@ -15,9 +15,9 @@ import jinja2
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
+from ..errors import CheckpointError, RequestError, TemplateError
+from ..model.hub import resolve_model_dir
 from .chat_template import TemplateRaised, compile_template, plain, render
-from .errors import CheckpointError, RequestError, TemplateError
-from .model.hub import resolve_model_dir
 from .token_bound import check_fits, check_max_tokens, max_token_bytes, utf8_bytes
 from .tokenizer_files import (MAX_TOKENIZER_JSON_BYTES, NAMED_SPECIALS, checked_size, chat_templates, eos_ids,
                               generation_config, inside, read_json, special_tokens)

@@ -26,7 +26,7 @@ from string import Formatter
 
 import jinja2.utils
 
-from .errors import TemplateError
+from ..errors import TemplateError
 
 MAX_VALUE_CHARS = 16 * 2**20
 MAX_WORK = 256 * 2**20

@@ -27,7 +27,7 @@ import math
 
 from tokenizers import pre_tokenizers
 
-from .errors import RequestError
+from ..errors import RequestError
 
 LOSSY_SLACK = 8
 # Strings are measured in slices of this many characters, so counting bytes never copies a huge prompt whole.

@@ -21,8 +21,8 @@ import jinja2.nodes as nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
+from ..errors import RequestError
 from . import template_limits as lim
-from .errors import RequestError
 from .template_guards import guard_filter, guard_method
 
 MAX_NESTING = 100  # of the messages/tools data handed to a template: real JSON schemas nest ~10 deep
