@@ -125,7 +125,7 @@ def engine_rows(modes: list[str], batches: list[int], reps: int, new_tokens: int
     import sluice
 
     llms = {name: sluice.LLM(fused_head=v) for name, v in VARIANTS.items()}
-    source = Path(sluice.engine.llm.__file__).read_text()  # a fixed prompt: the engine's own source
+    source = Path(sluice.llm.__file__).read_text()  # a fixed prompt: the LLM facade's own source
     prompt = llms["plain"].tokenizer.encode(source)[:200]
     rows = []
     for mode in modes:

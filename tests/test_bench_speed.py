@@ -176,7 +176,7 @@ def test_vs_llama_cpp(tiny_dir, tmp_path, monkeypatch, gguf_from):
 def test_speculation_flags(tiny_dir, tmp_path, monkeypatch, capsys, flags, mode, k):
     """--draft-model / --prompt-lookup / --speculative-tokens reach sluice's LLM (and only it), and the
     acceptance rate and tokens per target forward land under the table and in the JSON."""
-    import sluice.engine.llm as engine_llm
+    import sluice.llm as engine_llm
     seen = []
 
     class Spy(engine_llm.LLM):

@@ -127,7 +127,7 @@ def test_nan_weights_end_in_an_error_not_an_empty_completion(tmp_path):
 
 
 def test_a_malformed_kv_cache_memory_is_refused_before_the_load(monkeypatch, capsys):
-    import sluice.engine.llm as llm_module
+    import sluice.llm as llm_module
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the flag was checked")

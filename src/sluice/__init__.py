@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 # public name -> (module, attribute)
 _LAZY = {
-    "LLM": (".engine", "LLM"), "RequestOutput": (".engine", "RequestOutput"),
+    "LLM": (".llm", "LLM"), "RequestOutput": (".engine", "RequestOutput"),
     "SamplingParams": (".engine.sampling", "SamplingParams"),
     "ModelConfig": (".model", "ModelConfig"), "Transformer": (".model", "Transformer"),
     "Model": (".model", "Transformer"), "load": (".model", "load"),
@@ -45,7 +45,8 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # what editors and type checkers see
-    from .engine import LLM, RequestOutput
+    from .engine import RequestOutput
+    from .llm import LLM
     from .engine.sampling import SamplingParams
     from .model import ModelConfig, Transformer, load
     from .model import Transformer as Model

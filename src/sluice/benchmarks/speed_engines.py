@@ -68,7 +68,7 @@ class SluiceEngine:
 
     def __init__(self, model_dir: Path, dtype: str, quantize: str | None, compile: bool,
                  speculation: dict | None = None):
-        from ..engine import llm as engine_llm  # the module, so a test can watch what LLM is given
+        from .. import llm as engine_llm  # the module, so a test can watch what LLM is given
         from ..engine.sampling import SamplingParams
         LLM = engine_llm.LLM
         kwargs = {"dtype": dtype, "compile": compile, **(speculation or {})}

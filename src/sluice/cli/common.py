@@ -151,7 +151,7 @@ def _load_llm(args):
     """Load with a spinner on stderr, so a slow load never looks like a hang."""
     from rich.console import Console
 
-    from ..engine import LLM
+    from ..llm import LLM
     console = Console(stderr=True)
     kwargs = llm_kwargs(args)
     with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype}, {args.device})..."):

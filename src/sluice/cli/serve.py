@@ -105,7 +105,7 @@ def _check_tp(args) -> None:
 
 def _follow(args, kwargs) -> int:
     """A rank other than 0: load this rank's part, then step whenever rank 0 says, until it says stop."""
-    from ..engine import LLM
+    from ..llm import LLM
     from ..parallel import init, shutdown
     from ..parallel.lockstep import Channel, follow
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the group stops (see the docstring)
@@ -135,10 +135,10 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise SluiceError(f"sluice serve needs fastapi, uvicorn and pydantic ({e.name} is missing): "
                           "pip install fastapi uvicorn pydantic") from None
-    from ..engine import LLM
+    from ..llm import LLM
     from ..model.loading import BUNDLED_MODEL
 
-    # Speculative decoding and --compile run on the static one-request path (engine/llm.py): requests queue.
+    # Speculative decoding and --compile run on the static one-request path (llm.py): requests queue.
     static = kwargs["speculative"] != "off" or kwargs["compile"]
     if static and args.max_num_seqs > 1:
         print("sluice serve: note: with speculative decoding or --compile requests run one at a time (the "

@@ -1,7 +1,7 @@
-"""Generation: the runner (prefill + static-shape decode step) and the LLM API over it."""
+"""Generation: requests, the scheduler and its paged cache, the runner (prefill + static-shape decode step),
+sampling and speculative decoding. The LLM facade over it is sluice/llm.py."""
 
-from .llm import LLM
 from .outputs import RequestOutput, Stats
 from .runner import Runner
 
-__all__ = ["LLM", "RequestOutput", "Runner", "Stats"]
+__all__ = ["RequestOutput", "Runner", "Stats"]

@@ -3,7 +3,7 @@ head and batching=False run here, on the LLM's Runner (runner.py) with one fixed
 the last token, rather than on the continuous-batching scheduler.
 
 One request at a time: the runner holds a single KV cache, so a second request while one runs (another
-thread, a generate() inside an open stream()) is refused at once rather than waiting.
+thread, a generate() inside an open stream()) is refused at once rather than waiting (LLM.static_run).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from ..errors import NumericsError, RequestError
+from ..errors import NumericsError
 from .fused_head import FusedHead
 from .outputs import RequestOutput, Stats
 from .proposers import DraftProposer, PromptLookup
@@ -52,26 +52,13 @@ def speculator(llm, sampler: Sampler) -> Speculator:
     return Speculator(llm.runner, proposer, sampler, llm.num_speculative_tokens)
 
 
-def run(llm, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[tuple[int, str]]:
-    """Prefill all rows together, then decode until every row has finished.
+def decode(llm, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[tuple[int, str]]:
+    """Prefill all rows together, then decode until every row has finished, on the LLM's runner (and
+    its draft's, when speculating). The LLM holds itself for the generator's life (LLM.static_run).
 
     Yields (row, text delta) as text becomes final. One host sync per step (the sampled ids,
-    needed to detokenize and check stops); the model step and the sampler have none. Holds the
-    LLM for its whole life: a stream() closed early (close(), break, garbage collection) runs
-    the finally clause below and frees it."""
-    if not llm._busy.acquire(blocking=False):
-        raise RequestError("this LLM is already running a request (a stream() that is still open, or "
-                           "another thread?); finish or close it first, or use one LLM per thread")
-    try:
-        yield from decode(llm, outputs, params)
-    finally:
-        llm._busy.release()
-
-
-def decode(llm, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[tuple[int, str]]:
-    """The body of run(), on the LLM's runner (and its draft's, when speculating)."""
+    needed to detokenize and check stops); the model step and the sampler have none."""
     B = len(outputs)
-    llm._swap_kernels(B)
     model = llm.model
     sampler = Sampler(params, model.config.vocab_size, llm.device)
     for b, out in enumerate(outputs):

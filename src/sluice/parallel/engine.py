@@ -1,4 +1,4 @@
-"""What `sluice.LLM(model, tensor_parallel=N)` changes: the hook engine/llm.py calls.
+"""What `sluice.LLM(model, tensor_parallel=N)` changes: the hook sluice/llm.py calls.
 
 Every rank of a torchrun launch (or of a group started with parallel.init) builds the same LLM with
 the same arguments; then each rank loads only its slices (loading.load_rank), the continuous-batching

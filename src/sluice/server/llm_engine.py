@@ -7,7 +7,7 @@ another (choice i seeded with seed + i, so each equals an n = 1 request with tha
 continuous-batching scheduler will run them side by side.
 
 Abort: a waiting request leaves the queue at once; a running one is stopped at its next text delta
-by closing the LLM's stream() generator, which frees the LLM (static_path.run's finally clause).
+by closing the LLM's stream() generator, which frees the LLM (LLM.static_run's finally clause).
 """
 
 from __future__ import annotations

@@ -9,25 +9,25 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..errors import ConfigError, NumericsError, RequestError
-from ..model.hub import resolve_model_dir
-from ..model.loading import bundled_model_dir, load
-from ..text.tokenizer import Tokenizer
-from . import static_path
-from .batching import (
+from .engine import static_path
+from .engine.batching import (
     DEFAULT_MAX_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     BatchEngine,
     collect,
 )
-from .cpu_paths import COMPUTE_CHOICES, kernels_pay_off, set_compute, use_kernels
-from .kv_cache import KVCache, check_budget, default_budget, parse_size
-from .mixed import activation_dtype
-from .outputs import RequestOutput, Stats
-from .requests import as_prompt_list, token_ids
-from .runner import Runner
-from .sampling import SamplingParams
-from .speculative import check_draft, draft_dir, resolve_mode
+from .engine.cpu_paths import COMPUTE_CHOICES, kernels_pay_off, set_compute, use_kernels
+from .engine.kv_cache import KVCache, check_budget, default_budget, parse_size
+from .engine.mixed import activation_dtype
+from .engine.outputs import RequestOutput, Stats
+from .engine.requests import as_prompt_list, token_ids
+from .engine.runner import Runner
+from .engine.sampling import SamplingParams
+from .engine.speculative import check_draft, draft_dir, resolve_mode
+from .errors import ConfigError, NumericsError, RequestError
+from .model.hub import resolve_model_dir
+from .model.loading import bundled_model_dir, load
+from .text.tokenizer import Tokenizer
 
 
 class LLM:
@@ -89,7 +89,7 @@ class LLM:
             speculative, draft_model, num_speculative_tokens, model is None)
         self.tp = None  # parallel/engine.TensorParallel: this rank's part, when the model is split
         if tensor_parallel != 1:
-            from ..parallel.engine import TensorParallel
+            from .parallel.engine import TensorParallel
             self.tp = TensorParallel.start(tensor_parallel, compile=compile, fused_head=fused_head, quantize=quantize,
                                            kernels=kernels, compute=compute, speculative=self.speculative,
                                            batching=batching, device=device)
@@ -138,7 +138,7 @@ class LLM:
         """Generate for every prompt (strings or token-id lists), decoding them as one batch."""
         outputs, params = self._start(as_prompt_list(prompts), params)
         if self.static_path:
-            for _ in static_path.run(self, outputs, params):
+            for _ in self.static_run(outputs, params):
                 pass
             return outputs
         engine, t0 = self.batch_engine(), time.perf_counter()
@@ -192,6 +192,18 @@ class LLM:
                                           head=self.tp and self.tp.head)
             return self._batch
 
+    def static_run(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[tuple[int, str]]:
+        """static_path.decode with this LLM held for the generator's whole life: a stream() closed early
+        (close(), break, garbage collection) runs the finally clause below and frees it."""
+        if not self._busy.acquire(blocking=False):
+            raise RequestError("this LLM is already running a request (a stream() that is still open, or "
+                               "another thread?); finish or close it first, or use one LLM per thread")
+        try:
+            self._swap_kernels(len(outputs))
+            yield from static_path.decode(self, outputs, params)
+        finally:
+            self._busy.release()
+
     def _swap_kernels(self, rows: int) -> None:
         if self._kernels_pending and (rows >= 2 or kernels_pay_off(self.model, self.device)):
             self._kernels_pending = False  # swapped (or not) once, for good
@@ -206,7 +218,7 @@ class LLM:
             raise NumericsError(bad.error)
 
     def _stream(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[str]:
-        run = static_path.run(self, outputs, params)
+        run = self.static_run(outputs, params)
         try:
             for _, delta in run:
                 yield delta
