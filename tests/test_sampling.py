@@ -321,7 +321,7 @@ def test_top_p_one_row_keeps_far_tail_next_to_a_filtered_row():
 
 
 def _filter_by_full_sort(x, rows, use_top_k, use_top_p, use_min_p):
-    """sampling._filter as it was before the top-k prefix (one stable sort of the whole row): the reference."""
+    """sampling.filter_logits as it was before the top-k prefix (one stable sort of the whole row): the reference."""
     import math
     import torch.nn.functional as F
     x = (x - x.amax(-1, keepdim=True)) / rows["temperature"][:, None]
@@ -341,11 +341,11 @@ def _filter_by_full_sort(x, rows, use_top_k, use_top_p, use_min_p):
 
 
 def test_top_k_prefix_filter_equals_the_full_sort_bit_for_bit():
-    """_filter sorts only the k largest when every sampled row has top_k (sampling._descending): the
+    """filter_logits sorts only the k largest when every sampled row has top_k (sampling._descending): the
     result must be the full stable sort's exactly, ties included (logits rounded to halves make many,
     also across the k-th value, where the full sort has to take over)."""
     import random
-    from sluice.engine.sampling import _filter, _flags, _row_tensors
+    from sluice.engine.sampling import _flags, _row_tensors, filter_logits
     rng = random.Random(0)
     for trial in range(400):
         V, B = rng.choice([64, 1000, 8192]), rng.randint(1, 5)
@@ -357,7 +357,7 @@ def test_top_k_prefix_filter_equals_the_full_sort_bit_for_bit():
                                  top_p=rng.choice([1.0, 0.9, 0.3]), min_p=rng.choice([0.0, 0.05])) for _ in range(B)]
         params = [p.with_defaults(None) for p in params]
         rows = _row_tensors(params, V, "cpu")
-        got, want = _filter(x, rows, *_flags(params)), _filter_by_full_sort(x, rows, *_flags(params))
+        got, want = filter_logits(x, rows, *_flags(params)), _filter_by_full_sort(x, rows, *_flags(params))
         sampled = ~rows["greedy"]
         assert torch.equal(got[sampled], want[sampled]), (trial, V, [(p.top_k, p.top_p, p.min_p) for p in params])
 
@@ -365,10 +365,10 @@ def test_top_k_prefix_filter_equals_the_full_sort_bit_for_bit():
 def test_a_top_k_race_over_the_candidates_equals_the_full_row_race():
     """With top_k on every sampled row (k <= V/4) the Sampler races only the sort's first k candidates
     (sampling._race). Its token must be the full-row formula's, bit for bit: argmax over the
-    vocabulary of filtered(x) - log E, the filters from the full-sort reference (_filter with top_k
+    vocabulary of filtered(x) - log E, the filters from the full-sort reference (filter_logits with top_k
     too large for the prefix) and E the whole row's noise from the row's own seed. Tie-heavy logits included."""
     from sluice.engine.noise import RowStream, log_exp_noise, uniforms_range
-    from sluice.engine.sampling import _filter, _flags, _row_tensors
+    from sluice.engine.sampling import _flags, _row_tensors, filter_logits
 
     V, g = 2000, torch.Generator().manual_seed(5)
     settings = [dict(top_k=40, top_p=0.9), dict(top_k=7, min_p=0.2), dict(top_k=100, top_p=0.6, min_p=0.01),
@@ -389,8 +389,8 @@ def test_a_top_k_race_over_the_candidates_equals_the_full_row_race():
             p = p.with_defaults(None)
             # The same row's filters through the full sort: a second row with top_k off forces it.
             both = [p, SamplingParams(**{**vars(p), "top_k": 0})]
-            reference = _filter(logits[[r, r]], _row_tensors(both, V, "cpu"), *_flags(both))[:1]
-            kept = _filter(logits[r:r + 1], _row_tensors([p], V, "cpu"), *_flags([p]))  # through the prefix
+            reference = filter_logits(logits[[r, r]], _row_tensors(both, V, "cpu"), *_flags(both))[:1]
+            kept = filter_logits(logits[r:r + 1], _row_tensors([p], V, "cpu"), *_flags([p]))  # through the prefix
             assert torch.equal(kept, reference)
             log_e = log_exp_noise(uniforms_range([RowStream(p.seed)], 0, V))[0]  # the row's first draw
             assert got[r] == (reference[0] - log_e).argmax(), (trial, r, p)

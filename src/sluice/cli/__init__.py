@@ -14,7 +14,7 @@ import os
 import sys
 
 from ..errors import SluiceError
-from .common import _model_args, _sampling_args, _tp_args
+from .common import model_args, sampling_args, tp_args
 from .inspect import cmd_inspect
 from .run import cmd_chat, cmd_demo, cmd_generate
 from .serve import add_serve_parser
@@ -32,21 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="stream a few completions from the bundled model and show its "
                                     "four numerical valves")
-    _model_args(p)
+    model_args(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("generate", help="continue a prompt, streaming to the terminal")
-    _model_args(p)
-    _tp_args(p)
-    _sampling_args(p)
+    model_args(p)
+    tp_args(p)
+    sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("prompt")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat")
-    _model_args(p)
-    _sampling_args(p)
+    model_args(p)
+    sampling_args(p)
     p.add_argument("--system", default=None, help="system message")
     p.set_defaults(func=cmd_chat)
 
@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "prompt; tables, or JSON, or an HTML report with plots",
                        epilog="exit status: 0 ok, 2 bad input (the message names it), 3 the forward "
                               "produced NaN/inf (reported as a finding with its origin; report still written)")
-    _model_args(p, engine=False)
-    _tp_args(p)
+    model_args(p, engine=False)
+    tp_args(p)
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write report.html (self-contained), report.json and the PNG plots here "
                         "(created if missing)")

@@ -10,7 +10,7 @@ import sys
 from ..errors import ConfigError
 
 
-def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
+def model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     """--model and --dtype; with engine=True also the generation engine's own flags."""
     p.add_argument("--model", default=None,
                    help="local checkpoint directory or cached Hugging Face repo id "
@@ -36,7 +36,7 @@ def _model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
                         "group of 32 (docs/quantization.md)")
 
 
-def _tp_args(p: argparse.ArgumentParser) -> None:
+def tp_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=None, metavar="N",
                    help="tensor parallelism: split the model over N processes, launched with "
                         "`torchrun --nproc-per-node N -m sluice ... --tp N`; rank 0 prints")
@@ -70,7 +70,7 @@ def tp_rank(args, command: str) -> int:
     return rank
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
+def sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (unset values come from the model's generation_config.json)")
     g.add_argument("--max-tokens", type=int)
     g.add_argument("--temperature", type=float, help="0 = greedy")
@@ -82,10 +82,10 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", help="stop string (repeatable), excluded from the output")
     g.add_argument("--stop-token-id", action="append", type=int, dest="stop_token_ids")
     g.add_argument("--ignore-eos", action="store_true")
-    _speculative_args(p)
+    speculative_args(p)
 
 
-def _speculative_args(p: argparse.ArgumentParser) -> None:
+def speculative_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (the output's distribution stays the model's own)")
     g.add_argument("--draft-model", default=None, metavar="PATH",
                    help="a smaller checkpoint with the same tokenizer guesses the next tokens; the model "
@@ -98,7 +98,7 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
                         "at which guesses are kept")
 
 
-def _params(args):
+def sampling_params(args):
     from ..engine.sampling import SamplingParams
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, min_p=args.min_p,
@@ -106,7 +106,7 @@ def _params(args):
                           stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
 
 
-def _utf8(text: str, what: str) -> str:
+def utf8_arg(text: str, what: str) -> str:
     """`text` as given (argv and stdin decode bad bytes to lone surrogates), refused by name if it was
     not valid UTF-8: a model sees text, and guessing what broken bytes meant would change the prompt."""
     from ..text.token_bound import utf8_bytes  # the tokenizer's own check, here before the (slow) load
@@ -114,14 +114,14 @@ def _utf8(text: str, what: str) -> str:
     return text
 
 
-def _stdin_lines():
+def stdin_lines():
     """Lines of stdin with undecodable bytes kept (as surrogates) so one bad line is refused, not the session."""
     with contextlib.suppress(AttributeError, ValueError):  # not a TextIOWrapper (e.g. replaced in a test)
         sys.stdin.reconfigure(errors="surrogateescape")
     return sys.stdin
 
 
-def _kv_budget(args) -> None:
+def kv_budget(args) -> None:
     """A malformed --kv-cache-memory is refused before the (slow) load."""
     if args.kv_cache_memory is not None:
         from ..engine.kv_cache import parse_size
@@ -129,7 +129,7 @@ def _kv_budget(args) -> None:
 
 
 def llm_kwargs(args) -> dict:
-    """The LLM(...) arguments of the model flags (_model_args) and the speculative ones, checked: one
+    """The LLM(...) arguments of the model flags (model_args) and the speculative ones, checked: one
     reading for generate, chat, demo and serve."""
     draft, lookup = getattr(args, "draft_model", None), getattr(args, "prompt_lookup", False)
     if draft is not None and lookup:
@@ -147,7 +147,7 @@ def llm_kwargs(args) -> dict:
                 tensor_parallel=getattr(args, "tp", None) or 1)
 
 
-def _load_llm(args):
+def load_llm(args):
     """Load with a spinner on stderr, so a slow load never looks like a hang."""
     from rich.console import Console
 

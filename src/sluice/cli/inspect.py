@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import _stdin_lines, _utf8, tp_rank
+from .common import stdin_lines, tp_rank, utf8_arg
 
 
 def cmd_inspect(args) -> int:
@@ -13,7 +13,7 @@ def cmd_inspect(args) -> int:
     from ..observatory.analysis import inspect
     from ..text.tokenizer import Tokenizer
     tp_rank(args, "inspect")  # --tp against torchrun's environment, before the load; silences ranks > 0
-    prompt = _utf8(_stdin_lines().read() if args.prompt == "-" else args.prompt, "the prompt")
+    prompt = utf8_arg(stdin_lines().read() if args.prompt == "-" else args.prompt, "the prompt")
     if not prompt:  # refused before the (slow) load; too long is checked once the tokenizer is here
         raise ObservatoryError("the prompt is empty: give some text to inspect, e.g. "
                                "sluice inspect \"def read_config(path):\"")

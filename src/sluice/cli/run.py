@@ -6,13 +6,13 @@ import json
 import sys
 
 from ..errors import RequestError, SluiceError
-from .common import _kv_budget, _load_llm, _params, _stdin_lines, _utf8, tp_rank
+from .common import kv_budget, load_llm, sampling_params, stdin_lines, tp_rank, utf8_arg
 
 
 def cmd_generate(args) -> int:
-    params = _params(args)  # validate before the (slow) load
-    _utf8(args.prompt, "the prompt")
-    _kv_budget(args)
+    params = sampling_params(args)  # validate before the (slow) load
+    utf8_arg(args.prompt, "the prompt")
+    kv_budget(args)
     tp_rank(args, "generate")
     if (args.tp or 1) > 1:  # every rank runs this same command, in lockstep; rank 0 prints
         from ..parallel import shutdown
@@ -24,7 +24,7 @@ def cmd_generate(args) -> int:
 
 
 def _generate(args, params) -> int:
-    llm = _load_llm(args)
+    llm = load_llm(args)
     prompt = args.prompt
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}])
@@ -54,12 +54,12 @@ def _generate(args, params) -> int:
 
 
 def cmd_chat(args) -> int:
-    params = _params(args)
-    _utf8(args.system or "", "--system")
-    _kv_budget(args)
-    llm = _load_llm(args)
+    params = sampling_params(args)
+    utf8_arg(args.system or "", "--system")
+    kv_budget(args)
+    llm = load_llm(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
-    _stdin_lines()
+    stdin_lines()
     history = list(system)
     print("sluice chat: /reset clears the conversation, /exit or Ctrl-D quits, "
           "Ctrl-C stops a reply.", file=sys.stderr)
@@ -76,7 +76,7 @@ def cmd_chat(args) -> int:
         if not line:
             continue
         try:
-            _utf8(line, "that line")
+            utf8_arg(line, "that line")
         except RequestError as e:
             print(f"error: {e}; nothing was sent", file=sys.stderr)
             continue
@@ -111,4 +111,4 @@ def cmd_chat(args) -> int:
 
 def cmd_demo(args) -> int:
     from ..demo import run_demo
-    return run_demo(_load_llm(args))
+    return run_demo(load_llm(args))

@@ -19,7 +19,7 @@ import threading
 import time
 
 from ..errors import ConfigError, SluiceError
-from .common import _kv_budget, _model_args, _speculative_args, llm_kwargs, tp_rank
+from .common import kv_budget, llm_kwargs, model_args, speculative_args, tp_rank
 
 
 def add_serve_parser(sub) -> None:
@@ -28,8 +28,8 @@ def add_serve_parser(sub) -> None:
                                    "/v1/models, /health, /metrics (docs/server.md).",
                        epilog="exit status: 0 after a clean shutdown (SIGTERM or Ctrl-C drains), 2 bad input "
                               "or a model that failed to load")
-    _model_args(p)
-    _speculative_args(p)
+    model_args(p)
+    speculative_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine "
                                                         "only; 0.0.0.0 exposes the server to the network)")
     p.add_argument("--port", type=int, default=8000)
@@ -70,7 +70,7 @@ def _check(args) -> dict:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    _kv_budget(args)
+    kv_budget(args)
     kwargs = llm_kwargs(args)  # the speculative flags checked too, before anything is bound or loaded
     kwargs.update(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     return kwargs

@@ -19,7 +19,7 @@ from typing import Iterator
 
 from ..errors import RequestError
 from ..model.layers import Transformer
-from .kv_cache import STEP_BYTES_PER_LOGIT, _fmt
+from .kv_cache import STEP_BYTES_PER_LOGIT, fmt_bytes
 from .mixed import activation_dtype
 from .outputs import RequestOutput, Stats
 from .paged_cache import DEFAULT_BLOCK_SIZE, BlockPool
@@ -42,8 +42,8 @@ def pool_blocks(model: Transformer, max_model_len: int, max_num_seqs: int, block
     room = budget - max_num_seqs * cfg.vocab_size * STEP_BYTES_PER_LOGIT
     if room < per_block:
         where = "kv_cache_memory= / --kv-cache-memory" if given else "the default, half of the memory available now"
-        raise RequestError(f"one KV block of {block_size} tokens ({_fmt(per_block)}) plus the sampling buffers of "
-                           f"{max_num_seqs} sequences ({_fmt(budget - room)}) is over the budget of {_fmt(budget)} "
+        raise RequestError(f"one KV block of {block_size} tokens ({fmt_bytes(per_block)}) plus the sampling buffers of "
+                           f"{max_num_seqs} sequences ({fmt_bytes(budget - room)}) is over the budget of {fmt_bytes(budget)} "
                            f"({where}); raise it, or lower max_num_seqs / --max-num-seqs")
     return min(useful, room // per_block)
 

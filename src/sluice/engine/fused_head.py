@@ -13,12 +13,12 @@ live only while that chunk is processed; per row we keep
 - each chunk's top-K (values, ids) for rows with top_k / top_p / min_p: their union holds the
   vocabulary's top-K, from which the filters are resolved at the end.
 
-Filters follow sampling._filter exactly (order, ties, fp32). On K candidates that is exact only
+Filters follow sampling.filter_logits exactly (order, ties, fp32). On K candidates that is exact only
 when the kept set provably lies inside them. Every token outside has a logit <= the K-th
 candidate's, so it suffices that top_k's k-th value, or top_p's cut, or min_p's threshold lies
 strictly above that value, or that K covers the vocabulary. A row where none holds (top-p's nucleus
 has more than K tokens on a flat distribution, or bf16 ties straddle the K-th value) FALLS BACK to
-the plain path for that step: its full logits are computed and sampling._filter runs on them.
+the plain path for that step: its full logits are computed and sampling.filter_logits runs on them.
 Finding such rows is this path's one host sync. Greedy and pure-temperature rows never fall back.
 
 Numerics are the plain path's: each chunk's matmul runs in the weight dtype and is cast to fp32 as
@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from .noise import RowStream, log_exp_noise, uniforms_at, uniforms_range
-from .sampling import NONFINITE, Sampler, SamplingParams, _filter, _penalize, nonfinite_rows, value_then_id
+from .sampling import (NONFINITE, Sampler, SamplingParams, filter_logits, nonfinite_rows, penalize_seen,
+                       value_then_id)
 
 CHUNK = 32768  # head rows per step: a (32, 32768) fp32 block fits the L3 cache; few chunks, little overhead
 CANDIDATES = 1024  # the top-K kept per row with filters; raised to max(top_k) + 1 where a row needs it
@@ -119,7 +120,7 @@ class FusedHead:
             if logprobs:
                 m_raw, s_raw = _online(m_raw, s_raw, z)
             if smp._use_penalty:
-                z = _penalize(z, smp.seen[:, start:start + c], smp.rows["penalty"])
+                z = penalize_seen(z, smp.seen[:, start:start + c], smp.rows["penalty"])
             if pick:
                 key = z  # greedy rows: the penalised logit; their temperature reads 1 and noise stays 1
                 if race:  # the race rows' noise for this chunk's tokens; log E = 0 for the others
@@ -164,10 +165,10 @@ class FusedHead:
         """The filtered rows on their candidates (Bf, n >= K): -> tokens (Bf,), fallback (Bf,) bool."""
         smp = self.sampler
         rows = {name: t[fr] for name, t in smp.rows.items()}  # (Bf,) each
-        # _filter's order: value descending, token id ascending on ties (its stable sort).
+        # filter_logits's order: value descending, token id ascending on ties (its stable sort).
         order = value_then_id(cand_v, cand_i)[:, :K]
         v, ids = cand_v.gather(1, order), cand_i.gather(1, order)  # (Bf, K): the vocabulary's top-K
-        x = (v - v[:, :1]) / rows["temperature"][:, None]  # (Bf, K) as _filter's x
+        x = (v - v[:, :1]) / rows["temperature"][:, None]  # (Bf, K) as filter_logits's x
         complete = K == V  # every token is a candidate
         certain = (v > v[:, -1:]) | complete  # (Bf, K): no token outside can rank among these
         exact = torch.full_like(certain[:, 0], complete)  # (Bf,)
@@ -186,7 +187,7 @@ class FusedHead:
                 p = torch.where(topk_on[:, None], p, torch.exp(x) / s_t[:, None])
             if use_top_p:
                 top_p = rows["top_p"][:, None]
-                mass_before = F.pad(p.cumsum(-1)[:, :-1], (1, 0))  # as _filter computes it
+                mass_before = F.pad(p.cumsum(-1)[:, :-1], (1, 0))  # as filter_logits computes it
                 keep_p = (mass_before < top_p) | (top_p >= 1)
                 keep &= keep_p
                 # A certain token already past the cut: everything ranked after it is out too.
@@ -201,15 +202,15 @@ class FusedHead:
         return ids.gather(1, pick[:, None])[:, 0], fallback
 
     def _plain(self, hidden, weight, softcap, idx: list[int]) -> torch.Tensor:
-        """The plain path for rows idx: full logits (n, V), sampling._filter, the race."""
+        """The plain path for rows idx: full logits (n, V), sampling.filter_logits, the race."""
         smp = self.sampler
         z = F.linear(hidden, weight).float()
         if softcap is not None:
             z = torch.tanh(z / softcap) * softcap
         rows = {name: t[idx] for name, t in smp.rows.items()}
         if smp._use_penalty:
-            z = _penalize(z, smp.seen[idx], rows["penalty"])
-        return _race(_filter(z, rows, *smp._filters), None, [smp._streams[i] for i in idx])
+            z = penalize_seen(z, smp.seen[idx], rows["penalty"])
+        return _race(filter_logits(z, rows, *smp._filters), None, [smp._streams[i] for i in idx])
 
     @staticmethod
     def _logits_of(hidden, weight, softcap, tokens) -> torch.Tensor:

@@ -95,7 +95,7 @@ def default_budget(device: torch.device) -> int | None:
     return None if free is None else int(free * DEFAULT_BUDGET_FRACTION)
 
 
-def _fmt(n: int) -> str:
+def fmt_bytes(n: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
@@ -114,8 +114,8 @@ def check_budget(cfg: ModelConfig, batch_size: int, num_slots: int, dtype: torch
              f"the default, {DEFAULT_BUDGET_FRACTION:g} of the memory available now")
     fits = budget // (KVCache.nbytes_for(cfg, 1, num_slots, dtype) + cfg.vocab_size * STEP_BYTES_PER_LOGIT)
     raise RequestError(
-        f"this request needs {_fmt(kv + step)} ({kv:,} bytes of KV cache for {batch_size:,} prompts x "
-        f"{num_slots:,} slots, plus {step:,} bytes of sampling buffers), over the budget of {_fmt(budget)} "
+        f"this request needs {fmt_bytes(kv + step)} ({kv:,} bytes of KV cache for {batch_size:,} prompts x "
+        f"{num_slots:,} slots, plus {step:,} bytes of sampling buffers), over the budget of {fmt_bytes(budget)} "
         f"({where}); send fewer prompts at once (about {fits:,} fit), lower max_tokens or shorten "
         f"the prompts, or raise LLM(kv_cache_memory=...) / --kv-cache-memory if the memory is there")
 

@@ -33,7 +33,7 @@ class TokenLogprob:
     top: list[TopLogprob]
 
 
-def _text(decode_one: Callable[[int], str], token_id: int) -> tuple[str, list[int]]:
+def token_text(decode_one: Callable[[int], str], token_id: int) -> tuple[str, list[int]]:
     text = decode_one(token_id)
     # surrogatepass: a stray surrogate in a decoded text still gets bytes instead of an exception
     return text, list(text.encode("utf-8", "surrogatepass"))
@@ -70,9 +70,9 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_n: list[int],
         values = lp[b, ids].tolist()
         top = []
         for i, v in zip(ids, values, strict=True):
-            text, raw = _text(decode_one, i)
+            text, raw = token_text(decode_one, i)
             top.append(TopLogprob(i, text, v, raw))
-        text, raw = _text(decode_one, tok)
+        text, raw = token_text(decode_one, tok)
         out.append(TokenLogprob(tok, text, chosen_lp[b], raw, top))
     return out
 

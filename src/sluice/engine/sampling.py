@@ -73,7 +73,7 @@ def _row_tensors(params: list[SamplingParams], vocab_size: int, device) -> dict[
     return {name: torch.tensor(col, dtype=dt, device=device) for (name, dt), col in zip(_COLUMNS, columns, strict=True)}
 
 
-def _penalize(x: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+def penalize_seen(x: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     # CTRL / HF rule: divide positive logits and multiply negative ones, so a penalty > 1 always
     # makes a seen token less likely whatever the sign of its logit.
     p = penalty[:, None]
@@ -117,7 +117,7 @@ def _scaled(x: torch.Tensor, rows: dict) -> torch.Tensor:
     return (x - x.amax(-1, keepdim=True)) / rows["temperature"][:, None]
 
 
-def _filter(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool, use_min_p: bool) -> torch.Tensor:
+def filter_logits(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool, use_min_p: bool) -> torch.Tensor:
     """(B, V) fp32 penalised logits -> temperature-scaled logits with filtered tokens at -inf."""
     x = _scaled(x, rows)
     if not (use_top_k or use_top_p or use_min_p):
@@ -202,10 +202,10 @@ def filtered_probs(
     plist = [p.with_defaults(None) for p in plist]
     rows = _row_tensors(plist, V, x.device)
     if seen is not None:
-        x = _penalize(x, seen.reshape(B, V), rows["penalty"])
+        x = penalize_seen(x, seen.reshape(B, V), rows["penalty"])
     if counts is not None:
         x = _penalize_counts(x, counts.reshape(B, V), rows["presence"], rows["frequency"])
-    probs = _filter(x, rows, *_flags(plist)).softmax(-1)
+    probs = filter_logits(x, rows, *_flags(plist)).softmax(-1)
     one_hot = F.one_hot(x.argmax(-1), V).to(probs.dtype)
     probs = torch.where(rows["greedy"][:, None], one_hot, probs)
     return probs[0] if single else probs
@@ -328,7 +328,7 @@ class Sampler:
         pick = slice(None) if rows is None else rows
         cols = slice(start, start + x.shape[1])
         if self._use_penalty:
-            x = _penalize(x, self.seen[pick, cols], self.rows["penalty"][pick])
+            x = penalize_seen(x, self.seen[pick, cols], self.rows["penalty"][pick])
         if self._use_counts:
             x = _penalize_counts(x, self.counts[pick, cols], self.rows["presence"][pick], self.rows["frequency"][pick])
         return x

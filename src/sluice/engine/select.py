@@ -13,11 +13,11 @@ import torch
 
 from .native import NativeExtension
 
-_EXT = NativeExtension(Path(__file__).with_name("select.cpp"), "sampling selection kernel")
+KERNEL = NativeExtension(Path(__file__).with_name("select.cpp"), "sampling selection kernel")
 
 
 def _kernel(x: torch.Tensor):
-    return _EXT.module() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    return KERNEL.module() if x.device.type == "cpu" and x.dtype == torch.float32 else None
 
 
 def value_then_id(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -58,4 +58,4 @@ def top_candidates(x: torch.Tensor, k: int, native: bool = True) -> tuple[torch.
 
 
 def why_unavailable() -> str | None:
-    return _EXT.why_unavailable()
+    return KERNEL.why_unavailable()

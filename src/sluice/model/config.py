@@ -1,7 +1,7 @@
 """ModelConfig: everything the model code needs, read from a Hugging Face config.json.
 
 `ModelConfig.from_hf` is the only reader of config.json. Each supported architecture is one row of
-`_FAMILIES` (model/hf_families.py): the architecture name maps to the values of the numerical
+`FAMILIES` (model/hf_families.py): the architecture name maps to the values of the numerical
 "valves" (norm kind and placement, qk-norm, biases). The model code branches on those fields, never
 on family names, so a new family is a new row in that table, not a new model class.
 """
@@ -15,8 +15,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .hf_attention import read_rope, read_window
-from .hf_families import (_ACTIVATIONS, _DEFAULTS, _FAMILIES, _LLAMA_KEYS, _NEAR_MISSES,
-                          SUPPORTED_ARCHITECTURES)
+from .hf_families import ACTIVATIONS, DEFAULTS, FAMILIES, LLAMA_KEYS, NEAR_MISSES, SUPPORTED_ARCHITECTURES
 from .hf_fields import ABSENT, MAX_LAYERS, Fields, shown
 
 MAX_CONFIG_BYTES = 16 << 20
@@ -77,7 +76,7 @@ class ModelConfig:
         for name, allowed in (("norm_kind", ("rms", "layer")),
                               ("norm_placement", ("pre", "sandwich", "post")),
                               ("qk_norm", (None, "head", "full")),
-                              ("hidden_act", tuple(sorted(set(_ACTIVATIONS.values())))),
+                              ("hidden_act", tuple(sorted(set(ACTIVATIONS.values())))),
                               ("pos_embedding", ("rope", "learned"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not implemented "
@@ -155,14 +154,14 @@ class ModelConfig:
         if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
             raise f.fail("architectures", "a non-empty list of architecture names", archs)
         arch = archs[0]
-        if arch in _NEAR_MISSES:
-            raise ConfigError(f"{source}: architecture {arch!r}: {_NEAR_MISSES[arch]}")
-        if arch not in _FAMILIES:
+        if arch in NEAR_MISSES:
+            raise ConfigError(f"{source}: architecture {arch!r}: {NEAR_MISSES[arch]}")
+        if arch not in FAMILIES:
             raise ConfigError(f"{source}: architecture {shown(arch)} is not supported by sluice "
                               f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-        fam = _FAMILIES[arch]
-        keys = {**_LLAMA_KEYS, **fam.get("keys", {})}
-        d = {**_DEFAULTS, **fam.get("defaults", {})}
+        fam = FAMILIES[arch]
+        keys = {**LLAMA_KEYS, **fam.get("keys", {})}
+        d = {**DEFAULTS, **fam.get("defaults", {})}
         for key in fam.get("refuse", ()):
             if raw.get(key):
                 raise ConfigError(f"{source}: {key}={shown(raw[key])} is set; sluice does not implement "
@@ -170,9 +169,9 @@ class ModelConfig:
         # Gemma spells it hidden_activation; older Gemma files have only hidden_act.
         act_key = keys["hidden_act"] if f.has(keys["hidden_act"]) or not f.has("hidden_act") else "hidden_act"
         act_name = f.text(act_key, d["hidden_act"])
-        if act_name not in _ACTIVATIONS:
+        if act_name not in ACTIVATIONS:
             raise ConfigError(f"{source}: {act_key} {shown(act_name)} is not supported "
-                              f"(supported: {', '.join(_ACTIVATIONS)})")
+                              f"(supported: {', '.join(ACTIVATIONS)})")
 
         num_heads = f.int(keys["num_heads"])
         hidden = f.int(keys["hidden_size"])
@@ -222,7 +221,7 @@ class ModelConfig:
             o_bias=bias(o_b),
             mlp_bias=bias(mlp_b),
             tie_word_embeddings=f.flag("tie_word_embeddings", fam.get("tie_default", False)),
-            hidden_act=_ACTIVATIONS[act_name],
+            hidden_act=ACTIVATIONS[act_name],
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rotary_dim=None if partial == 1.0 else int(head_dim * partial),

@@ -12,17 +12,17 @@ from typing import Any
 # "valves": ModelConfig fields that are constant for the family. "keys": where a field's value is
 # read when the family uses another name than Llama's (GPT-2 says n_embd for hidden_size).
 # "bias": (qkv, o, mlp) each a config.json key to read, or a constant True/False.
-_LLAMA_KEYS = dict(hidden_size="hidden_size", num_layers="num_hidden_layers",
-                   num_heads="num_attention_heads", intermediate_size="intermediate_size",
-                   max_position_embeddings="max_position_embeddings", norm_eps="rms_norm_eps",
-                   hidden_act="hidden_act", num_kv_heads="num_key_value_heads")
+LLAMA_KEYS = dict(hidden_size="hidden_size", num_layers="num_hidden_layers",
+                  num_heads="num_attention_heads", intermediate_size="intermediate_size",
+                  max_position_embeddings="max_position_embeddings", norm_eps="rms_norm_eps",
+                  hidden_act="hidden_act", num_kv_heads="num_key_value_heads")
 _GEMMA = dict(norm_offset=1.0, norm_gain_fp32=True, norm_placement="sandwich", embed_scaled=True)
 # What transformers' config class assumes when config.json omits a field ("defaults" in a row
 # overrides these). Only absence gets a default: a value that is present is checked, never replaced.
-_DEFAULTS = dict(norm_eps=1e-6, max_position_embeddings=2048, hidden_act="silu", rope_theta=10000.0)
+DEFAULTS = dict(norm_eps=1e-6, max_position_embeddings=2048, hidden_act="silu", rope_theta=10000.0)
 _GEMMA_DEFAULTS = dict(hidden_act="gelu_pytorch_tanh", head_dim=256, num_kv_heads=4, query_pre_attn_scalar=256.0,
                        sliding_window=4096)
-_FAMILIES: dict[str, dict[str, Any]] = {
+FAMILIES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": dict(bias=("attention_bias", "attention_bias", "mlp_bias")),
     "MistralForCausalLM": dict(bias=(False, False, False), window="all",
                                defaults=dict(max_position_embeddings=131072, sliding_window=4096, num_kv_heads=8)),
@@ -72,12 +72,12 @@ _FAMILIES: dict[str, dict[str, Any]] = {
                              bias=("attention_bias", "attention_bias", False), defaults=dict(norm_eps=1e-5)),
 }
 
-SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # HF activation names -> the functions sluice implements. "gelu_new" (GPT-2) and
 # "gelu_pytorch_tanh" (Gemma) are the same tanh approximation, but the first is written out op by op
 # (each rounded to the dtype) and the second is torch's fused kernel: in bf16 they differ, so both.
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_new",
-                "gelu_pytorch_tanh": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_new",
+               "gelu_pytorch_tanh": "gelu_tanh"}
 # Architectures people try that are close to a supported one but need code sluice lacks.
-_NEAR_MISSES = {"Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower is multimodal; sluice "
-                "runs the text-only Gemma3ForCausalLM (a text checkpoint such as gemma-3-1b)"}
+NEAR_MISSES = {"Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower is multimodal; sluice "
+               "runs the text-only Gemma3ForCausalLM (a text checkpoint such as gemma-3-1b)"}

@@ -48,7 +48,7 @@ def head_logits(model: Transformer, x: torch.Tensor, final_norm: bool = True) ->
     return model.logits(x)  # (B, T, V), with the final soft-cap where the model has one
 
 
-def _check_size(model: Transformer, B: int, T: int, max_bytes: int) -> None:
+def check_size(model: Transformer, B: int, T: int, max_bytes: int) -> None:
     cfg = model.config
     L, C, V = len(model.layers), cfg.hidden_size, cfg.vocab_size
     stream = (L + 1) * B * T * C * model.embed.weight.element_size()
@@ -63,7 +63,7 @@ def _check_size(model: Transformer, B: int, T: int, max_bytes: int) -> None:
             f"{max_bytes / 2**20:,.0f} MiB (pass a larger max_bytes= or fewer tokens)")
 
 
-def _capture(model: Transformer, ids: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+def capture_stream(model: Transformer, ids: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
     """Run the model once, copying x_0..x_L into stream (L+1, B, T, C); return its logits."""
     def keep(l):
         def hook(_module, _inputs, out):
@@ -96,7 +96,7 @@ def logit_lens(model: Transformer, ids: torch.Tensor, topk: int = 5,
         raise ObservatoryError(f"topk must be in [1, {V}], got {topk}")
     B, T = ids.shape
     L, C = len(model.layers), model.config.hidden_size
-    _check_size(model, B, T, max_bytes)
+    check_size(model, B, T, max_bytes)
     w = model.embed.weight
     stream = torch.empty(L + 1, B, T, C, dtype=w.dtype, device=w.device)
     f32 = dict(dtype=torch.float32, device=w.device)
@@ -106,7 +106,7 @@ def logit_lens(model: Transformer, ids: torch.Tensor, topk: int = 5,
     mean_square = torch.empty(L + 1, **f32)
 
     with torch.inference_mode():
-        final_logits = _capture(model, ids, stream)  # (B, T, V)
+        final_logits = capture_stream(model, ids, stream)  # (B, T, V)
         predicted = final_logits.argmax(-1)  # (B, T)
         logp_final = final_logits.log_softmax(-1)
         p_final = logp_final.exp()

@@ -39,7 +39,7 @@ from ..engine.sampling import value_then_id
 from ..errors import ObservatoryError
 from ..parallel import greedy, group, log_z
 from ..parallel.sharding import kv_heads_of, vocab_range
-from .lens import LensResult, _capture, _check_size, head_logits
+from .lens import LensResult, capture_stream, check_size, head_logits
 from .probes import Observation
 
 MAX, MIN, SUM = dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.SUM
@@ -147,12 +147,12 @@ def sharded_lens(model, ids: torch.Tensor, topk: int = 5, max_bytes: int = 2 << 
         raise ObservatoryError(f"topk must be in [1, {V}], got {topk}")
     B, T = ids.shape
     L, C = len(model.layers), model.config.hidden_size
-    _check_size(model, B, T, max_bytes)  # this rank's cost: its V/N columns of logits
+    check_size(model, B, T, max_bytes)  # this rank's cost: its V/N columns of logits
     w = model.embed.weight
     stream = torch.empty(L + 1, B, T, C, dtype=w.dtype, device=w.device)
     start = _start(model)
     with torch.inference_mode():
-        final = _capture(model, ids, stream)  # (B, T, V/N)
+        final = capture_stream(model, ids, stream)  # (B, T, V/N)
         Vn = final.shape[-1]
         k = min(topk, Vn)
         fl = final.reshape(-1, Vn)
@@ -192,5 +192,5 @@ def gather_to_root(t: torch.Tensor) -> torch.Tensor | None:
     try:
         dist.gather(t.contiguous(), parts, dst=0)
     except RuntimeError as e:
-        raise group._failed("gather", e) from None
+        raise group.collective_failed("gather", e) from None
     return torch.cat(parts, -1) if rank == 0 else None

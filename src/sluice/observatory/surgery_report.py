@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import ObservatoryError
-from .tables import SHORT_DTYPE, _f, _table
+from .tables import SHORT_DTYPE, cell_text, titled_table
 
 
 def _count(n: int, red: bool = True) -> str:
@@ -29,8 +29,8 @@ def compare_table(data: dict) -> Table:
                f"windows of {t['window']:,} tokens. Bits per byte: -log2 p of each next token, p from the "
                "softmax row's method and dtype; entropy: the model's own distribution (fp32); a red "
                "count: something overflowed.")
-    tab = _table(f"valve surgery on {m['name']} ({m['architecture']}, {m['dtype']}): "
-                 + ", ".join(data["surgeries"]), caption)
+    tab = titled_table(f"valve surgery on {m['name']} ({m['architecture']}, {m['dtype']}): "
+                       + ", ".join(data["surgeries"]), caption)
     for name in ("", "before (unmodified)", "after"):
         tab.add_column(name, justify="right" if name else "left")
 
@@ -39,9 +39,9 @@ def compare_table(data: dict) -> Table:
     row("surgery", lambda d: "none" if d is b else escape(", ".join(data["surgeries"])))
     row("softmax (LM head, evaluation)",
         lambda d: f"{d['softmax']} {SHORT_DTYPE.get(d['softmax_dtype'], d['softmax_dtype'])}")
-    row("bits per byte", lambda d: _f(d["bits_per_byte"], ".4f"))
-    row("logit range", lambda d: f"{_f(d['logit_min'], '.2f')} .. {_f(d['logit_max'], '.2f')}")
-    row("mean entropy (nats)", lambda d: _f(d["mean_entropy_nats"], ".3f"))
+    row("bits per byte", lambda d: cell_text(d["bits_per_byte"], ".4f"))
+    row("logit range", lambda d: f"{cell_text(d['logit_min'], '.2f')} .. {cell_text(d['logit_max'], '.2f')}")
+    row("mean entropy (nats)", lambda d: cell_text(d["mean_entropy_nats"], ".3f"))
     row("logits over the dtype's exp() limit",
         lambda d: f"{_count(d['logits_over_threshold'], False)} (> {d['overflow_threshold']:.2f})")
     row("exp() results that overflowed", lambda d: _count(d["exp_overflow"]))
@@ -52,8 +52,8 @@ def compare_table(data: dict) -> Table:
 
 
 def continuation_table(data: dict) -> Table:
-    tab = _table(f"greedy continuation, at most {data['max_new_tokens']} tokens, of the prompt "
-                 f"{data['prompt'][:60]!r}{'...' if len(data['prompt']) > 60 else ''}")
+    tab = titled_table(f"greedy continuation, at most {data['max_new_tokens']} tokens, of the prompt "
+                       f"{data['prompt'][:60]!r}{'...' if len(data['prompt']) > 60 else ''}")
     tab.add_column("before (unmodified)")
     tab.add_column("after")
     tab.add_row(escape(data["before"]["continuation"]), escape(data["after"]["continuation"]))

@@ -1,4 +1,4 @@
-"""engine/sampling._filter (temperature, top_k, top_p, min_p) on one rank's vocabulary columns.
+"""engine/sampling.filter_logits (temperature, top_k, top_p, min_p) on one rank's vocabulary columns.
 
 The single-process filter sorts the whole row by value (ties by id: a stable sort) and keeps a
 prefix of that order: top_k keeps the values >= the k-th largest, top_p the shortest prefix whose
@@ -29,7 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..engine.sampling import SamplingParams, _filter, value_then_id
+from ..engine.sampling import SamplingParams, filter_logits, value_then_id
 from . import group
 
 # min_p compares p_i / p_max = exp(v_i): the fp32 exp's and three products' rounding, ~4e-7 at most.
@@ -46,7 +46,7 @@ def mass_tol(vocab_size: int) -> float:
 
 def filter_shard(x: torch.Tensor, params: list[SamplingParams], rows: dict, flags: tuple, start: int) -> torch.Tensor:
     """(B, V/N) fp32 penalised logits of ids start.. -> the temperature-scaled logits of these columns
-    with filtered tokens at -inf, exactly the columns of sampling._filter over the whole row."""
+    with filtered tokens at -inf, exactly the columns of sampling.filter_logits over the whole row."""
     use_top_k, use_top_p, use_min_p = flags
     M = group.all_reduce(x.amax(-1), op=dist.ReduceOp.MAX)  # exact: a max does not round
     y = (x - M[:, None]) / rows["temperature"][:, None]
@@ -65,7 +65,7 @@ def filter_shard(x: torch.Tensor, params: list[SamplingParams], rows: dict, flag
     if unsure:  # every rank has the same list: the gather below runs everywhere
         full = torch.cat(list(group.all_gather(x[unsure])), -1)  # (n, V): these rows only
         sub = {k: v[unsure] for k, v in rows.items()}
-        y[unsure] = _filter(full, sub, use_top_k, use_top_p, use_min_p)[:, start:start + y.shape[1]]
+        y[unsure] = filter_logits(full, sub, use_top_k, use_top_p, use_min_p)[:, start:start + y.shape[1]]
     return y
 
 

@@ -92,7 +92,7 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
-def _failed(what: str, e: BaseException) -> ParallelError:
+def collective_failed(what: str, e: BaseException) -> ParallelError:
     rank = dist.get_rank() if dist.is_initialized() else "?"
     return ParallelError(f"rank {rank}: {what} failed: another rank exited or did not answer within the "
                          f"collective timeout ({_first_line(e)})")
@@ -103,7 +103,7 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     try:
         dist.all_reduce(t, op=op)
     except RuntimeError as e:  # gloo: "Connection closed by peer", "Timed out waiting ..."
-        raise _failed("all_reduce", e) from None
+        raise collective_failed("all_reduce", e) from None
     return t
 
 
@@ -113,7 +113,7 @@ def all_gather(t: torch.Tensor) -> torch.Tensor:
     try:
         dist.all_gather(out, t.contiguous())
     except RuntimeError as e:
-        raise _failed("all_gather", e) from None
+        raise collective_failed("all_gather", e) from None
     return torch.stack(out)
 
 
@@ -122,7 +122,7 @@ def all_gather_object(obj) -> list:
     try:
         dist.all_gather_object(out, obj)
     except RuntimeError as e:
-        raise _failed("all_gather_object", e) from None
+        raise collective_failed("all_gather_object", e) from None
     return out
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ..engine.logprobs import TokenLogprob, TopLogprob, _text
+from ..engine.logprobs import TokenLogprob, TopLogprob, token_text
 from ..engine.sampling import NONFINITE, SamplingParams, nonfinite_rows, value_then_id
 from . import group
 from .sampling import ParallelSampler, any_rank, greedy, log_z
@@ -59,8 +59,8 @@ class ParallelHead:
         for b, tok in enumerate(chosen.tolist()):
             top = []
             for i, val in tops[b]:
-                text, raw = _text(decode_one, i)
+                text, raw = token_text(decode_one, i)
                 top.append(TopLogprob(i, text, val, raw))
-            text, raw = _text(decode_one, tok)
+            text, raw = token_text(decode_one, tok)
             out.append(TokenLogprob(tok, text, chosen_lp[b], raw, top))
         return out

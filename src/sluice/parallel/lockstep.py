@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .group import ParallelError, _failed
+from .group import ParallelError, collective_failed
 
 HEARTBEAT_MAX_S = 5.0  # an idle server still notices a dead follower within a few seconds
 
@@ -90,7 +90,7 @@ class Channel:
         try:
             dist.broadcast(t, src=0, group=self.group)
         except RuntimeError as e:  # gloo: "Connection closed by peer", "Timed out waiting ..."
-            raise _failed("broadcast of the next step", e) from None
+            raise collective_failed("broadcast of the next step", e) from None
 
 
 class Book:
