@@ -6,7 +6,8 @@ import torch
 import sluice
 from ckpt import build
 from sluice.errors import ObservatoryError
-from sluice.observatory.lens import head_logits, logit_lens
+from sluice.observatory.attach import logit_lens
+from sluice.observatory.lens import head_logits
 
 FAMILIES = [("qwen3", {}), ("llama", {"tie_word_embeddings": True})]
 

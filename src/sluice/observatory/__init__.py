@@ -1,5 +1,6 @@
 """The observatory: measurements attached to a built model from outside (forward hooks)."""
 
-from .probes import Observation, observe
+from .attach import observe
+from .probes import Observation
 
 __all__ = ["Observation", "observe"]

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from ..errors import ObservatoryError
+from .attach import logit_lens, observe
 from .growth import fit_growth
-from .lens import head_logits, logit_lens
-from .probes import LOGIT_STATS, observe
+from .lens import head_logits
+from .probes import LOGIT_STATS
 from .softmax import softmax_safety
 
 SCHEMA = "sluice.inspect/1"

@@ -80,15 +80,13 @@ def capture_stream(model: Transformer, ids: torch.Tensor, stream: torch.Tensor) 
             h.remove()
 
 
-def logit_lens(model: Transformer, ids: torch.Tensor, topk: int = 5,
+def whole_lens(model: Transformer, ids: torch.Tensor, topk: int = 5,
                max_bytes: int = 2 << 30) -> LensResult:
-    """Apply the logit lens to every layer for input ids (B, T); see LensResult for what comes back.
+    """The logit lens of a whole (single-process) model on input ids (B, T); attach.logit_lens is the
+    entry point, which gives a tensor-parallel rank model observatory/sharded.py's lens instead.
 
     max_bytes: refuse (ObservatoryError, naming the size) when the captured stream plus the logits
-    working set would exceed it. A tensor-parallel rank model takes observatory/sharded.py's lens."""
-    if getattr(model, "world", 1) > 1:
-        from .sharded import sharded_lens
-        return sharded_lens(model, ids, topk, max_bytes)
+    working set would exceed it."""
     if ids.ndim != 2:
         raise ObservatoryError(f"logit_lens takes token ids of shape (B, T), got {tuple(ids.shape)}")
     V = model.config.vocab_size

@@ -1,4 +1,4 @@
-"""`sluice.observe(model)`: forward hooks that measure the four valves, per layer AND per position.
+"""The hooks behind `sluice.observe(model)` (attach.py): they measure the four valves, per layer AND per position.
 
     with sluice.observe(model) as obs, torch.inference_mode():
         model(ids)
@@ -366,16 +366,3 @@ class Observation:
                 rows.append(row)
         return rows
 
-
-def observe(model: Transformer, topk: int = 4, capacity: tuple[int, int] = (1, 128),
-            max_bytes: int = 2 << 30) -> Observation:
-    """Attach the valve probes to `model` (hooks stay until `remove()` or the end of a `with`).
-
-    topk: how many largest-magnitude channels to keep per token and layer. capacity: (batch,
-    tokens) to preallocate for (a larger forward re-allocates once). max_bytes: refuse statistics
-    buffers larger than this. On one rank of a tensor-parallel model (parallel.load_rank) the probes
-    reduce over the ranks to the single-process numbers (observatory/sharded.py)."""
-    if getattr(model, "world", 1) > 1:
-        from .sharded import ParallelObservation
-        return ParallelObservation(model, topk=topk, capacity=capacity, max_bytes=max_bytes)
-    return Observation(model, topk=topk, capacity=capacity, max_bytes=max_bytes)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ObservatoryError
-from .probes import observe
+from .attach import observe
 
 # Scalars of obs.summary() that are plotted over training, one value per evaluation.
 SCALARS = ("final_norm_in", "final_norm_out", "logit_max", "logsumexp", "entropy", "top1_prob")

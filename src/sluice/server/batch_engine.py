@@ -32,7 +32,7 @@ log = logging.getLogger("sluice.server")
 
 def nonfinite_origin(model, ids: list[int]) -> str:
     """Where a NaN or inf first appears when `ids` run through `model` (a plain forward with probes)."""
-    from ..observatory.probes import observe
+    from ..observatory.attach import observe
     try:
         with torch.inference_mode(), observe(model, capacity=(1, len(ids))) as obs:
             model(torch.tensor([ids], device=model.embed.weight.device))
