@@ -89,6 +89,21 @@ def test_cli_train_and_errors(tmp_path, corpus):
     assert r.returncode == 2 and "unknown key(s) ['bogus']" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_sluice_train_hands_the_valve_probe_in(tmp_path, monkeypatch, capsys):
+    """Training never imports the observatory: `sluice train` hands it the valve probe to record."""
+    from sluice.cli import main
+    from sluice.observatory.training import valve_summary
+
+    seen = {}
+
+    def fake_run(recipe, out, **kwargs):
+        seen.update(kwargs)
+        return {"step": 0}
+    monkeypatch.setattr("sluice.training.train.run", fake_run)
+    assert main(["train", "--out", str(tmp_path / "o")]) == 0
+    assert seen["valves"] is valve_summary
+
+
 def test_unknown_section_and_bad_type():
     with pytest.raises(RecipeError, match=r"unknown section\(s\) \['optimiser'\]"):
         Recipe.from_dict({"optimiser": {}})
@@ -137,7 +152,7 @@ def test_valves_recorded_at_every_evaluation(tmp_path, corpus):
     from sluice.training.train import model_config
 
     r = recipe(corpus, steps=7)  # evaluations at 3, 6 and the last step, 7
-    run(r, tmp_path / "run", log=lambda m: None, progress=False)
+    run(r, tmp_path / "run", log=lambda m: None, progress=False, valves=valve_summary)
     rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows if "valves" in x] == [3, 6, 7]
     assert all(("valves" in x) == ("heldout_loss" in x) for x in rows)
@@ -161,9 +176,9 @@ def test_valves_recorded_at_every_evaluation(tmp_path, corpus):
 
 
 def test_training_valves_series(tmp_path, corpus):
-    from sluice.observatory.training import training_valves
+    from sluice.observatory.training import training_valves, valve_summary
 
-    run(recipe(corpus, steps=6), tmp_path / "run", log=lambda m: None, progress=False)
+    run(recipe(corpus, steps=6), tmp_path / "run", log=lambda m: None, progress=False, valves=valve_summary)
     s = training_valves(tmp_path / "run")
     assert list(s) == ["steps", "residual_rms", "final_norm_in", "final_norm_out", "logit_max",
                        "logsumexp", "entropy", "top1_prob", "heldout_loss"]
@@ -184,9 +199,10 @@ def test_training_valves_refuses_a_log_without_them(tmp_path):
         training_valves(tmp_path / "nowhere")
 
 
-def test_recording_valves_leaves_training_unchanged(tmp_path, corpus, monkeypatch):
-    run(recipe(corpus), tmp_path / "with", log=lambda m: None, progress=False)
-    monkeypatch.setattr("sluice.training.train.valve_summary", lambda *a, **k: {})
+def test_recording_valves_leaves_training_unchanged(tmp_path, corpus):
+    from sluice.observatory.training import valve_summary
+
+    run(recipe(corpus), tmp_path / "with", log=lambda m: None, progress=False, valves=valve_summary)
     run(recipe(corpus), tmp_path / "without", log=lambda m: None, progress=False)
     assert losses(tmp_path / "with") == losses(tmp_path / "without")
 

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,7 +30,6 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..errors import SluiceError
 from ..model.config import ModelConfig
 from ..model.layers import Transformer
-from ..observatory.training import valve_summary
 from . import budget
 from .corpus import token_byte_lengths
 from .data import load_data, prepare_data
@@ -97,10 +97,14 @@ def evaluate(model, tokens: np.ndarray, byte_len: np.ndarray, seq_len: int, max_
 
 
 def run(recipe: Recipe, out_dir: str | Path, resume: bool = False, stop_at: int | None = None,
-        log=None, progress: bool | None = None) -> dict:
-    """Train per `recipe` into `out_dir`; returns the summary also written to summary.json."""
+        log=None, progress: bool | None = None, valves: Callable | None = None) -> dict:
+    """Train per `recipe` into `out_dir`; returns the summary also written to summary.json.
+
+    valves: what to record as "valves" in the log at each evaluation, a function (eager model, held-out
+    ids (1, T), bf16 autocast) -> dict; `sluice train` hands in observatory.training.valve_summary, so
+    training itself never imports the observatory. None records nothing."""
     try:
-        return _run(recipe, Path(out_dir), resume, stop_at, log, progress)
+        return _run(recipe, Path(out_dir), resume, stop_at, log, progress, valves)
     except OSError as e:  # a full disk or a vanished directory mid-run: say which file, not a traceback
         raise TrainingError(f"training into {out_dir} failed on {e.filename or 'a file'}: "
                             f"{e.strerror or e}") from None
@@ -136,7 +140,7 @@ def bf16_autocast(setting: bool | str, flags: set[str] | None = None) -> bool:
     return bool((cpu_flags() if flags is None else flags) & {"avx512_bf16", "amx_bf16"})
 
 
-def _run(recipe: Recipe, out: Path, resume: bool, stop_at: int | None, log, progress) -> dict:
+def _run(recipe: Recipe, out: Path, resume: bool, stop_at: int | None, log, progress, valves) -> dict:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
         raise TrainingError(f"--stop-at must be a step >= 1, got {stop_at!r}")
@@ -210,8 +214,8 @@ def _run(recipe: Recipe, out: Path, resume: bool, stop_at: int | None, log, prog
                 if not math.isfinite(ev["loss"]):
                     raise TrainingError(_diverged(step, f"held-out loss {ev['loss']}", t, state_dir))
                 rec.update(heldout_loss=ev["loss"], heldout_bpb=ev["bpb"])
-                if probe.numel():  # the eager model, not step_fn: see valve_summary on recompiles
-                    rec["valves"] = valve_summary(model, probe, bf16)
+                if valves is not None and probe.numel():  # the eager model, not step_fn (recompiles)
+                    rec["valves"] = valves(model, probe, bf16)
                 bar.note(f"step {step}: train loss {total:.3f}, held-out loss {ev['loss']:.3f}, "
                          f"{ev['bpb']:.3f} bits/byte", log)
             log_file.write(json.dumps(rec) + "\n")
