@@ -10,7 +10,7 @@ sluice runs the same thing as `sluice bench norms`. Flags: see --help.
 
 from __future__ import annotations
 
-from sluice.benchmarks.cli import add_norms_arguments
+from sluice.cli.bench import add_norms_arguments
 from sluice.benchmarks.common import script_main
 from sluice.benchmarks.norms import print_tables, run
 

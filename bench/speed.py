@@ -11,7 +11,7 @@ sluice runs the same thing as `sluice bench`. Flags: see --help.
 
 from __future__ import annotations
 
-from sluice.benchmarks.cli import add_speed_arguments
+from sluice.cli.bench import add_speed_arguments
 from sluice.benchmarks.common import script_main
 from sluice.benchmarks.speed import print_tables, run
 

@@ -23,9 +23,9 @@ from .train import cmd_train
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top: these pull in torch, and main() catches a Ctrl-C only from here on.
-    from ..benchmarks.cli import add_bench_parser
-    from ..model.gguf_cli import add_export_gguf_parser
-    from ..observatory.profile_cli import add_profile_parser, add_roofline_parser
+    from .bench import add_bench_parser
+    from .gguf import add_export_gguf_parser
+    from .profile import add_profile_parser, add_roofline_parser
 
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,4 +1,4 @@
-"""`sluice bench [<name>]`: the speed table against peers by default (speed.py), or a named
+"""`sluice bench [<name>]`: the speed table against peers by default (benchmarks/speed.py), or a named
 benchmark as a sub-subcommand (norms today).
 
 Kept free of torch imports: the arguments are declared here, the work is imported when it runs.
@@ -67,8 +67,8 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_speed(args) -> int:
-    from .common import save_json
-    from .speed import print_tables, run
+    from ..benchmarks.common import save_json
+    from ..benchmarks.speed import print_tables, run
     result = run(args)
     print_tables(result)
     save_json(args.json, result)
@@ -76,8 +76,8 @@ def cmd_bench_speed(args) -> int:
 
 
 def cmd_bench_norms(args) -> int:
-    from .common import save_json
-    from .norms import print_tables, run
+    from ..benchmarks.common import save_json
+    from ..benchmarks.norms import print_tables, run
     result = run(args)
     print_tables(result)
     save_json(args.json, result)

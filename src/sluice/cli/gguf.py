@@ -1,4 +1,4 @@
-"""`sluice export-gguf`: arguments here, the work in gguf_export.py (imported when it runs, so
+"""`sluice export-gguf`: arguments here, the work in model/gguf_export.py (imported when it runs, so
 `sluice --help` stays free of torch and gguf)."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import sys
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # gguf_export.OUTTYPES, repeated to keep this import-free
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # model.gguf_export.OUTTYPES, repeated to keep this import-free
 
 
 def cmd_export_gguf(args) -> int:
     from rich.console import Console
 
-    from .gguf_export import export_gguf
+    from ..model.gguf_export import export_gguf
 
     console = Console(stderr=True)
     with console.status(f"exporting {args.model or 'the bundled model'} to {args.out} ({args.outtype})...") as status:

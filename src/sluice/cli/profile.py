@@ -1,4 +1,4 @@
-"""`sluice profile` and `sluice roofline`: their arguments and handlers (cli.py only adds them).
+"""`sluice profile` and `sluice roofline`: their arguments and handlers (cli/__init__.py only adds them).
 
 matplotlib and the measuring code are imported when a command runs, not when the parser is built.
 Every argument is read as text and checked here, so bad input is one line naming it (exit 2),
@@ -55,10 +55,10 @@ def cmd_profile(args) -> int:
 
     from ..engine.sampling import SamplingParams
     from ..model import load
-    from .analysis import to_json
-    from .profile import profile
-    from .profile_report import prepare_out_dir, save
-    from .profile_tables import print_profile
+    from ..observatory.analysis import to_json
+    from ..observatory.profile import profile
+    from ..observatory.profile_report import prepare_out_dir, save
+    from ..observatory.profile_tables import print_profile
     contexts = parse_contexts(args.contexts)  # everything checked before the (slow) load
     parse_dtype(args.dtype)
     reps = _positive_int(args.reps, "--reps")
@@ -100,11 +100,11 @@ def read_config(path: str):
 
 
 def cmd_roofline(args) -> int:
-    from .analysis import to_json
-    from .profile_report import prepare_out_dir, save
-    from .profile_tables import print_roofline
-    from .roofline import HARDWARE_NAMES, roofline
-    from .roofline_tp import INTERCONNECTS
+    from ..observatory.analysis import to_json
+    from ..observatory.profile_report import prepare_out_dir, save
+    from ..observatory.profile_tables import print_roofline
+    from ..observatory.roofline import HARDWARE_NAMES, roofline
+    from ..observatory.roofline_tp import INTERCONNECTS
     if args.hardware not in HARDWARE_NAMES:
         raise ObservatoryError(f"--hardware must be one of {', '.join(HARDWARE_NAMES)}, got {args.hardware!r}")
     if args.interconnect is not None and args.interconnect not in INTERCONNECTS:
@@ -158,8 +158,8 @@ def add_profile_parser(sub) -> None:
 
 
 def add_roofline_parser(sub) -> None:
-    from .roofline import HARDWARE_NAMES
-    from .roofline_tp import INTERCONNECTS
+    from ..observatory.roofline import HARDWARE_NAMES
+    from ..observatory.roofline_tp import INTERCONNECTS
     p = sub.add_parser("roofline", help="predicted bytes, FLOPs and tokens/s bound of a decode step from "
                                         "config.json and a GPU's (or this CPU's) peaks",
                        epilog="exit status: 0 ok, 2 bad input (the message names it)")
