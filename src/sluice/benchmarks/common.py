@@ -52,11 +52,11 @@ def code_version() -> dict:
 
 
 def environment() -> dict:
-    import sluice
+    from .. import __version__
     return {"cpu": cpu_info(), "torch_threads": torch.get_num_threads(),
             "torch_interop_threads": torch.get_num_interop_threads(),
             "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                         "sluice": sluice.__version__},
+                         "sluice": __version__},
             # glibc's allocator settings decide whether a big tensor comes back from the OS (page
             # faults on every call) or from the heap; LD_PRELOAD may swap in another allocator.
             "allocator_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"},
