@@ -68,6 +68,14 @@ def test_cli_vs_transformers(tiny_dir, tmp_path, capsys):
     assert r["engines"]["sluice"]["weight_bytes"] == r["engines"]["transformers"]["weight_bytes"] == 4 * n
 
 
+def test_vs_transformers_without_transformers_names_the_extra(tiny_dir, monkeypatch):
+    """transformers is no dependency of sluice: --vs transformers without it says which extra brings it."""
+    from sluice.benchmarks.speed_engines import TransformersEngine
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    with pytest.raises(BenchmarkError, match=r"needs the transformers package.*pip install 'sluice-llm\[peers\]'"):
+        TransformersEngine(tiny_dir, "float32", 0)
+
+
 def test_script_bf16(tiny_dir, tmp_path):
     out = tmp_path / "speed.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_dir), *TINY, "--dtype", "bfloat16",

@@ -6,6 +6,8 @@ moves the moment the circle or the upward dependency bites.
 2. Arrows point down: a module imports from its own package or from a lower row of LAYERS, never from a
    higher row nor from another package of its own row.
 3. No private names across modules: no `from m import _x`, and no `m._x` on an imported sluice module.
+4. Every other package src/sluice imports is declared in pyproject.toml: a dependency, or an extra for
+   the few modules of OPTIONAL (which say which extra when it is missing).
 
 The package root (sluice/__init__.py re-exports the public API) and __main__ are the top: they may
 import anything, and nothing imports the root except for ROOT_NAMES.
@@ -14,6 +16,11 @@ import anything, and nothing imports the root except for ROOT_NAMES.
 from __future__ import annotations
 
 import ast
+import functools
+import importlib.metadata
+import re
+import sys
+import tomllib
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -224,3 +231,54 @@ def test_the_checker_sees_lazy_circles_upward_arrows_and_private_names(tmp_path)
                      "import circle: sluice.engine.cache -> sluice.engine.runner -> sluice.engine.cache"):
         assert expected in text, f"missing {expected!r} in:\n{text}"
     assert len(problems) == 9, text  # the root's __version__ is allowed
+
+
+# Imported by src/sluice but not a dependency: the extra that brings it, and the only modules that may use it.
+OPTIONAL = {"transformers": ("peers", {"sluice.benchmarks.speed_engines"})}
+# Never installed by sluice: the llama.cpp peer runs this worker under its own interpreter (--llama-python).
+ELSEWHERE = {"llama_cpp": {"sluice.benchmarks.lcpp_worker"}}
+
+
+def requirement_name(req: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def distribution(top_module: str) -> str:
+    """The distribution that installs an import name (the name itself when it is not installed here,
+    e.g. tomli on Python 3.11+)."""
+    dists = installed().get(top_module) or [top_module]
+    return dists[0].lower().replace("_", "-")
+
+
+@functools.cache
+def installed() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()  # reads every installed distribution: once
+
+
+def test_every_third_party_import_is_declared():
+    project = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]
+    core = {requirement_name(r) for r in project["dependencies"]}
+    extras = {k: {requirement_name(r) for r in v} for k, v in project["optional-dependencies"].items()}
+    problems = []
+    for module, (path, _) in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"sluice"}:
+                where = f"{path.relative_to(SRC)}:{node.lineno}: {top}"
+                if top in ELSEWHERE:
+                    ok = module in ELSEWHERE[top]
+                elif top in OPTIONAL:
+                    extra, users = OPTIONAL[top]
+                    ok = module in users and distribution(top) in extras.get(extra, set())
+                else:
+                    ok = distribution(top) in core
+                if not ok:
+                    problems.append(where)
+    assert not problems, ("imports that pyproject.toml does not declare (or an optional one used outside "
+                          "OPTIONAL):\n" + "\n".join(problems))
+    # the tests' reference: the test extra brings it, by name or through an extra of sluice's own
+    own = [r for r in project["optional-dependencies"]["test"] if requirement_name(r) == "sluice-llm"]
+    pulled = {n for r in own for e in re.findall(r"\[(.*?)\]", r)[0].split(",") for n in extras[e.strip()]}
+    assert "transformers" in extras["test"] | pulled
+

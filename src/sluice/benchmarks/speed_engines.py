@@ -106,8 +106,8 @@ class TransformersEngine:
         try:
             from transformers import AutoModelForCausalLM, DynamicCache
         except ImportError as e:
-            raise BenchmarkError(f"--vs transformers needs the transformers package ({e}); "
-                                 "`pip install transformers` (sluice's test extra has it)") from None
+            raise BenchmarkError(f"--vs transformers needs the transformers package, which sluice itself does "
+                                 f"not require ({e}): pip install 'sluice-llm[peers]'") from None
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         self._cache = DynamicCache
         # transformers 5.x renamed the argument past_key_values -> cache (the old name warns)
