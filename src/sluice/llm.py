@@ -126,8 +126,9 @@ class LLM:
         self.runner = Runner(self.model, compile=compile, native=self._native)
         self.draft_runner = self._load_draft(draft, dtype, device, compute, kernels) if draft is not None else None
         self.last_stats = Stats()
-        # One request at a time: the runner holds a single KV cache. Taken without waiting, so a
-        # second caller (another thread, a generate() inside an open stream()) hears so at once.
+        # The static path runs one request at a time: the runner holds a single KV cache. Taken without
+        # waiting (static_run), so a second caller (another thread, a generate() inside an open stream())
+        # hears so at once.
         self._busy = threading.Lock()
         self._batch: BatchEngine | None = None  # built at the first request that uses it
         self._batch_init = threading.Lock()

@@ -1,4 +1,7 @@
-"""The only code that runs the model during generation: one batched prefill, then decode steps.
+"""The static path's model runner (static_path.py: speculative decoding, compile=True, the fused head,
+batching=False): one batched prefill of a fixed batch, then its decode steps. The continuous-batching
+engine runs the model through batch_forward.py instead; both hand a decode step to the native kernel
+(fast_step.py) where it applies. The observatory's profile times Runner.step as the engine's step.
 
 The decode step has fixed shapes for a given batch: tokens (B, 1), positions (B, 1), a cache of
 (B, S) slots. Rows that have finished keep stepping (their output is ignored) so shapes never

@@ -4,7 +4,8 @@ The step is the engine's own: Runner.step (eager) for one new token at batch 1 a
 exactly `context` slots (filled with random keys and values: the cost of a step does not depend on
 what the cache holds), then the Sampler on its logits. Every context length is measured alone.
 
-Method: timed regions from forward pre-hooks and hooks registered from outside (DESIGN rule 5).
+Method: timed regions from forward pre-hooks and hooks registered from outside (ARCHITECTURE.md,
+house rule "instrumentation attaches from outside").
 A hook costs a few microseconds, so hooks are never nested: each *pass* times one level of the
 module tree, and a parent's own work is its region minus its children's regions from the next pass.
 

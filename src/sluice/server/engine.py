@@ -1,8 +1,10 @@
 """The narrow interface between the HTTP layer and whatever generates: `ServingEngine`.
 
-The server only ever calls submit(), abort(), stats(), ready / draining and model_name. Today's
-implementation (llm_engine.LLMEngine) serves one request at a time from a queue with a plain
-`LLM`; a continuous-batching scheduler implements the same interface, and app.py does not change.
+The server only ever calls submit(), abort(), stats(), ready / draining and model_name, whichever
+implementation runs behind it: batch_engine.BatchServingEngine (the default: requests join and leave
+the LLM's continuous batch at every step), llm_engine.LLMEngine (one request at a time, for an LLM on
+the static path: speculative decoding, --compile) or tp_engine.ParallelServingEngine (rank 0 of a
+tensor-parallel group, whose followers replay its steps).
 
 A submitted request comes back as a RequestHandle: an async iterator of events, in order,
     Started(prompt_tokens)  then, per choice, Delta(index, text)... Finished(index, reason, tokens),

@@ -1,10 +1,14 @@
-"""LLMEngine: the ServingEngine interface over today's `LLM`, one request at a time.
+"""LLMEngine: the ServingEngine interface over an `LLM` on the static path, one request at a time.
+
+`sluice serve` uses it when the LLM runs speculative decoding or compile=True (LLM.static_path), which
+the continuous-batching scheduler does not implement; everything else is served by BatchServingEngine
+(batch_engine.py), which reuses this class's queue, worker thread and events.
 
 An LLM holds one KV cache and refuses a second request while one runs, so a single worker thread
 owns it: it builds the LLM (so /health can say 503 while that takes), then takes requests from a
 bounded queue in arrival order. A request with n > 1 runs its choices as n generations one after
-another (choice i seeded with seed + i, so each equals an n = 1 request with that seed); the
-continuous-batching scheduler will run them side by side.
+another (choice i seeded with seed + i, so each equals an n = 1 request with that seed);
+BatchServingEngine runs them side by side as sequences of one batch.
 
 Abort: a waiting request leaves the queue at once; a running one is stopped at its next text delta
 by closing the LLM's stream() generator, which frees the LLM (LLM.static_run's finally clause).
