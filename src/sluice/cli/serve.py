@@ -138,7 +138,7 @@ def cmd_serve(args) -> int:
     from ..llm import LLM
     from ..model.loading import BUNDLED_MODEL
 
-    # Speculative decoding and --compile run on the static one-request path (llm.py): requests queue.
+    # Speculative decoding and --compile run on the static one-request path (sluice/llm.py): requests queue.
     static = kwargs["speculative"] != "off" or kwargs["compile"]
     if static and args.max_num_seqs > 1:
         print("sluice serve: note: with speculative decoding or --compile requests run one at a time (the "

@@ -1,4 +1,4 @@
-"""The static one-request path of `LLM` (llm.py): speculative decoding, compile=True, the fused LM
+"""The static one-request path of `LLM` (sluice/llm.py): speculative decoding, compile=True, the fused LM
 head and batching=False run here, on the LLM's Runner (runner.py) with one fixed batch from prefill to
 the last token, rather than on the continuous-batching scheduler.
 

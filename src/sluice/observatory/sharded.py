@@ -138,7 +138,7 @@ def _merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Te
 
 
 def sharded_lens(model, ids: torch.Tensor, topk: int = 5, max_bytes: int = 2 << 30) -> LensResult:
-    """lens.logit_lens on a rank model: the same LensResult on every rank, except final_logits, which
+    """lens.whole_lens on a rank model: the same LensResult on every rank, except final_logits, which
     is this rank's (B, T, V/N) shard. Each rank holds its stream copy and V/N-wide logits only."""
     V = model.full_config.vocab_size
     if ids.ndim != 2:
