@@ -23,7 +23,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+# the repository root, wherever under tests/ this file sits
+SRC = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file()) / "src"
 
 # Low to high. A package may import the packages of lower rows; packages in one row never import each other.
 LAYERS = [
