@@ -13,7 +13,7 @@ import pytest
 from sluice.benchmarks.norms import QUICK_HIDDEN, QUICK_TOKENS, VARIANTS
 from sluice.cli import main
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "norms.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "norms.py"
 DTYPES = ("float32", "bfloat16")
 # Quick shapes have 2 layers: Qwen3 runs 2 hidden norms + q_norm + k_norm per layer + the final
 # norm, Llama 2 per layer + the final one.

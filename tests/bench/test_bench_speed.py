@@ -17,7 +17,7 @@ from sluice.benchmarks.speed_engines import find_llama_python
 from sluice.cli import main
 from sluice.errors import BenchmarkError
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "speed.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "speed.py"
 TINY = ["--prompt", "12", "--gen", "5", "--reps", "2", "--probe-mib", "16"]
 
 

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "serve_load.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "serve_load.py"
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import sluice
-from test_server_harness import one_torch_thread  # noqa: F401 -- a fixture
-from test_server_harness import (MODEL, LiveServer, assert_error_shape, make_engine, metric, request,
+from server_harness import one_torch_thread  # noqa: F401 -- a fixture
+from server_harness import (MODEL, LiveServer, assert_error_shape, make_engine, metric, request,
                                  sse_events)
 
 openai = pytest.importorskip("openai")

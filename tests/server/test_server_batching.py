@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from test_server_harness import MODEL, LiveServer, one_torch_thread, request, sse_events  # noqa: F401
+from server_harness import MODEL, LiveServer, one_torch_thread, request, sse_events  # noqa: F401
 
 import sluice  # noqa: E402
 from sluice.server import BatchServingEngine  # noqa: E402

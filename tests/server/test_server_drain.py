@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from test_server_harness import request, sse_events, wait_for
+from server_harness import request, sse_events, wait_for
 
 pytest.importorskip("uvicorn")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from test_server_harness import request, sse_events, wait_for
+from server_harness import request, sse_events, wait_for
 
 pytest.importorskip("uvicorn")
 

@@ -281,5 +281,5 @@ def test_the_avx2_products_are_built_and_pass_on_an_avx512_cpu():
     tests = Path(__file__).resolve()
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), "-k",
                         "(odd_sizes or chunk_logits or greedy or bf16_weights) and not avx512_cpu"],
-                       env=env, capture_output=True, text=True, timeout=600, cwd=tests.parents[1])
+                       env=env, capture_output=True, text=True, timeout=600, cwd=tests.parents[2])
     assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]

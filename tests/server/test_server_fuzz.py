@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from test_server_harness import one_torch_thread  # noqa: F401 -- a fixture
-from test_server_harness import MODEL, LiveServer, assert_error_shape, make_engine, request, sse_events
+from server_harness import one_torch_thread  # noqa: F401 -- a fixture
+from server_harness import MODEL, LiveServer, assert_error_shape, make_engine, request, sse_events
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

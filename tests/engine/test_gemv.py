@@ -187,7 +187,7 @@ def test_decode_kernels_bench_quick(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "bench" / "decode_kernels.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "decode_kernels.py"
     out = tmp_path / "k.json"
     proc = subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)], capture_output=True,
                           text=True, timeout=300)

@@ -11,7 +11,7 @@ import pytest
 from sluice.engine.logprobs import TokenLogprob, TopLogprob
 from sluice.engine.sampling import SamplingParams
 from sluice.server.engine import Delta, Done, Finished, RequestHandle, Started
-from test_server_harness import LiveServer, assert_error_shape, make_engine, request
+from server_harness import LiveServer, assert_error_shape, make_engine, request
 
 pytest.importorskip("openai")
 

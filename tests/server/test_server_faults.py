@@ -11,8 +11,8 @@ import threading
 import pytest
 
 from sluice.server import LLMEngine
-from test_server_harness import one_torch_thread  # noqa: F401 -- a fixture
-from test_server_harness import (MODEL, LiveServer, assert_error_shape, make_engine, metric, request,
+from server_harness import one_torch_thread  # noqa: F401 -- a fixture
+from server_harness import (MODEL, LiveServer, assert_error_shape, make_engine, metric, request,
                                  sse_events, wait_for)
 
 openai = pytest.importorskip("openai")

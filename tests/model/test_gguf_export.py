@@ -266,7 +266,7 @@ def test_cli_refuses_a_bad_outtype(tmp_path):
     assert r.returncode == 2 and "q4_0" in r.stderr and "Traceback" not in r.stderr
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONVERTER = ROOT.parent / "shared" / "peers" / "convert-to-gguf.py"
 SDIST = ROOT / ".peers" / "sdist" / "llama_cpp_python-0.3.36"
 

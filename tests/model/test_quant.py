@@ -190,7 +190,7 @@ def test_bench_quant_quick(tmp_path):
     """bench/quant.py --quick runs end to end and writes its JSON (numbers recorded in docs, not tested)."""
     from pathlib import Path
     out = tmp_path / "quant.json"
-    bench = Path(__file__).resolve().parents[1] / "bench" / "quant.py"
+    bench = Path(__file__).resolve().parents[2] / "bench" / "quant.py"
     proc = subprocess.run([sys.executable, str(bench), "--quick", "--json", str(out)], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
