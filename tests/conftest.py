@@ -1,3 +1,13 @@
+"""What every test folder shares. tests/ mirrors src/sluice: tests/text, model, engine, observatory, parallel,
+training, server, cli, and bench (the bench/ scripts and sluice.benchmarks); the bundled model's tests sit here
+at the top. Helpers imported by bare name from any folder (pyproject: pythonpath = ["tests"]): ckpt.py (tiny
+random checkpoints), tok_fixtures.py (tiny tokenizers), bounded.py (a child process with capped memory).
+
+`pytest -m "not slow"` is the inner loop; tests marked slow take tens of seconds or more each (training runs,
+spawned ranks, live servers, benchmark scripts, subprocess CLI runs on the bundled model). No test asserts
+speed: a time limit in a test only stops a hang, at 10x+ what it waits on takes, and says so.
+"""
+
 import pytest
 
 from ckpt import build_with_tokenizer

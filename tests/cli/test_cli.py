@@ -7,7 +7,7 @@ import sys
 import pytest
 
 
-def sluice(*args, stdin=None, timeout=120):
+def sluice(*args, stdin=None, timeout=120):  # a hang-stopper: 10x+ the ~12 s a `python -m sluice` run on a tiny model takes here under load
     return subprocess.run([sys.executable, "-m", "sluice", *args], input=stdin, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -79,6 +79,7 @@ def test_chat_ctrl_c_stops_the_reply_not_the_session(tmp_path):
                                   "--ignore-eos"])
     seen = b""
 
+    # The reads' time limits stop hangs: 10x+ what each wait takes here (start-up ~12 s, the rest < 3 s).
     def read_until(needle: bytes, timeout: float = 120) -> bytes:
         nonlocal seen
         end = time.time() + timeout

@@ -54,7 +54,7 @@ def test_llm_on_cpu_by_name(tiny_dir):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible")
 def test_cli_unavailable_device_exits_2(tiny_dir):
     r = subprocess.run([sys.executable, "-m", "sluice", "generate", "--model", str(tiny_dir),
-                        "--device", "cuda", "hi"], capture_output=True, text=True, timeout=120)
+                        "--device", "cuda", "hi"], capture_output=True, text=True, timeout=120)  # hang-stopper
     assert r.returncode == 2
     assert "device 'cuda' is not available" in r.stderr and "Traceback" not in r.stderr
 

@@ -171,7 +171,7 @@ def test_the_llm_runs_the_native_step_where_it_fits_with_the_same_tokens(tiny_di
     prompts = ["def add(a, b):", "x"]
     params = sluice.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     plain = sluice.LLM(tiny_dir, kernels=False, batching=False)  # the static path's Runner (the scheduler's
-    native = sluice.LLM(tiny_dir, batching=False)  # use of the native step: tests/test_scheduler.py)
+    native = sluice.LLM(tiny_dir, batching=False)  # use of the native step: test_scheduler.py)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in native.generate(prompts, params)] == want
     assert native.runner._fast is not None and native.runner.native_reason is None

@@ -225,7 +225,7 @@ def test_auto_returns_to_the_plain_head_when_rows_keep_falling_back(tiny_dir, mo
 
 
 def test_top_p_one_row_keeps_far_tail_next_to_a_filtered_row(monkeypatch):
-    """As tests/test_sampling.py's test of the same name, on the fused head's candidate filter: a row
+    """As test_sampling.py's test of the same name, on the fused head's candidate filter: a row
     with top_p = 1 (and a min_p that keeps its tail) shares the batch with a top_p = 0.5 row. The race
     is replaced by "pick the lowest-ranked kept candidate", so the pick shows whether the tail survived."""
     import sluice.engine.fused_head as fh

@@ -190,7 +190,7 @@ def test_decode_kernels_bench_quick(tmp_path):
     script = Path(__file__).resolve().parents[2] / "bench" / "decode_kernels.py"
     out = tmp_path / "k.json"
     proc = subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300)  # a hang-stopper: 10x+ the ~25 s this takes here under load
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
     kernels = {(x["kernel"], x["dtype"], x["rows"]) for x in r["linear"]}
@@ -259,6 +259,6 @@ def test_int8_x_env_var(tiny_dir):
             "except sluice.errors.ConfigError as e:\n    print('ConfigError:', e)\n")
     for val, want in (("fp32", "fp32"), ("int8", "int8"), ("fp16", "ConfigError: SLUICE_INT8_X must be one of")):
         r = subprocess.run([sys.executable, "-c", code, str(tiny_dir)], env={**os.environ, "SLUICE_INT8_X": val},
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=120)  # a hang-stopper: 10x+ ~12 s
         assert r.returncode == 0 and r.stdout.splitlines()[0] == val, r.stderr
         assert want in r.stdout.splitlines()[-1], r.stdout

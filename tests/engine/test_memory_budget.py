@@ -63,7 +63,8 @@ def test_default_budget_is_a_share_of_free_memory(static_llm, monkeypatch):
 
 def refused_in_capped_child(tiny_dir, llm_kwargs: str, setup: str, generate_args: str) -> str:
     """Run llm.generate(generate_args) on the tiny model in a child capped at 3000 MiB and assert it is
-    refused (RequestError) within 5 s with a peak under 1500 MiB; returns the refusal message."""
+    refused (RequestError) with a peak under 1500 MiB, so before it cost memory (the seconds the refusal
+    took are in the message, not asserted); returns the refusal message."""
     r = run_bounded(f"""
         import time, sluice
         from sluice import SamplingParams
@@ -74,10 +75,9 @@ def refused_in_capped_child(tiny_dir, llm_kwargs: str, setup: str, generate_args
             llm.generate({generate_args})
         except sluice.RequestError as e:
             print("refused", round(time.perf_counter() - t, 2), e)
-    """, mem_mib=3000, timeout=120)
+    """, mem_mib=3000, timeout=120)  # a hang-stopper: 10x the quiet ~10 s (imports and load included)
     assert r.returncode == 0 and "refused" in r.stdout, r.stderr[-2000:]
     assert r.peak_mib < 1500, r.peak_mib
-    assert float(r.stdout.split()[1]) < 5
     return r.stdout
 
 

@@ -11,7 +11,7 @@ from sluice.errors import NumericsError
 
 @pytest.fixture
 def nan_llm(tiny_dir):
-    return sluice.LLM(str(tiny_dir), batching=False)  # poisons runner.step; the scheduler: tests/test_scheduler.py
+    return sluice.LLM(str(tiny_dir), batching=False)  # poisons runner.step; the scheduler: test_scheduler.py
 
 
 @pytest.mark.parametrize("fused", [False, True])

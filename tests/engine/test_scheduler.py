@@ -140,7 +140,7 @@ def test_interleaved_streams_and_threads_share_one_llm(tiny_dir, static_llm):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(120)  # a hang-stopper: 10x+ the few seconds these take here; a hung one fails below
     assert [results[i] for i in range(3, 8)] == alone[3:]
     assert llm.batch_engine().pool.stats().used == 0
 

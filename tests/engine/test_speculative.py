@@ -335,7 +335,7 @@ def test_bad_speculative_arguments_refused(tiny_dir, kw, match):
 # ---------------------------------------------------------------- the command line
 
 
-def run_cli(*args):
+def run_cli(*args):  # timeout: a hang-stopper, 10x+ the ~25 s of the slowest run here (under load)
     return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, text=True, timeout=300)
 
 

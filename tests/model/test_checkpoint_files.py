@@ -61,10 +61,11 @@ def test_a_billion_layers_is_refused_quickly_in_bounded_memory(ckpt, layers, err
     (65536) refuses it as it is read, and any count the files do not hold fails on the headers,
     before a model is built."""
     set_config(ckpt, num_hidden_layers=layers)
+    # timeout: a hang-stopper, 10x the quiet ~5 s with imports (the load itself: 0.01 s, in r.stdout)
     r = run_bounded(LOAD.format(tests=os.path.dirname(__file__), d=str(ckpt)), mem_mib=1500, timeout=120)
     assert not r.timed_out and r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith(error) and "num_hidden_layers" in r.stdout, r.stdout
-    assert float(r.stdout.split("seconds")[1]) < 5.0  # imports excluded; measured 0.01 s
+    # refused as read: no model built (test_headers_are_checked_before_a_model_is_built shows the order)
     assert r.peak_mib < 600, r.peak_mib  # what importing torch and sluice takes (measured 221 MiB)
 
 

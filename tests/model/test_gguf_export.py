@@ -240,7 +240,7 @@ def test_not_enough_disk_space_is_refused(tiny_dir, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def sluice_cli(*args):
+def sluice_cli(*args):  # timeout: a hang-stopper, 10x+ the ~12 s a CLI run on a tiny model takes here
     return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, text=True, timeout=120)
 
 
@@ -280,7 +280,7 @@ def test_same_file_as_llama_cpp_converter(case, tmp_path):
     name, d, _ = case
     ref = tmp_path / "ref.gguf"
     r = subprocess.run([sys.executable, str(CONVERTER), str(SDIST), str(d), "--outtype", "q8_0",
-                        "--outfile", str(ref)], capture_output=True, text=True, timeout=300)
+                        "--outfile", str(ref)], capture_output=True, text=True, timeout=300)  # hang-stopper, 10x+
     assert r.returncode == 0, r.stderr[-2000:]
     ours = gguf.GGUFReader(export_gguf(d, tmp_path / "ours.gguf", "q8_0")["path"])
     theirs = gguf.GGUFReader(ref)
@@ -326,7 +326,7 @@ def test_llama_cpp_computes_the_same_logits(case, tmp_path):
 def _assert_llama_cpp_logits(path, model, tmp_path):
     ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     r = subprocess.run([str(LCPP_PYTHON), "-c", _LCPP_LOGITS, path, json.dumps(ids), str(tmp_path / "l.npy")],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300)  # a hang-stopper, 10x+ the ~15 s here
     assert r.returncode == 0, r.stderr[-2000:]
     theirs = torch.from_numpy(np.load(tmp_path / "l.npy"))
     with torch.inference_mode():

@@ -21,7 +21,7 @@ PROMPT = "def add(a, b):\n    return a + b"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def sluice_cli(*args, timeout=300):
+def sluice_cli(*args, timeout=300):  # a hang-stopper: 10x+ the ~20 s an inspect run takes here under load
     return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, text=True,
                           timeout=timeout)
 

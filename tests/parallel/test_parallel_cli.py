@@ -21,6 +21,7 @@ def _env(**extra):
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
+# The runs' timeouts stop hangs: 10x+ the ~25 s a two-rank run on a tiny model takes here under load.
 def sluice(*args, env=None):
     return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, text=True, timeout=300,
                           env=env or _env())

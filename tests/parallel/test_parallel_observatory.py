@@ -220,7 +220,7 @@ def test_torchrun_inspect_tp(dirs, single, tmp_path):
     from sluice.observatory.analysis import jsonable
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "sluice", "inspect", "--tp", "2",
-                        "--model", dirs["qwen3"], "--json", PROMPT], capture_output=True, text=True, timeout=300,
+                        "--model", dirs["qwen3"], "--json", PROMPT], capture_output=True, text=True, timeout=300,  # 10x+
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     compare(json.loads(r.stdout), jsonable(single["qwen3"]))  # one JSON document: rank 0's alone

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import time
 import traceback
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def _entry(target, rank: int, world: int, store: str, out: str, timeout_s: float
 
 def run_ranks(tmp: Path, world: int, target, *args, timeout_s: float = 60.0, wait_s: float = 600.0) -> list:
     """target(ranks, *args) on `world` ranks -> [("ok", result) or ("error", (type, message, traceback))
-    or ("missing", exitcode)] by rank. Processes still alive after wait_s are killed."""
+    or ("missing", exitcode)] by rank. Processes still alive after wait_s are killed. wait_s and the
+    collective timeout_s stop hangs: each is 10x+ what the ranks take (or wait on each other) here."""
     tmp = Path(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     store = tmp / "store"
@@ -51,6 +53,24 @@ def run_ranks(tmp: Path, world: int, target, *args, timeout_s: float = 60.0, wai
         f = tmp / f"rank{r}.pkl"
         results.append(pickle.loads(f.read_bytes()) if f.exists() else ("missing", p.exitcode))
     return results
+
+
+def stay_silent(flags, quiet_s: float) -> None:
+    """A rank that hangs, alive but silent, until the other rank has raised (it touches flags/raised); then it
+    touches flags/left and goes. So the other rank can tell that it raised on its own timeout while this one
+    was still there, without a clock. It gives up after 10x quiet_s (how long the other rank takes to raise
+    on a quiet machine): a hang-stopper for a test whose other rank never raises, which then fails."""
+    deadline = time.monotonic() + 10 * quiet_s
+    while not Path(flags, "raised").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    Path(flags, "left").touch()
+
+
+def raised(flags) -> bool:
+    """The raising rank's side of stay_silent: marks that it raised; True if the silent rank had already left."""
+    left = Path(flags, "left").exists()
+    Path(flags, "raised").touch()
+    return left
 
 
 def ok(results: list) -> list:

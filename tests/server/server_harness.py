@@ -1,6 +1,7 @@
 """What the server tests share: a real uvicorn server on a free loopback port in a background thread,
 an LLM wrapper that can hold or slow the engine, and raw HTTP / SSE helpers (for what the openai
-client hides: status codes, headers, the [DONE] line). No tests here."""
+client hides: status codes, headers, the [DONE] line). No tests here. Its time limits (the server's
+start, client and HTTP timeouts, wait_for) stop hangs, each 10x+ what it waits on takes here."""
 
 from __future__ import annotations
 
@@ -155,6 +156,8 @@ def metric(port: int, name: str, **labels) -> float:
 
 
 def wait_for(check, timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll check() until it holds. The timeout stops a hang: the conditions waited on take well under a
+    second, or what the caller passes 10x+ of (a server's load, a process's exit)."""
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

@@ -20,6 +20,10 @@ import sluice  # noqa: E402
 from sluice.server import BatchServingEngine  # noqa: E402
 
 
+# Every time limit below (thread joins, HTTP and wait_for timeouts, process waits) stops a hang and is
+# 10x+ what it waits on takes here under load; none checks speed.
+
+
 def _engine(tiny_dir, max_queue: int = 32, **llm_kwargs):
     held = {}
 

@@ -20,6 +20,10 @@ from server_harness import request, sse_events, wait_for
 pytest.importorskip("uvicorn")
 
 
+# Every time limit below (thread joins, HTTP and wait_for timeouts, process waits) stops a hang and is
+# 10x+ what it waits on takes here under load; none checks speed.
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -28,7 +32,7 @@ def _free_port() -> int:
 
 def _serve(tiny_dir, *flags):
     port = _free_port()
-    # one torch thread: see test_server_harness.one_torch_thread
+    # one torch thread: see server_harness.one_torch_thread
     proc = subprocess.Popen([sys.executable, "-m", "sluice", "serve", "--model", str(tiny_dir), "--port", str(port),
                              *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -39,7 +43,7 @@ def _serve(tiny_dir, *flags):
             return request(port, "GET", "/health")[0] == 200
         except OSError:
             return False
-    wait_for(up, timeout=120, what="the server to load")
+    wait_for(up, timeout=120, what="the server to load")  # a hang-stopper: 10x+ the ~12 s here
     return proc, port
 
 

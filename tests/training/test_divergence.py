@@ -61,7 +61,7 @@ def test_cli_reports_divergence_with_exit_2(tmp_path, corpus):  # noqa: F811
                     "max_position_embeddings = 64\n[train]\nseq_len = 32\nmicro_batch = 2\nsteps = 5\n"
                     "warmup_steps = 0\nlr = 1e30\ncompile = false\nautocast_bf16 = false\neval_tokens = 64\n")
     p = subprocess.run([sys.executable, "-m", "sluice", "train", "--recipe", str(toml), "--out",
-                        str(tmp_path / "o")], capture_output=True, text=True, timeout=300)
+                        str(tmp_path / "o")], capture_output=True, text=True, timeout=300)  # hang-stopper, ~9 s
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "training diverged" in p.stderr and not (tmp_path / "o" / "model").exists()
 

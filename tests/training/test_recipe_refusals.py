@@ -90,7 +90,7 @@ def test_huge_micro_batch_refused_before_allocating(tmp_path, corpus):  # noqa: 
             run(r, {str(tmp_path / 'run')!r}, log=print)
         except SluiceError as e:
             print(type(e).__name__, e)
-    """, mem_mib=3072, timeout=120)
+    """, mem_mib=3072, timeout=120)  # a hang-stopper: 10x+ the ~4 s this takes here
     assert not r.timed_out and r.returncode == 0, r.stderr
     assert "BudgetError big.toml: training" in r.stdout and "micro_batch 100000000" in r.stdout
     assert "GiB" in r.stdout and "lower train.micro_batch" in r.stdout
@@ -127,7 +127,7 @@ def test_cli_refuses_a_huge_model_in_one_line(tmp_path, corpus):  # noqa: F811
     toml = tmp_path / "r.toml"
     toml.write_text(f'[corpus]\nsource = "{corpus}"\n[model]\nhidden_size = 2000000000\n')
     p = subprocess.run([sys.executable, "-m", "sluice", "train", "--recipe", str(toml), "--out",
-                        str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+                        str(tmp_path / "o")], capture_output=True, text=True, timeout=120)  # hang-stopper, ~4 s
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "r.toml: training" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
