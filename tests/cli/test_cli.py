@@ -12,6 +12,7 @@ def sluice(*args, stdin=None, timeout=120):  # a hang-stopper: 10x+ the ~12 s a 
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_generate_json(tiny_dir):
     r = sluice("generate", "--model", str(tiny_dir), "--max-tokens", "6", "--temperature", "0",
                "--ignore-eos", "--json", "Hello world")
@@ -21,6 +22,7 @@ def test_generate_json(tiny_dir):
     assert out["stats"]["prompt_tokens"] > 0 and out["stats"]["generated_tokens"] == 6
 
 
+@pytest.mark.slow
 def test_generate_streams_text_and_stats(tiny_dir, tiny_llm):
     import sluice as api
     expected = tiny_llm.generate("Hello world", api.SamplingParams(max_tokens=6, temperature=0,
@@ -46,6 +48,7 @@ def test_generate_missing_model(tmp_path):
     assert r.returncode == 2 and "nope" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_chat_two_turns_over_stdin(tiny_dir):
     r = sluice("chat", "--model", str(tiny_dir), "--max-tokens", "4", "--temperature", "0",
                "--ignore-eos", stdin="Hello there\n/reset\nWhat is 2+2?\n")
@@ -55,11 +58,13 @@ def test_chat_two_turns_over_stdin(tiny_dir):
     assert "conversation cleared" in r.stderr
 
 
+@pytest.mark.slow
 def test_chat_exit_command(tiny_dir):
     r = sluice("chat", "--model", str(tiny_dir), "--max-tokens", "2", stdin="/exit\nnever read\n")
     assert r.returncode == 0 and r.stdout.count("> ") == 1
 
 
+@pytest.mark.slow
 def test_chat_ctrl_c_stops_the_reply_not_the_session(tmp_path):
     """Through a pseudo-terminal, as a person would: Ctrl-C mid-reply, then keep chatting."""
     import os

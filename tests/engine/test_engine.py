@@ -32,6 +32,7 @@ def test_cached_decode_equals_full_recompute(tiny_llm):
         logits = runner.step(torch.tensor([nxt]))[0]
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_matches_eager(tmp_path):
     # One layer: torch.compile's cold start grows with the graph (measured 70 s for the 3-layer tiny
     # model on a fresh inductor cache, 43 s for one), and one layer already has every op the step runs.

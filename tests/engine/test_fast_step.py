@@ -263,6 +263,7 @@ def test_a_missing_kernel_is_a_reason(ckpt_dirs, monkeypatch):
     assert "SLUICE_NO_KERNELS" in unsupported(load(ckpt_dirs["qwen3"]))
 
 
+@pytest.mark.slow
 def test_the_avx2_products_are_built_and_pass_on_an_avx512_cpu():
     """Which product path runs depends on the CPU (step.cpp's AVX-512 tiles, else AVX2's dot_NxM), and
     machines differ. On an AVX-512 CPU the default build must use the tiles, and the AVX2 path is built

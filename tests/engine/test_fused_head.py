@@ -206,6 +206,7 @@ def test_engine_uses_the_plain_head_while_hooks_watch_the_logits(tiny_dir):
     assert seen and set(seen) == {llm.model.config.vocab_size}  # logits, never hidden states
 
 
+@pytest.mark.slow
 def test_auto_returns_to_the_plain_head_when_rows_keep_falling_back(tiny_dir, monkeypatch):
     heads = []
 

@@ -139,7 +139,7 @@ def test_fast_linear_keeps_module_and_sends_prefill_to_f_linear(tiny_dir):
         assert torch.allclose(two, ref(ids[0, :2].reshape(2, 1)), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])  # True: torch.compile
 def test_llm_with_kernels_matches_plain_greedy(tiny_dir, compile):
     """The engine's decode with the kernel (eager and torch.compile'd) picks the plain engine's tokens."""
     params = sluice.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -181,6 +181,7 @@ def test_auto_kernels_wait_for_a_batch(tiny_dir):
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
 
 
+@pytest.mark.slow
 def test_decode_kernels_bench_quick(tmp_path):
     """bench/decode_kernels.py --quick runs end to end; its attention variants agree (no timing asserts)."""
     import json
@@ -249,6 +250,7 @@ def test_int8_x_choice_is_checked(tiny_dir, monkeypatch):
         gemv.use_fast_linears(model)
 
 
+@pytest.mark.slow
 def test_int8_x_env_var(tiny_dir):
     """SLUICE_INT8_X picks the decode path per process; a bad value is a ConfigError that names it."""
     import os

@@ -70,7 +70,7 @@ def test_paged_forward_equals_the_static_cache(static_llm):
         torch.testing.assert_close(pool.k[:, table[s // 5], :, s % 5], cache.k[:, 0, :, s], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kernels", ["auto", False])
+@pytest.mark.parametrize("kernels", [pytest.param("auto", marks=pytest.mark.slow), False])
 def test_every_request_equals_itself_alone(tiny_dir, static_llm, kernels):
     """8 requests, 3 at a time, 16-token steps (chunked prefill), a pool of 14 blocks (preemption):
     each one's tokens equal the static path's for it alone, greedy and seeded alike."""

@@ -63,6 +63,7 @@ def spec_llms(tiny_dir, drafts):
 # ---------------------------------------------------------------- greedy: token-identical to plain decoding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lookup", "same", "noisy", "small"])
 def test_greedy_identical_to_plain_batch_1_and_batched(tiny_llm, spec_llms, name):
     llm = spec_llms[name]
@@ -84,6 +85,7 @@ def test_greedy_identical_to_plain_batch_1_and_batched(tiny_llm, spec_llms, name
         assert 0 < s.accepted < s.proposed and s.tokens_per_forward > 1
 
 
+@pytest.mark.slow
 def test_adaptive_k_grows_with_kept_guesses_and_stays_exact(tiny_llm, spec_llms):
     plain = tiny_llm.generate(PROMPTS, GREEDY)
     for name in ("same", "small"):
@@ -216,6 +218,7 @@ SAMPLED = {"temp-topk": dict(temperature=0.8, top_k=3), "topp-minp": dict(temper
            "penalty-4": dict(temperature=1.0, top_k=2, repetition_penalty=1.5)}  # 4 tokens: 3rd guess sees 2 before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, kw", [("noisy", "temp-topk"), ("noisy", "topp-minp"), ("noisy", "penalty"),
                                       ("small", "temp-topk"), ("lookup", "temp-topk"), ("lookup", "mild-penalty"),
                                       ("noisy", "penalty-4")])
@@ -339,6 +342,7 @@ def run_cli(*args):  # timeout: a hang-stopper, 10x+ the ~25 s of the slowest ru
     return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_prompt_lookup_prints_stats_and_matches_plain(tiny_dir, tiny_llm):
     expected = tiny_llm.generate("Hello world", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     r = run_cli("generate", "--model", str(tiny_dir), "--max-tokens", "8", "--temperature", "0", "--ignore-eos",
@@ -353,6 +357,7 @@ def test_cli_prompt_lookup_prints_stats_and_matches_plain(tiny_dir, tiny_llm):
     assert out["token_ids"] == expected.token_ids and out["stats"]["speculative"] == "draft"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, match", [
     (["--prompt-lookup", "--speculative-tokens", "0"], "--speculative-tokens must be an integer in [1, 16] or 'auto', got 0"),
     (["--speculative-tokens", "3"], "--speculative-tokens needs --draft-model or --prompt-lookup"),

@@ -127,6 +127,7 @@ def test_bf16_matches_transformers_bf16(tmp_path, case):
     assert max_diff(got, expected) <= BF16_BOUND.get(case, 1e-3) * expected.abs().max().item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "neox", "gemma2", "gemma3", "olmo2"])
 def test_engine_on_every_family(tmp_path, arch):
     """Batched generation equals one by one, and the cached decode equals full recompute."""

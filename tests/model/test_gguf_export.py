@@ -244,6 +244,7 @@ def sluice_cli(*args):  # timeout: a hang-stopper, 10x+ the ~12 s a CLI run on a
     return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_writes_the_file(tiny_dir, tmp_path):
     out = tmp_path / "tiny.gguf"
     r = sluice_cli("export-gguf", "--model", str(tiny_dir), "--out", str(out), "--outtype", "q8_0", "--json")
@@ -271,6 +272,7 @@ CONVERTER = ROOT.parent / "shared" / "peers" / "convert-to-gguf.py"
 SDIST = ROOT / ".peers" / "sdist" / "llama_cpp_python-0.3.36"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (CONVERTER.is_file() and (SDIST / "vendor" / "llama.cpp").is_dir()),
                     reason="llama.cpp's converter is not unpacked (see ../shared/peers/README.md)")
 def test_same_file_as_llama_cpp_converter(case, tmp_path):
@@ -315,6 +317,7 @@ np.save(out, np.array(llm.scores[:len(ids)], dtype=np.float32))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not LCPP_PYTHON.is_file(), reason="llama-cpp-python is not built (../shared/peers/README.md)")
 def test_llama_cpp_computes_the_same_logits(case, tmp_path):
     """llama.cpp itself runs the f32 export: its logits at every position equal sluice's to the
@@ -336,6 +339,7 @@ def _assert_llama_cpp_logits(path, model, tmp_path):
     assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokenizer", ["none", "word-level"])
 def test_without_a_bpe_tokenizer_the_file_has_no_vocabulary(tmp_path, tokenizer):
     """Random checkpoints for benchmarks carry no tokenizer or a word-level one: the weights are

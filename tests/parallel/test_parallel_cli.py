@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # torchrun and CLI subprocesses on 2 ranks
+
 ARGS = ["--max-tokens", "12", "--ignore-eos"]
 SAMPLED = ["--temperature", "0.9", "--top-k", "50", "--top-p", "0.9", "--min-p", "0.02",
            "--repetition-penalty", "1.2", "--seed", "5"]

@@ -24,6 +24,8 @@ import torch
 from test_parallel_parity import NEW, PROMPT, _loop
 from test_parallel_spawn import load_recording, ok, run_ranks, tiny_checkpoints
 
+pytestmark = pytest.mark.slow  # gloo ranks spawned per family
+
 _SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
               max_position_embeddings=64)
 FAMILIES = {

@@ -19,6 +19,8 @@ import pytest
 
 from test_parallel_spawn import ok, run_ranks, tiny_checkpoints
 
+pytestmark = pytest.mark.slow  # gloo ranks spawned, 2 and 4
+
 _SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
               max_position_embeddings=128)
 FAMILIES = {"llama": dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True),

@@ -16,6 +16,8 @@ import torch
 
 from test_parallel_spawn import ok, run_ranks
 
+pytestmark = pytest.mark.slow  # gloo ranks spawned, 2 and 4
+
 PROMPT = "def add(a, b):\n    return a + b  # sum"
 FAMILIES = {"gemma2": dict(num_key_value_heads=2), "qwen3": dict(num_key_value_heads=1)}
 REL, ABS = 1e-5, 1e-6  # ABS: for values that are 0 up to rounding (KL of the last layer to itself)

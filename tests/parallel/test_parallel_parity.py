@@ -15,6 +15,8 @@ import torch
 
 from test_parallel_spawn import load_recording, ok, run_ranks, tiny_checkpoints
 
+pytestmark = pytest.mark.slow  # gloo ranks spawned, 2 and 4
+
 _SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8)
 FAMILIES = {"llama": dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True), "qwen2": dict(num_key_value_heads=2),
             "qwen3": dict(num_key_value_heads=1, tie_word_embeddings=True),

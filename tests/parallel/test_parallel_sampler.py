@@ -15,6 +15,8 @@ import torch
 
 from test_parallel_spawn import ok, run_ranks
 
+pytestmark = pytest.mark.slow  # gloo ranks spawned, 2 and 4
+
 V = 480  # 2 and 4 ranks: 240 / 120 columns each
 SETTINGS = [
     dict(temperature=1.0),

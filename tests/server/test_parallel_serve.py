@@ -28,6 +28,8 @@ import pytest
 
 from server_harness import request, sse_events, wait_for
 
+pytestmark = pytest.mark.slow  # torchrun servers of 2 ranks
+
 pytest.importorskip("uvicorn")
 
 # The collective timeout of the lifecycle tests: short, so an idle test outlives it, yet 10x+ the stall a busy

@@ -48,6 +48,7 @@ def run(sl):
     return result, result_exit, srv
 
 
+@pytest.mark.slow
 def test_no_errors_and_clean_exit(run):
     r, code, srv = run
     assert code == 0, f"SIGTERM should drain and exit 0:\n{srv.log_tail()}"
@@ -56,6 +57,7 @@ def test_no_errors_and_clean_exit(run):
         assert r[key]["errors"] == 0, r[key]["error_samples"]
 
 
+@pytest.mark.slow
 def test_every_request_got_its_tokens(run):
     r, _, _ = run
     specs = r["specs"]
@@ -73,6 +75,7 @@ def test_every_request_got_its_tokens(run):
                 assert res["prompt_tokens"] == spec["prompt_tokens"]
 
 
+@pytest.mark.slow
 def test_summary_counts_what_came(run):
     r, _, _ = run
     for key, kind in (("c4", "concurrent"), ("c1", "serial")):
@@ -80,6 +83,7 @@ def test_summary_counts_what_came(run):
         assert r[key]["tok_s"] > 0
 
 
+@pytest.mark.slow
 def test_engine_holds_nothing_afterwards(run):
     m = run[0]["metrics"]
     assert m["running"] == 0 and m["waiting"] == 0
@@ -87,6 +91,7 @@ def test_engine_holds_nothing_afterwards(run):
         assert m["kv_blocks_used"] == 0
 
 
+@pytest.mark.slow
 def test_failures_are_errors(sl, run):
     """A refusal (HTTP 400) or a server that is gone counts as an error with its reason, never as a
     request that merely produced nothing."""

@@ -17,6 +17,8 @@ import pytest
 
 from server_harness import request, sse_events, wait_for
 
+pytestmark = pytest.mark.slow  # a server process per test
+
 pytest.importorskip("uvicorn")
 
 

@@ -19,7 +19,8 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
                                                                              HealthCheck.too_slow])
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# slow: hypothesis throws hundreds of bodies at a live server
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):

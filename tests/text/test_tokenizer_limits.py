@@ -53,6 +53,7 @@ HOSTILE_TEMPLATES = {
 }
 
 
+@pytest.mark.slow
 def test_hostile_templates_fail_fast_and_small(qwen_dir, tmp_path):
     # One capped child renders every hostile template and reports (error type, message, seconds) for each.
     dirs = {}

@@ -54,6 +54,7 @@ def test_weights_gone_bad_reach_no_checkpoint(tmp_path, corpus, monkeypatch, ste
     assert not (tmp_path / "run" / "model").exists() and not (tmp_path / "run" / "state").exists()
 
 
+@pytest.mark.slow
 def test_cli_reports_divergence_with_exit_2(tmp_path, corpus):  # noqa: F811
     toml = tmp_path / "r.toml"
     toml.write_text(f'[corpus]\nsource = "{corpus}"\nheldout_percent = 25\n[tokenizer]\nvocab_size = 300\n'
