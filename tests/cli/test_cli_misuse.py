@@ -19,6 +19,7 @@ def run(args, **kw):
     return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, timeout=120, env=env, **kw)
 
 
+@pytest.mark.slow
 def test_closed_stdout_pipe_ends_quietly(tiny_dir):
     """`sluice generate ... | head -c 10`, with the reader gone before the first byte, so the very
     first write fails (a reader that leaves later may find everything already in the pipe buffer)."""
@@ -44,6 +45,7 @@ def test_inspect_stdin_that_is_not_utf8_is_refused(tiny_dir):
     assert r.returncode == 2 and b"not valid UTF-8" in r.stderr and b"Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_chat_line_that_is_not_utf8_is_skipped_and_the_session_goes_on(tiny_dir):
     r = run(["chat", "--model", str(tiny_dir), "--max-tokens", "3", "--temperature", "0", "--ignore-eos"],
             input=b"caf\xe9 au lait\nHello there\n")
@@ -138,6 +140,7 @@ def test_a_malformed_kv_cache_memory_is_refused_before_the_load(monkeypatch, cap
     assert "--kv-cache-memory" in err and "'lots'" in err
 
 
+@pytest.mark.slow
 def test_inspect_refuses_a_prompt_too_long_for_the_context_before_tokenizing(tiny_dir):
     """A long prompt on stdin is refused from its byte count (the tokenizer would take seconds and
     gigabytes on 10^8 characters); here 4 MB against a 512-token context, in a capped child."""

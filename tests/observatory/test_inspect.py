@@ -106,6 +106,7 @@ def cli_run(tiny_dir, tmp_path_factory):
     return r, out, evals
 
 
+@pytest.mark.slow
 def test_cli_report_and_json(cli_run, tiny_dir):
     r, out, evals = cli_run
     html = check_report(out, training=True)
@@ -198,6 +199,7 @@ def test_out_not_writable(tiny_dir, tmp_path, capsys):
     assert "not a writable directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_nan_model_is_a_finding_not_a_crash(tmp_path):
     """Poison one weight of layer 1's MLP with NaN: the report names layers.1.mlp.down as the origin,
     the analyses that cannot run on NaN are skipped with a reason, and the exit status is 3."""

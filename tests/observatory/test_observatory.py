@@ -118,6 +118,7 @@ def test_every_statistic_matches_transformers(tmp_path, arch):
     assert obs.first_nonfinite() is None and int(s["nonfinite"].sum()) == 0
 
 
+@pytest.mark.slow
 def test_logits_bit_identical_eager_and_compiled(tmp_path):
     build(tmp_path, "qwen3")
     model = sluice.load(tmp_path)
@@ -148,6 +149,7 @@ def test_logits_bit_identical_eager_and_compiled(tmp_path):
             assert torch.equal(obs.stats[k], v), k
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_runs_the_probes(tiny_llm):
     """The engine's compiled decode step (T = 1 after a T = 4 prefill) measures what eager does."""
     model = tiny_llm.model

@@ -85,6 +85,7 @@ def test_roofline_bytes_are_the_models_bytes(case, dtype, tmp_path):
     assert p["tokens_per_s"] == pytest.approx(min(p["bandwidth_bound_tokens_per_s"], p["compute_bound_tokens_per_s"]))
 
 
+@pytest.mark.slow
 def test_components_add_up_to_the_step(tmp_path):
     build(tmp_path, "qwen3", max_position_embeddings=512)
     model = sluice.load(tmp_path)

@@ -322,6 +322,7 @@ def test_sluice_surgery_is_exported():
     assert sluice.surgery is surgery and callable(sluice.surgery.apply)
 
 
+@pytest.mark.slow
 def test_cli_json_table_and_bad_input(dirs, capsys, tmp_path):
     d = str(dirs["qwen3"])
     assert main(["inspect", "--model", d, "--surgery", "final-norm=off", "--json", "some text"]) == 0

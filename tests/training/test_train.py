@@ -65,6 +65,7 @@ def test_train_writes_a_checkpoint_that_sluice_and_transformers_load(tmp_path, c
     assert first[-1] < first[0]  # it learns something even in 6 steps
 
 
+@pytest.mark.slow
 def test_resume_follows_the_same_loss_curve(tmp_path, corpus):
     r = recipe(corpus, steps=8)
     run(r, tmp_path / "straight", log=lambda m: None, progress=False)
@@ -126,6 +127,7 @@ def test_training_card(tmp_path, corpus):
     assert card["train_wall_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_valves_recorded_at_every_evaluation(tmp_path, corpus):
     import math
 
