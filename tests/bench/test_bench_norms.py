@@ -64,6 +64,7 @@ def test_script_quick(tmp_path):
     check_result(json.loads(out.read_text()))
 
 
+@pytest.mark.slow
 def test_cli_quick(tmp_path, capsys):
     out = tmp_path / "sub" / "norms.json"
     assert main(["bench", "norms", "--quick", "--no-compile", "--json", str(out)]) == 0

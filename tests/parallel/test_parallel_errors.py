@@ -116,7 +116,7 @@ def _dies(ranks, d, how, flags):
     return None
 
 
-@pytest.mark.parametrize("how", ["exit", "hang"])
+@pytest.mark.parametrize("how", ["exit", pytest.param("hang", marks=pytest.mark.slow)])
 def test_a_rank_that_dies_or_hangs_makes_the_others_raise_within_the_timeout(tmp_path, llama_dirs, how):
     timeout = 8.0
     flags = tmp_path / "flags"
