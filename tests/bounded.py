@@ -4,7 +4,8 @@ Hardening tests feed sluice hostile input (a chat template that multiplies a str
 config claiming 10^9 layers). If the fix regresses, the test must fail, not take the machine
 down: the child gets an address-space limit (RLIMIT_AS; importing torch and sluice needs well
 under 1 GiB of it) and a wall-clock timeout, and the test reads its exit status, output and peak
-resident memory.
+resident memory. The timeout only stops a hang: each caller sets it to at least 10x what its child
+takes on a quiet machine, so a busy machine never trips it; tests assert memory and outcomes, not time.
 """
 
 from __future__ import annotations

@@ -1,3 +1,15 @@
+"""What every test folder shares. tests/ mirrors src/sluice: tests/text, model, engine, observatory, parallel,
+training, server, cli, and bench (the bench/ scripts and sluice.benchmarks); the bundled model's tests sit here
+at the top. Helpers imported by bare name from any folder (pyproject: pythonpath = ["tests"]): ckpt.py (tiny
+random checkpoints), tok_fixtures.py (tiny tokenizers), bounded.py (a child process with capped memory).
+
+`pytest -m "not slow"` is the inner loop; the full suite (`pytest`) is what CI runs. A test is marked slow
+(`@pytest.mark.slow`, or `pytestmark` for a whole file) when it takes ~8 s or more on a busy 2-core machine:
+spawned ranks, server processes, benchmark scripts, torch.compile, longer training runs, most subprocess CLI
+runs. No test asserts speed: a time limit in a test only stops a hang, at 10x+ what it waits on takes, and
+says so.
+"""
+
 import pytest
 
 from ckpt import build_with_tokenizer

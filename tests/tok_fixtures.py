@@ -9,6 +9,7 @@ included, so a tiny test model can use `vocab_size=VOCAB_SIZE`.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -213,3 +214,15 @@ def build_tokenizer(tmp_dir, kind: str = "qwen") -> None:
     config["added_tokens_decoder"] = _added_tokens_decoder(tok)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def copy_tokenizer_dir(src, dst, config=None, files=None):
+    """A copy of tokenizer directory `src` at `dst`, with `config` merged into its tokenizer_config.json and
+    `files` ({name: str or bytes}) written beside it: one bad field or file per test."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg.update(config or {})
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for name, data in (files or {}).items():
+        (dst / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    return dst

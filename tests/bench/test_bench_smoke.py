@@ -1,0 +1,104 @@
+"""The benchmark scripts run end to end (--quick) and write the JSON the docs describe.
+
+No timing asserts (speed is recorded in docs/benchmarks.md, never tested). The torch.compile rows
+are skipped here: compiling costs tens of seconds on a small CPU, longer than everything else.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # each runs a benchmark script
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _run(script: str, *args: str) -> None:
+    # A hang-stopper, not a speed limit: 10x+ the 1-3 minutes a quick run takes on a quiet machine
+    # (decode_speed.py went past the old 300 s on a busy one, and failed for it).
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", *args],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert any(h in proc.stdout for h in ("| engine |", "| config |", "| row |"))  # the markdown table
+
+
+def test_decode_speed_quick(tmp_path):
+    out = tmp_path / "decode.json"
+    _run("decode_speed.py", "--no-compile", "--workdir", str(tmp_path / "work"), "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["errors"] == {}
+    assert r["memcpy_GB_s"] > 0
+    for dtype in ("float32", "bfloat16"):
+        assert r["weight_bytes_per_token"][dtype] > 0 and r["decode_bound_tok_s"][dtype] > 0
+    rows = {(row["engine"], row["dtype"]): row for row in r["rows"]}
+    assert set(rows) == {(e, d) for e in ("sluice", "transformers") for d in ("float32", "bfloat16")}
+    for row in rows.values():
+        assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+        assert row["prefill_vs_transformers"] > 0 and row["decode_vs_transformers"] > 0
+    # fp32 weights are twice the bytes of bf16 ones, but for the norm gains, which the engine's "bf16
+    # weights, fp32 compute" mode (the default where the native step runs) keeps in fp32.
+    assert r["weight_bytes_per_token"]["float32"] == pytest.approx(2 * r["weight_bytes_per_token"]["bfloat16"], rel=0.01)
+
+
+def test_train_speed_quick(tmp_path):
+    out = tmp_path / "train.json"
+    configs = "transformers fp32,transformers bf16-autocast,sluice fp32,sluice bf16-autocast"
+    _run("train_speed.py", "--configs", configs, "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["errors"] == {}
+    assert r["tokens_per_step"] == r["micro_batch"] * r["seq_len"] > 0
+    rows = {row["config"]: row for row in r["rows"]}
+    assert set(rows) == set(configs.split(","))
+    for row in rows.values():
+        assert row["tok_s"] > 0 and row["step_seconds"] > 0 and row["vs_transformers_fp32"] > 0
+        assert row["params"] > 0 and row["first_loss"] > 0
+
+
+def test_probe_overhead_quick(tmp_path):
+    out = tmp_path / "probe.json"
+    _run("probe_overhead.py", "--no-compile", "--ablate", "--workdir", str(tmp_path / "work"), "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["errors"] == {}
+    rows = {(row["row"], row["variant"]): row for row in r["rows"]}
+    variants = ("plain", "probed", "timed hooks", "no-op hooks")
+    assert set(rows) == {(row, v) for row in ("fp32 eager", "bf16 eager") for v in variants}  # --no-compile
+    assert r["hooks"]["begin"] == 1 and sum(r["hooks"].values()) > 1
+    for (_, variant), row in rows.items():
+        assert row["step_ms"] > 0 and row["prefill_s"] > 0 and row["step_ratio"] > 0
+        if variant == "plain":  # the hooks were out: the probe's buffers saw nothing
+            assert row["step_ratio"] == 1.0 and row["probe_buffers_untouched"]
+        else:  # with the probe (or stand-ins for its hooks) not a single logit changes
+            assert row["logits_identical"]
+        if variant == "probed":
+            assert row["hooks_ran_every_step"]
+        if variant == "timed hooks":
+            assert set(row["inside_hooks_ms"]) == set(r["hooks"]) and sum(row["inside_hooks_ms"].values()) > 0
+
+
+def test_fused_head_quick(tmp_path):
+    out = tmp_path / "fused.json"
+    _run("fused_head.py", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["cpu"] and r["chunk"] > 0 and r["candidates"] > 0
+    rows = {(x["batch"], x["dtype"], x["mode"]): x for x in r["rows"]}
+    assert set(rows) == {(b, d, m) for b in (1, 4) for d in ("float32", "bfloat16") for m in ("greedy", "top_p")}
+    for x in rows.values():
+        assert x["plain_ms"] > 0 and x["fused_ms"] > 0 and x["speedup_paired"] > 0
+        assert x["plain_peak_bytes"] > 0 and x["fused_peak_bytes"] > 0
+        assert 0 <= x["fallback_fraction"] <= 1
+        if x["mode"] == "greedy":  # the same tokens as the plain path, never a fallback
+            assert x["same_tokens"] and x["fallback_fraction"] == 0
+
+
+def test_fused_head_engine_quick(tmp_path):
+    out = tmp_path / "engine.json"
+    _run("fused_head.py", "--engine", "--json", str(out))
+    r = json.loads(out.read_text())
+    modes = ("greedy", "top_p", "model defaults")
+    assert r["quick"] and {(x["batch"], x["mode"]) for x in r["rows"]} == {(b, m) for b in (1, 2) for m in modes}
+    for x in r["rows"]:
+        assert x["plain_tok_s"] > 0 and x["fused_tok_s"] > 0 and x["auto_tok_s"] > 0
+        assert 0 <= x["fallback_fraction"] <= 1 and 0 <= x["auto_fused_fraction"] <= 1
