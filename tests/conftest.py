@@ -1,6 +1,13 @@
+import os
+
 import pytest
 
 from ckpt import build_with_tokenizer
+
+# The suite tests the native kernels, not the torch path that serves while they build in the background
+# (engine/native/extension.py): a missing kernel is built before the first test that asks for it, saying
+# so. Subprocesses the tests start inherit this.
+os.environ.setdefault("SLUICE_KERNEL_BUILD", "wait")
 
 
 @pytest.fixture(scope="session")
