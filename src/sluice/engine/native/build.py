@@ -67,10 +67,11 @@ def compiler() -> str:
     return os.environ.get("CXX", "c++")
 
 
-def missing_tools() -> list[str]:
-    """What a build needs and this machine lacks: the compiler, ninja (cpp_extension drives the build)."""
-    missing = [] if shutil.which(compiler()) else [f"no C++ compiler found ({compiler()})"]
-    return missing + ([] if shutil.which("ninja") else ["no ninja found"])
+def missing_tools() -> dict[str, str]:
+    """What a build needs and this machine lacks, as {what is missing: what to install}: the compiler,
+    and ninja (cpp_extension drives the build with it)."""
+    missing = {} if shutil.which(compiler()) else {f"no C++ compiler found ({compiler()})": "g++"}
+    return missing | ({} if shutil.which("ninja") else {"no ninja found": "ninja"})
 
 
 def environment() -> list[str]:

@@ -30,9 +30,9 @@ from .lock import holder
 BUILD_MODES = ("background", "wait")
 BUILD_ORDER = ("step", "select", "gemv")  # a background build's order after the kernel asked for: use, soonest
 RECHECK_SECONDS = 1.0  # how often a caller on the torch path looks whether a background build has landed
-# What running without the kernels costs, for the one line that says they are missing (the bundled model's
-# decode in `sluice demo` on a 2-core Xeon, native step and selection against the torch path).
-TORCH_PATH_COST = "about 3x slower decode on small models"
+# What running without the kernels costs, for the one line that says they are missing: the bundled model's
+# greedy decode ran 111 tok/s on the torch path against 539 with the native step (docs/benchmarks.md).
+TORCH_PATH_COST = "about 5x slower decode on small models"
 
 _said: set[str] = set()  # the one-line notices this process has given
 _builder: subprocess.Popen | None = None  # the background build this process started
@@ -52,9 +52,14 @@ def _say_once(key: str, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _build_command(sources: list[Path], background: bool) -> list[str]:
-    return [sys.executable, "-m", "sluice.engine.native", *(["--background"] if background else []),
-            *map(str, sources)]
+def _build(sources: list[Path], root: Path, background: bool, **popen) -> subprocess.Popen:
+    """Start `python -m sluice.engine.native` on `sources`: this interpreter, this copy of sluice (first on
+    its path, whatever the working directory holds), run from the cache."""
+    root.mkdir(parents=True, exist_ok=True)
+    here = str(Path(__file__).resolve().parents[3])  # the directory that holds the sluice package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, "-m", "sluice.engine.native", *(["--background"] if background else []),
+                             *map(str, sources)], cwd=root, env=env, stdin=subprocess.DEVNULL, **popen)
 
 
 def start_background(first: Target) -> int:
@@ -69,8 +74,8 @@ def start_background(first: Target) -> int:
                       key=lambda p: (rank.get(p.stem, len(rank)), p.name))
         first.root.mkdir(parents=True, exist_ok=True)
         with open(first.root / "background-build.log", "a") as log:
-            _builder = subprocess.Popen(_build_command([first.source, *rest], True), stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            _builder = _build([first.source, *rest], first.root, True, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
         return _builder.pid
 
 
@@ -91,6 +96,7 @@ class NativeExtension:
         self.failure: str | None = None
         self.pending: str | None = None
         self._module = None
+        self._target: Target | None = None
         self._started = False  # whether this extension asked for the background build
         self._look_after = 0.0
         self._lock = threading.Lock()
@@ -120,20 +126,22 @@ class NativeExtension:
         if not {"avx2", "fma"} <= cpu_flags():
             self.failure = "this CPU has no AVX2 + FMA"
             return
-        t = target(self.source)
+        if self._target is None:  # hashing the sources once: the sampler looks again every second
+            self._target = target(self.source)
+        t = self._target
         if not t.ready():
             missing = missing_tools()
             if missing:
                 self.failure = "; ".join(missing)
                 _say_once("missing", f"sluice: {self.failure}: sluice runs its torch path, {TORCH_PATH_COST}; "
-                                     "install g++ and ninja for its native kernels")
+                                     f"install {' and '.join(missing.values())} for its native kernels")
                 return
             if not wait:
                 self._later(t)
                 return
             print(f"sluice: building its {self.what} (once per machine, about a minute)...", file=sys.stderr,
                   flush=True)
-            subprocess.run(_build_command([self.source], False), stdin=subprocess.DEVNULL)
+            _build([self.source], t.root, False).wait()
             if not t.ready():
                 self.failure = f"could not build the {self.what} (the compiler's output is in {t.log})"
                 return
