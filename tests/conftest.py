@@ -10,9 +10,16 @@ runs. No test asserts speed: a time limit in a test only stops a hang, at 10x+ w
 says so.
 """
 
+import os
+
 import pytest
 
 from ckpt import build_with_tokenizer
+
+# The suite tests the native kernels, not the torch path that serves while they build in the background
+# (engine/native/extension.py): a missing kernel is built before the first test that asks for it, saying
+# so. Subprocesses the tests start inherit this.
+os.environ.setdefault("SLUICE_KERNEL_BUILD", "wait")
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,12 @@ def valves_table(llm, prompt: str) -> Table:
 
 def run_demo(llm) -> int:
     """Stream completions from `llm` (the CLI loads it), then print its valves table."""
+    from .engine import fast_step, select
     from .engine.sampling import SamplingParams
 
+    # Look for the kernels the demo's steps use before anything is printed, so that a first run's one line
+    # about building them (engine/native/extension.py, on stderr) stands alone, not inside a completion.
+    fast_step.why_unavailable(), select.why_unavailable()
     console = Console(highlight=False)
     t0 = time.perf_counter()
     cfg = llm.model.config

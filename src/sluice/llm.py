@@ -16,7 +16,7 @@ from .engine.batching import (
     BatchEngine,
     collect,
 )
-from .engine.cpu_paths import COMPUTE_CHOICES, kernels_pay_off, set_compute, use_kernels
+from .engine.cpu_paths import COMPUTE_CHOICES, decode_kernel_building, kernels_pay_off, set_compute, use_kernels
 from .engine.kv_cache import KVCache, check_budget, default_budget, parse_size
 from .engine.mixed import activation_dtype
 from .engine.outputs import RequestOutput, Stats
@@ -102,7 +102,7 @@ class LLM:
         self.device = self.model.embed.weight.device
         # "auto" decides at the first request (cpu_paths.kernels_pay_off), so a user of a small model at
         # batch 1 (sluice demo) never pays for building or loading the kernel. True decides now, loudly.
-        self._kernels_pending, self.kernels_in_use = kernels == "auto", 0
+        self._kernels_pending, self._kernels_retry, self.kernels_in_use = kernels == "auto", False, 0
         if kernels is True:
             self.kernels_in_use = use_kernels(self.model, self.device, required=True)
         if set_compute(self.model, self.device, compute, kernels, quantize):
@@ -207,8 +207,13 @@ class LLM:
 
     def _swap_kernels(self, rows: int) -> None:
         if self._kernels_pending and (rows >= 2 or kernels_pay_off(self.model, self.device)):
-            self._kernels_pending = False  # swapped (or not) once, for good
+            if self._kernels_retry and self._batch is not None and self._batch.scheduler.has_work:
+                return  # a kernel that landed later goes in between requests, never under one in flight
             self.kernels_in_use = use_kernels(self.model, self.device, required=False)
+            # Swapped (or not) once, for good; unless the kernel is still building in the background
+            # (native/extension.py), when a later request tries again.
+            self._kernels_pending = self._kernels_retry = (
+                not self.kernels_in_use and decode_kernel_building(self.device))
 
     def _collect(self, outputs: list[RequestOutput], seqs: list, t0: float) -> None:
         """Fill the outputs and last_stats; a sequence whose logits went non-finite raises NumericsError,

@@ -17,6 +17,10 @@ import torch
 
 from ..engine.gemv import cpu_flags
 
+# A benchmark times the native kernels: a missing one is built first (saying so), not left to a background
+# build while the torch path is timed (engine/native/extension.py).
+os.environ.setdefault("SLUICE_KERNEL_BUILD", "wait")
+
 
 def cpu_info() -> dict:
     """What decides the bf16 story: AVX-512 / AMX have bf16 dot-product instructions, AVX2 has not."""

@@ -39,7 +39,7 @@ def use_kernels(model: torch.nn.Module, device: torch.device, required: bool) ->
     unavailable kernel is an error."""
     if device.type == "cpu":
         from . import gemv
-        if gemv.available():
+        if gemv.available(wait=required):  # kernels=True asked for it: build it now rather than run without
             return gemv.use_fast_linears(model)
         why = gemv.why_unavailable()
     else:
@@ -47,6 +47,12 @@ def use_kernels(model: torch.nn.Module, device: torch.device, required: bool) ->
     if required:
         raise ConfigError(f"kernels=True but sluice's CPU kernel is unavailable: {why}")
     return 0
+
+
+def decode_kernel_building(device: torch.device) -> bool:
+    """Whether the decode kernel is still being built in the background, so use_kernels may succeed later."""
+    from . import gemv
+    return device.type == "cpu" and gemv.building()
 
 
 def set_compute(model: torch.nn.Module, device: torch.device, compute: str, kernels, quantize) -> bool:
@@ -67,7 +73,7 @@ def set_compute(model: torch.nn.Module, device: torch.device, compute: str, kern
             native_step_fits(model, device) or not cpu_has_bf16() and kernels_pay_off(model, device))):
         return False
     from . import gemv
-    if kernels is False or device.type != "cpu" or not gemv.available():
+    if kernels is False or device.type != "cpu" or not gemv.available(wait=compute == "float32"):
         if compute == "auto":
             return False
         why = "kernels=False" if kernels is False else (

@@ -21,8 +21,6 @@ is cheap (a walk over the modules), so callers re-check it per request, when hoo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,9 +29,9 @@ from ..errors import ConfigError
 from ..model.layers import MLP, Attention, Block, RMSNorm, Transformer
 from .gemv import FastLinear
 from .mixed import Bf16WeightLinear, UpcastEmbedding, activation_dtype
-from .native import NativeExtension
+from .native import NATIVE_DIR, NativeExtension
 
-_EXT = NativeExtension(Path(__file__).with_name("step.cpp"), "whole-step CPU kernel")
+_EXT = NativeExtension(NATIVE_DIR / "step.cpp", "whole-step CPU kernel")
 _LINEARS = (nn.Linear, FastLinear, Bf16WeightLinear)  # same parameters, forward differs only in speed
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 MAX_CHUNK = 64  # tokens per row per kernel call; a longer chunk runs as pieces of this many (small scratch)

@@ -11,14 +11,14 @@ with the same parameters, names and hooks, whose forward sends inputs of a few r
 kernel and anything else (prefill) to F.linear. The model code is unchanged; `sluice.load()`
 models stay plain (the reference); the engine (LLM) opts in with kernels="auto".
 
-The extension is built once per machine by native.py; without a compiler, or on a CPU without
-AVX2 + FMA, or off the CPU, `available()` is False and every linear stays F.linear.
+The extension is built once per machine by native/ (in the background at first use, unless asked to
+wait); until then, without a compiler, or on a CPU without AVX2 + FMA, or off the CPU, `available()` is
+False and every linear stays F.linear.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..model.quant import Int8Linear
-from .native import NativeExtension, cpu_flags  # noqa: F401  (cpu_flags: re-exported for callers)
+from .native import NATIVE_DIR, NativeExtension, cpu_flags  # noqa: F401  (cpu_flags: re-exported for callers)
 
 # Rows of x sent to the kernel, by weight dtype, from bench/decode_kernels.py on the AVX2 EPYC
 # (docs/benchmarks.md, "Fast decode"; Qwen3-0.6B's matrices from DRAM, 2 threads): the kernel streams
@@ -46,16 +46,22 @@ PREFILL_BLOCK_BYTES = 32 * 2**20  # the fp32 copy of a bf16 or int8 weight made 
 INT8_X_CHOICES = ("int8", "fp32")
 INT8_X = os.environ.get("SLUICE_INT8_X", "fp32")
 X_BLOCK = 32
-_EXT = NativeExtension(Path(__file__).with_name("gemv.cpp"), "decode CPU kernel")
+_EXT = NativeExtension(NATIVE_DIR / "gemv.cpp", "decode CPU kernel")
 
 
-def kernel():
-    """The compiled extension, building it on first call; None where it cannot be had."""
-    return _EXT.module()
+def kernel(wait: bool | None = None):
+    """The compiled extension, or None where it cannot be had (yet: a background build may be running;
+    wait=True builds it now, see native/extension.py)."""
+    return _EXT.module(wait)
 
 
-def available() -> bool:
-    return kernel() is not None
+def available(wait: bool | None = None) -> bool:
+    return kernel(wait) is not None
+
+
+def building() -> bool:
+    """Whether the kernel is still being built in the background (available() may turn True later)."""
+    return _EXT.module() is None and _EXT.failure is None
 
 
 def why_unavailable() -> str | None:

@@ -23,7 +23,7 @@ import os
 import numpy as np
 import torch
 
-from .select import KERNEL
+from .select import kernel as select_kernel
 
 M64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -74,14 +74,14 @@ def _uniforms_numpy(bases: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def uniforms_at(streams: list[RowStream], ids: torch.Tensor, domain: int = RACE, native: bool = True) -> torch.Tensor:
     """(B, L) uniforms of row b's tokens ids[b] at its current draw (ids int64 on the CPU)."""
     bases, ids = _bases(streams, domain), ids.to(torch.int64).cpu()
-    kern = KERNEL.module() if native else None
+    kern = select_kernel() if native else None
     return kern.counter_uniforms(bases, ids) if kern is not None else _uniforms_numpy(bases, ids)
 
 
 def uniforms_range(streams: list[RowStream], start: int, n: int, domain: int = RACE, native: bool = True) -> torch.Tensor:
     """(B, n) uniforms of the tokens start..start + n - 1 of every row at its current draw."""
     bases = _bases(streams, domain)
-    kern = KERNEL.module() if native else None
+    kern = select_kernel() if native else None
     if kern is not None:
         return kern.counter_uniform_rows(bases, start, n)
     return _uniforms_numpy(bases, torch.arange(start, start + n).expand(len(streams), n))

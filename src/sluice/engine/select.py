@@ -7,17 +7,21 @@ freedom, which of several tokens tied at top_candidates' k-th place it takes, is
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from .native import NativeExtension
+from .native import NATIVE_DIR, NativeExtension
 
-KERNEL = NativeExtension(Path(__file__).with_name("select.cpp"), "sampling selection kernel")
+_EXT = NativeExtension(NATIVE_DIR / "select.cpp", "sampling selection kernel")
+
+
+def kernel():
+    """The compiled extension, or None (why_unavailable() says why): select.cpp's selections and
+    noise.py's counter-based uniforms."""
+    return _EXT.module()
 
 
 def _kernel(x: torch.Tensor):
-    return KERNEL.module() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    return kernel() if x.device.type == "cpu" and x.dtype == torch.float32 else None
 
 
 def value_then_id(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -58,4 +62,4 @@ def top_candidates(x: torch.Tensor, k: int, native: bool = True) -> tuple[torch.
 
 
 def why_unavailable() -> str | None:
-    return KERNEL.why_unavailable()
+    return _EXT.why_unavailable()

@@ -4,8 +4,8 @@
 // memory stream, not arithmetic. This kernel walks W row by row (each output is one dot product
 // of a W row with every x row), splits the rows across torch's intra-op threads, and widens bf16
 // (a 16-bit shift) or int8 (with a per-row scale) to fp32 in registers, so W is read at its
-// stored width and never copied. Accumulation is fp32. Built once per machine by gemv.py with
-// -march=native: AVX2 + FMA intrinsics where the compiler has them, a plain loop otherwise.
+// stored width and never copied. Accumulation is fp32. Built once per machine (build.py) with
+// -march=native: AVX2 + FMA intrinsics where the compiler has them, a plain loop otherwise (simd.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
@@ -14,37 +14,13 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SLUICE_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
+using namespace sluice_simd;
+
 constexpr int kMaxRows = 8;
-
-// Widen 8 stored weights to fp32.
-#ifdef SLUICE_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline __m256 load8(const int8_t* p) {
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
-inline float widen(int8_t v) { return static_cast<float>(v); }
 
 // out[m] = dot(w[0:K], x[m, 0:K]) for m < M; x is fp32 (M, K) contiguous. Two accumulators per x
 // row hide the FMA latency. (Walking 2-4 W rows at once, with software prefetch, measured slower
@@ -327,14 +303,6 @@ torch::Tensor gemv_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c
   w8a8_dispatch(w.data_ptr<int8_t>(), X, s.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                 y.data_ptr<float>(), M, N, K);
   return y.to(x.scalar_type());
-}
-
-bool has_avx2() {
-#ifdef SLUICE_AVX2
-  return true;
-#else
-  return false;
-#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

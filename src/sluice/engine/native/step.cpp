@@ -28,54 +28,12 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SLUICE_AVX2 1
-#endif
-#if defined(SLUICE_AVX2) && defined(__AVX512F__)
-#define SLUICE_AVX512 1  // -march=native on a CPU with AVX-512: the products use 16-lane tiles (below)
-#endif
+#include "simd.h"
 
 namespace {
 
+using namespace sluice_simd;
 using bf16 = at::BFloat16;
-
-#ifdef SLUICE_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {  // bf16 is the high half of an fp32: widen by a 16-bit shift
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-inline float widen(float v) { return v; }
-inline float widen(bf16 v) { return static_cast<float>(v); }
-
-// dot(a[0:K], b[0:K]) with four accumulators, so a lone dot product is not one chain of dependent FMAs:
-// the attention scores (a query row against each cached key) on AVX2. The products of the linears use
-// dot_NxM instead, whose order does not depend on the batch.
-inline float dot(const float* a, const float* b, int64_t K) {
-  int64_t k = 0;
-  float out = 0.f;
-#ifdef SLUICE_AVX2
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (; k + 32 <= K; k += 32) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16), _mm256_loadu_ps(b + k + 16), a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), a3);
-  }
-  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), a0);
-  out = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-#endif
-  for (; k < K; ++k) out += a[k] * b[k];
-  return out;
-}
 
 // out[r][m] = dot(w[r][0:K], x row m) for N weight rows x M activation rows (N * M <= 8): each loaded
 // weight vector serves M rows and each activation vector N weight rows. Every (r, m) sums in one order
@@ -816,22 +774,6 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
 }
 
 }  // namespace
-
-bool has_avx2() {
-#ifdef SLUICE_AVX2
-  return true;
-#else
-  return false;
-#endif
-}
-
-bool has_avx512() {
-#ifdef SLUICE_AVX512
-  return true;
-#else
-  return false;
-#endif
-}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &has_avx2, "whether this build has the AVX2 + FMA paths");

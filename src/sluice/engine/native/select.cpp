@@ -15,9 +15,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#define SLUICE_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -195,14 +193,6 @@ torch::Tensor counter_uniform_rows(torch::Tensor bases, int64_t start, int64_t n
     for (int64_t j = 0; j < n; ++j)  // GCC vectorises this loop (64-bit lanes) at -O3 -march=native
       o[r * n + j] = counter_uniform(static_cast<uint64_t>(bp[r]), static_cast<uint64_t>(start + j));
   return out;
-}
-
-bool has_avx2() {
-#ifdef SLUICE_AVX2
-  return true;
-#else
-  return false;
-#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
