@@ -1,0 +1,235 @@
+"""Every measured number in the docs, computed from docs/results/ and from the bundled model.
+
+    python bench/docs_numbers.py            # rewrite every marked span in README.md, ARCHITECTURE.md, docs/*.md
+    python bench/docs_numbers.py --check    # exit 1, naming each span whose text is not what it computes
+    python bench/docs_numbers.py --list     # every value's name and text
+
+A number in the prose is a marked span, `<!-- n:NAME -->text<!-- /n -->` (a table may span lines);
+the script owns the text between the two comments and the prose around it is ours. NAME's first
+part says where the value comes from: `model.` from the model that ships (bench/docs_model_numbers.py;
+about a minute of CPU), `speed.` and `serve.` from the results files of bench/speed.py and
+bench/serve_load.py, and `r:FILE:PATH:FORMAT` is one field of docs/results/FILE.json: PATH is a JSON
+Pointer without its leading slash (keys and list indices joined by `/`, a `/` inside a key written
+`~1`), FORMAT a Python format spec, e.g.
+`r:bench-quant:bits_per_byte/float32/bits_per_byte:.4f`. The scripts in bench/ write those files. A results file is never edited by hand: to change a number, rerun its benchmark.
+tests/test_docs_numbers.py fails when a doc's span differs from what this computes, or names a value
+that does not exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+SPAN = re.compile(r"<!-- n:(.+?) -->(.*?)<!-- /n -->", re.S)
+
+
+def doc_files() -> list[Path]:
+    return [p for p in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
+            if p.is_file()]
+
+
+def spans(text: str) -> list[tuple[str, str]]:
+    """(name, current text) of every marked span, in order."""
+    return [(m.group(1), m.group(2)) for m in SPAN.finditer(text)]
+
+
+def render(text: str, values: dict[str, str]) -> str:
+    """text with every span's contents replaced by its value; an unknown name is a KeyError naming it."""
+    def one(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in values:
+            raise KeyError(f"unknown docs number {name!r} (bench/docs_numbers.py --list names them)")
+        return f"<!-- n:{name} -->{values[name]}<!-- /n -->"
+    return SPAN.sub(one, text)
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def commas(x: float, digits: int = 0) -> str:
+    return f"{x:,.{digits}f}"
+
+
+@cache
+def commit_date(commit: str) -> str:
+    """The day a commit was made, from git; the commit alone where git does not know it."""
+    out = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%cs", commit],
+                         capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else commit
+
+
+# --- sluice bench (bench/speed.py): the newest result per machine kind and setting ---------------
+
+def machine_kind(cpu: dict, threads: int | None = None) -> str:
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if cpu.get(f)] or ["no AVX2"]
+    n = cpu.get("logical_cpus") or cpu.get("cores")
+    return f"{cpu.get('model', '?')}, {n} logical CPUs, {' '.join(flags)}" + (f"; {threads} threads" if threads else "")
+
+
+def speed_setting(r: dict) -> str:
+    s, m = r["settings"], r["model"]
+    model = "bundled" if m["dir"].endswith("sluice-stdlib") else f"Qwen3-0.6B shape ({m['params_read_per_token'] / 1e6:.0f} M)"
+    weights = s["quantize"] or {"float32": "fp32", "bfloat16": "bf16"}.get(s["dtype"], s["dtype"])
+    return model + ", " + weights + (", --compile" if s["compile"] else "")
+
+
+@cache
+def speed_current() -> dict[str, dict[str, dict]]:
+    """machine kind -> setting -> the newest bench-speed-*.json result for it."""
+    best: dict[str, dict[str, dict]] = {}
+    for path in sorted(RESULTS.glob("bench-speed-*.json")):
+        r = json.loads(path.read_text())
+        r["file"] = path.name
+        kind = best.setdefault(machine_kind(r["cpu"], r["torch_threads"]), {})
+        key = speed_setting(r)
+        if key not in kind or r["date"] > kind[key]["date"]:
+            kind[key] = r
+    return best
+
+
+def speed_table() -> str:
+    out = []
+    for kind, settings in sorted(speed_current().items()):
+        out += ["", f"**{kind}**", "",
+                "| model, weights | test | sluice tok/s | llama.cpp | transformers | sluice / llama.cpp | measured | results file |",
+                "|---|---|---:|---:|---:|---:|---|---|"]
+        for key, r in sorted(settings.items()):
+            rows = {(row["engine"], row["test"]): row["tok_s"]["mean"] for row in r["rows"]}
+            for test in sorted({t for _, t in rows}, key=lambda t: t.startswith("pp")):
+                sl, lc, tf = (rows.get((e, test)) for e in ("sluice", "llama.cpp", "transformers"))
+                cell = (lambda v: commas(v, 1) if v is not None else "")
+                ratio = f"{sl / lc:.2f}x" if sl and lc else ""
+                out.append(f"| {key} | {test} | {cell(sl)} | {cell(lc)} | {cell(tf)} | {ratio} | "
+                           f"{r['date'][:10]}, {r['code']['commit']} | [{r['file']}](results/{r['file']}) |")
+    return "\n".join(out[1:])
+
+
+def speed_values() -> dict[str, str]:
+    v = {"speed.table": speed_table(), "speed.files": str(len(list(RESULTS.glob("bench-speed-*.json"))))}
+    for kind, settings in speed_current().items():
+        tag = "avx512" if "avx512f" in kind else "avx2"
+        for key, r in settings.items():
+            model = "bundled" if key.startswith("bundled") else "q06"
+            w = key.split(", ")[1] + ("-compile" if "--compile" in key else "")
+            for row in r["rows"]:
+                if row["engine"] == "sluice":
+                    v[f"speed.{tag}.{model}.{w}.{row['test'][:2]}"] = commas(row["tok_s"]["mean"])
+    return v
+
+
+# --- the load test of sluice serve (bench/serve_load.py) --------------------------------------------
+
+SERVE_FILES = ("serve-load.json", "serve-load-full.json")
+
+
+def serve_values() -> dict[str, str]:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from serve_load import markdown  # the script's own table, so the doc shows what it prints
+    v, tables = {}, []
+    for name in SERVE_FILES:
+        r = load(name)
+        env = r["env"]
+        cpu = {"model": env["cpu"]["model"], "cores": env["cpu"]["cores"], **{f: True for f in env["cpu"]["flags"]}}
+        tag = "avx512" if "avx512f" in env["cpu"]["flags"] else "avx2"
+        tables.append(f"**{machine_kind(cpu)}**: commit {env['commit']} ({commit_date(env['commit'])}), "
+                      f"[{name}](results/{name})\n\n{markdown(r)}")
+        for model, m in r["models"].items():
+            s, lc = m["sluice"], m.get("llama.cpp") or {}
+            v[f"serve.{tag}.{model}.ratio"] = f"{s['ratio_c_over_1']:.2f}x"
+            v[f"serve.{tag}.{model}.c8"] = commas(s["c8"]["tok_s"], 1)
+            v[f"serve.{tag}.{model}.c1"] = commas(s["c1"]["tok_s"], 1)
+            v[f"serve.{tag}.{model}.errors"] = str(s["c8"]["errors"] + s["c1"]["errors"])
+            v[f"serve.{tag}.{model}.requests"] = commas(s["c8"]["n"])
+            for k, x in (m.get("sluice_over_llama") or {}).items():
+                v[f"serve.{tag}.{model}.over_llama.{k}"] = f"{x:.2f}x"
+            if lc:
+                v[f"serve.{tag}.{model}.llama.ratio"] = f"{lc['ratio_c_over_1']:.2f}x"
+        v[f"serve.{tag}.commit"] = env["commit"]
+        v[f"serve.{tag}.date"] = commit_date(env["commit"])
+    v["serve.tables"] = "\n\n".join(tables)
+    return v
+
+
+# --- the registry -------------------------------------------------------------------------------
+
+def model_values() -> dict[str, str]:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from docs_model_numbers import values
+    return values()
+
+
+GROUPS = {"speed": speed_values, "serve": serve_values, "model": model_values}
+
+
+def field(name: str) -> str | None:
+    """The text of an `r:FILE:PATH:FORMAT` value, or None when the file or the path is not there."""
+    try:
+        _, file, path, spec = name.split(":", 3)
+        value = load(file + ".json")
+        for key in path.split("/"):  # a JSON Pointer (RFC 6901) without its leading slash
+            key = key.replace("~1", "/").replace("~0", "~")
+            value = value[int(key)] if isinstance(value, list) else value[key]
+        return format(value, spec)
+    except (ValueError, KeyError, IndexError, TypeError, OSError):
+        return None
+
+
+def group(name: str) -> str:
+    return "r" if name.startswith("r:") else name.split(".")[0]
+
+
+def compute(names: set[str] | None = None) -> dict[str, str]:
+    """Every value of each group that `names` touches (all groups when None), and the `r:` fields named."""
+    wanted = {group(n) for n in names} if names is not None else set(GROUPS)
+    out: dict[str, str] = {}
+    for g, fn in GROUPS.items():
+        if g in wanted:
+            out.update(fn())
+    for n in names or ():
+        if group(n) == "r" and (text := field(n)) is not None:
+            out[n] = text
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a span is stale")
+    ap.add_argument("--list", action="store_true", help="print every value's name and text")
+    ap.add_argument("--only", action="append", choices=[*GROUPS, "r"],
+                    help="only the spans of this group (repeatable); e.g. skip the model's minute")
+    args = ap.parse_args(argv)
+    if args.list:
+        for name, text in sorted(compute().items()):
+            print(f"{name}: {text}")
+        return 0
+    docs = {p: p.read_text() for p in doc_files()}
+    names = {n for t in docs.values() for n, _ in spans(t) if not args.only or group(n) in args.only}
+    values = compute(names)
+    values.update({n: old for t in docs.values() for n, old in spans(t) if n not in names})  # left as they are
+    stale = 0
+    for path, text in docs.items():
+        new = render(text, values)
+        if new == text:
+            continue
+        if args.check:
+            for (name, old), (_, now) in zip(spans(text), spans(new)):
+                if old != now:
+                    stale += 1
+                    print(f"{path.relative_to(ROOT)}: {name}: {old!r} should be {now!r}")
+        else:
+            path.write_text(new)
+            print(f"rewrote {path.relative_to(ROOT)}")
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
