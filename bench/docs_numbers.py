@@ -72,7 +72,7 @@ def commit_date(commit: str) -> str:
 def machine_kind(cpu: dict, threads: int | None = None) -> str:
     flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if cpu.get(f)] or ["no AVX2"]
     n = cpu.get("logical_cpus") or cpu.get("cores")
-    return f"{cpu.get('model', '?')}, {n} logical CPUs, {' '.join(flags)}" + (f"; {threads} threads" if threads else "")
+    return f"{cpu.get('model', '?')}, {n} logical CPUs, {' '.join(flags)}" + (f"; torch {threads} thread{'s' if threads > 1 else ''}" if threads else "")
 
 
 def speed_setting(r: dict) -> str:
@@ -159,6 +159,36 @@ def serve_values() -> dict[str, str]:
     return v
 
 
+# --- sluice profile --json (docs/profile.md) ------------------------------------------------------
+
+PROFILE_FILES = {"profile-bundled.json": "bundled (6.8M, fp32)", "profile-qwen3.json": "Qwen3-0.6B shape, fp32",
+                 "profile-llama-8k.json": "Llama-3-8B shape, bf16"}
+
+
+def pct(x: float, signed: bool = False, digits: int = 1) -> str:
+    return f"{100 * x:+.{digits}f}%" if signed else f"{100 * x:.{digits}f}%"
+
+
+def profile_values() -> dict[str, str]:
+    """The table of docs/profile.md, one row per (model, context). profile-llama.json is the first
+    Llama run, whose 8,192 row (disturbed: page faults under memory pressure) profile-llama-8k.json
+    redid; the other rows are the first run's."""
+    rows = ["| model | context | step ms | sum vs step | LM head + softmax | KV attention (time) | KV bytes | "
+            "MB read | achieved GB/s | roofline ms | error |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    runs = [("profile-bundled.json", lambda c: True), ("profile-qwen3.json", lambda c: True),
+            ("profile-llama.json", lambda c: c != 8192), ("profile-llama-8k.json", lambda c: c == 8192)]
+    for name, keep in runs:
+        label = PROFILE_FILES.get(name, PROFILE_FILES["profile-llama-8k.json"])
+        for r in load(name)["rows"]:
+            if not keep(r["context"]):
+                continue
+            rows.append(f"| {label} | {commas(r['context'])} | {commas(r['step_ms'], 1)} | {pct(r['sum_vs_step'], True)} | "
+                        f"{pct(r['lm_head_softmax_share'])} | {pct(r['kv_time_share'])} | {pct(r['kv_bytes_share'])} | "
+                        f"{commas(r['read_bytes'] / 1e6)} | {r['achieved_GB_s']:.2f} | {commas(r['predicted']['step_ms'], 1)} | "
+                        f"{pct(r['prediction_error'], True, 0)} |")
+    return {"profile.table": "\n".join(rows)}
+
+
 # --- the registry -------------------------------------------------------------------------------
 
 def model_values() -> dict[str, str]:
@@ -167,7 +197,7 @@ def model_values() -> dict[str, str]:
     return values()
 
 
-GROUPS = {"speed": speed_values, "serve": serve_values, "model": model_values}
+GROUPS = {"speed": speed_values, "serve": serve_values, "profile": profile_values, "model": model_values}
 
 
 def field(name: str) -> str | None:

@@ -7,6 +7,7 @@ version whose standard library they were measured on (the surgery text comes fro
 carry the `slow` marker. To fix a failure: `python bench/docs_numbers.py` rewrites the spans.
 """
 
+import difflib
 import importlib.util
 import sys
 from pathlib import Path
@@ -33,7 +34,11 @@ def _stale(values: dict[str, str], group: str) -> list[str]:
     for path, text in DOCS.items():
         for name, current in dn.spans(text):
             if dn.group(name) == group and values[name] != current:
-                out.append(f"{path.relative_to(ROOT)}: {name} says {current!r}, the results give {values[name]!r}")
+                if "\n" in current:  # a table: only the lines that differ
+                    diff = difflib.unified_diff(current.splitlines(), values[name].splitlines(), lineterm="", n=0)
+                    out.append(f"{path.relative_to(ROOT)}: {name}:\n" + "\n".join(list(diff)[2:]))
+                else:
+                    out.append(f"{path.relative_to(ROOT)}: {name} says {current!r}, the results give {values[name]!r}")
     return out
 
 
