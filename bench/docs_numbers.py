@@ -189,6 +189,46 @@ def profile_values() -> dict[str, str]:
     return {"profile.table": "\n".join(rows)}
 
 
+# --- speculative decoding (bench/speculative.py, docs/speculative.md) -----------------------------
+
+def spec_values() -> dict[str, str]:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from speculative import markdown  # the script's own tables (it imports torch: a few seconds)
+    r = load("bench-speculative.json")
+    results, _, cost = markdown(r).partition("**cost model:")
+    return {"spec.results": results.strip(), "spec.cost": ("**cost model:" + cost).strip(),
+            "spec.date": r["date"][:10], "spec.commit": r["code"]["commit"]}
+
+
+# --- tensor parallelism (bench/tp_allreduce.py, bench/tp_memory.py; docs/parallel.md) -------------
+
+def tp_values() -> dict[str, str]:
+    r, mem = load("bench-tp-allreduce.json"), load("bench-tp-memory.json")
+    rows = ["| ranks | shape | batch | bytes per all-reduce | us per all-reduce | all-reduces per token | "
+            "sampler's 3 collectives (us) | per token, measured (us) | per token from the parts (us) |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in r["collectives"]:
+        rows.append(f"| {c['world']} | {c['shape']} (hidden {c['hidden_size']}, {c['num_layers']} layers) | {c['batch']} | "
+                    f"{commas(c['all_reduce_bytes'])} | {commas(c['us_per_all_reduce'], 1)} | {c['all_reduces_per_token']} | "
+                    f"{commas(c['us_sampler_collectives'], 1)} | **{commas(c['us_per_token'])}** | "
+                    f"{commas(c['us_per_token_from_parts'])} |")
+    dec = ["| batch | one process, kernels=False (tok/s) | 2 ranks, tensor_parallel=2 (tok/s) | ratio | tokens identical |",
+           "|---:|---:|---:|---:|---|"]
+    for key, d in r["decode"].items():
+        one = max(x["decode_tok_s"] for x in d["single_process_kernels_false_2_threads"])
+        two = max(x["decode_tok_s"] for x in d["tp2_1_thread_per_rank"])
+        dec.append(f"| {key.removeprefix('batch_')} | {commas(one, 1)} | {commas(two, 1)} | **{two / one:.2f}x** | "
+                   f"{'yes' if d['same_tokens'] else 'no'} |")
+    mib = (lambda b: f"{b / 2**20:,.1f} MiB")
+    v = {"tp.collectives": "\n".join(rows), "tp.decode": "\n".join(dec),
+         "tp.mem.whole": mib(mem["whole"]["param_bytes"]), "tp.mem.whole_anon": f"{mem['whole']['rss_anon_growth'] / 2**20:.0f} MiB"}
+    for n, ranks in mem["ranks"].items():
+        v[f"tp.mem.{n}.params"] = mib(max(x["param_bytes"] for x in ranks))
+        v[f"tp.mem.{n}.share"] = f"{max(x['param_share'] for x in ranks):.3f}"
+        v[f"tp.mem.{n}.anon"] = f"{max(x['rss_anon_growth'] for x in ranks) / 2**20:.0f} MiB"
+    return v
+
+
 # --- the registry -------------------------------------------------------------------------------
 
 def model_values() -> dict[str, str]:
@@ -197,7 +237,8 @@ def model_values() -> dict[str, str]:
     return values()
 
 
-GROUPS = {"speed": speed_values, "serve": serve_values, "profile": profile_values, "model": model_values}
+GROUPS = {"speed": speed_values, "serve": serve_values, "profile": profile_values, "spec": spec_values,
+          "tp": tp_values, "model": model_values}
 
 
 def field(name: str) -> str | None:
