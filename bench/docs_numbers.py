@@ -229,6 +229,46 @@ def tp_values() -> dict[str, str]:
     return v
 
 
+# --- the bundled model's card and training logs (docs/bundled-model.md) -----------------------------
+
+CARD = ROOT / "src" / "sluice" / "assets" / "sluice-stdlib" / "training.json"
+
+
+def heldout_curve(name: str) -> dict[int, float]:
+    lines = (json.loads(line) for line in (RESULTS / name).read_text().splitlines() if line.strip())
+    return {e["step"]: e["heldout_bpb"] for e in lines if "heldout_bpb" in e}
+
+
+def card_values() -> dict[str, str]:
+    """The shipped model's own card (training.json, written by `sluice train` and bench/bundled_quality.py)
+    and the two editions' training logs."""
+    c = json.loads(CARD.read_text())
+    second, first = heldout_curve("bundled-model-log-2.jsonl"), heldout_curve("bundled-model-log.jsonl")
+    steps = sorted(set(second) | set(first))
+    cell = (lambda curve, s: f"{curve[s]:.3f}" if s in curve else "")
+    curve = ["| step | " + " | ".join(str(s) for s in steps) + " |", "|---" * (len(steps) + 1) + "|",
+             "| second edition | " + " | ".join(cell(second, s) for s in steps) + " |",
+             f"| first edition (cosine over {max(first):,}) | " + " | ".join(cell(first, s) for s in steps) + " |"]
+    q = c["quality"]
+    return {"card.params": commas(c["params"]), "card.steps": commas(c["steps"]), "card.tokens": commas(c["tokens_seen"]),
+            "card.epochs": f"{c['tokens_seen'] / c['corpus']['train_tokens']:.1f}",
+            "card.train_tokens": f"{c['corpus']['train_tokens'] / 1e6:.2f} M",
+            "card.minutes": f"{c['train_wall_seconds'] / 60:.1f} min",
+            "card.tok_s": commas(c["tokens_seen"] / c["train_wall_seconds"]),
+            "card.final_loss": f"{c['final_train_loss']:.2f}", "card.heldout_loss": f"{c['heldout']['loss']:.2f}",
+            "card.bpb": f"{c['heldout']['bpb']:.3f}", "card.gzip": f"{c['baselines']['gzip-9']:.3f}",
+            "card.xz": f"{c['baselines']['xz-9e']:.3f}", "card.baseline_bytes": commas(c["baselines"]["bytes"]),
+            "card.heldout_files": str(c["corpus"]["heldout_files"]), "card.train_files": str(c["corpus"]["train_files"]),
+            "card.outside.bpb": f"{q['outside_stdlib']['bpb']:.3f}", "card.outside.gzip": f"{q['outside_stdlib']['gzip-9']:.3f}",
+            "card.outside.xz": f"{q['outside_stdlib']['xz-9e']:.3f}", "card.outside.files": str(q["outside_stdlib"]["files"]),
+            "card.parse": f"{q['parse']['parsed']} of {q['parse']['prompts']}",
+            "card.files": f"{c['corpus']['train_files'] + c['corpus']['heldout_files']:,} files, "
+                          f"{(c['corpus']['train_bytes'] + c['corpus']['heldout_bytes']) / 1e6:.1f} MB",
+            "card.heldout": f"{c['corpus']['heldout_files']} files, {c['corpus']['heldout_bytes'] / 1e3:.0f} KB",
+            "card.bytes_per_token": f"{c['corpus']['train_bytes'] / c['corpus']['train_tokens']:.2f}",
+            "card.curve": "\n".join(curve)}
+
+
 # --- the registry -------------------------------------------------------------------------------
 
 def model_values() -> dict[str, str]:
@@ -238,7 +278,7 @@ def model_values() -> dict[str, str]:
 
 
 GROUPS = {"speed": speed_values, "serve": serve_values, "profile": profile_values, "spec": spec_values,
-          "tp": tp_values, "model": model_values}
+          "tp": tp_values, "card": card_values, "model": model_values}
 
 
 def field(name: str) -> str | None:
