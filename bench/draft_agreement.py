@@ -1,7 +1,7 @@
 """How well the bundled draft predicts the bundled model: held-out bits per byte of both, and the
 greedy agreement that decides speculative decoding's acceptance rate.
 
-    python bench/draft_agreement.py --json bench/draft_agreement.json
+    python bench/draft_agreement.py --json docs/results/draft-agreement.json
 
 Agreement: prompts are windows of the held-out stdlib files (the recipe's split, never trained on);
 the main model continues each greedily; then both models read prompt + that continuation in one

@@ -8,9 +8,9 @@ prefilled cache at the same positions; each number is the best and the median of
 (the best is what a quiet machine gives; this 2-core box is shared). Run it under the bench lock:
 
     flock /tmp/sluice-bench.lock .venv/bin/python bench/fast_step.py [--q06 /tmp/sluice-speed-q06] \
-        [--out docs/bench-fast-step.json]
+        [--out docs/results/bench-fast-step.json]
 
-Results (AMD EPYC, 2 cores, AVX2 + FMA + F16C, no AVX-512; torch 2 threads), docs/bench-fast-step.json.
+Results (AMD EPYC, 2 cores, AVX2 + FMA + F16C, no AVX-512; torch 2 threads), docs/results/bench-fast-step.json.
 Measured 2026-11-30 17:13 and 18:05-18:16 under the lock, but with a load of 4-9 from unlocked test
 runs, so medians are 3-10x the bests and only the bests say what the code can do:
   bundled fp32, decode B=1:   fast 1.45 ms (692 tok/s)  torch step 19-67 ms

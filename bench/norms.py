@@ -1,7 +1,7 @@
 """RMSNorm versus LayerNorm (the claim: "RMSNorm saves 10-50%"): kernel time over a grid of sizes,
 eager and torch.compile'd, and the norms' share of a decode step on Qwen3-0.6B / Llama-3-8B shapes.
 
-    python bench/norms.py --json docs/bench-norms.json          # full run (kernels + decode share)
+    python bench/norms.py --json docs/results/bench-norms.json          # full run (kernels + decode share)
     python bench/norms.py --quick --no-compile --json o.json    # seconds-long smoke test
 
 A thin wrapper: the benchmark lives in the package (sluice.benchmarks.norms), so an installed

@@ -1,6 +1,6 @@
 """Weight-only quantization (sluice.load(..., quantize=)): what it costs in quality, what it buys in speed.
 
-    python bench/quant.py --json docs/bench-quant.json     # the numbers in docs/quantization.md
+    python bench/quant.py --json docs/results/bench-quant.json     # the numbers in docs/quantization.md
     python bench/quant.py --quick                          # smoke run, bundled model only
 
 1. bits per byte of the bundled model on its held-out text (observatory/surgery_eval.py's scorer):

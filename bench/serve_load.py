@@ -1,7 +1,7 @@
 """Load test of `sluice serve`: C concurrent streaming clients against a real server process, and the
 same load against llama-cpp-python's OpenAI server on the same checkpoint's GGUF (docs/serve-load.md).
 
-    flock /tmp/sluice-bench.lock .venv/bin/python bench/serve_load.py --out docs/serve-load.json
+    flock /tmp/sluice-bench.lock .venv/bin/python bench/serve_load.py --out docs/results/serve-load.json
 
 Per model and engine: start the server on a free 127.0.0.1 port, wait until it answers, send one
 untimed warmup request, run C clients (closed loop: each sends its next request when the last one

@@ -3,7 +3,7 @@ speculation, on the bundled model (its shipped draft, and prompt lookup) and on 
 shapes with a random small draft (acceptance ~0), plus the cost model that says when speculation pays.
 
     flock /tmp/sluice-bench.lock timeout 900 .venv/bin/python bench/speculative.py \
-        --json docs/bench-speculative.json
+        --json docs/results/bench-speculative.json
 
 Method: one LLM per target holds the draft; each configuration (mode, k) is selected per request
 by setting the LLM's speculative / num_speculative_tokens fields (read when a request starts, so

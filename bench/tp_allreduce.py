@@ -1,6 +1,6 @@
 """What tensor parallelism's collectives cost per decoded token on this machine (gloo over loopback).
 
-    flock -x /tmp/sluice-bench.lock .venv/bin/python bench/tp_allreduce.py --out docs/bench-tp-allreduce.json
+    flock -x /tmp/sluice-bench.lock .venv/bin/python bench/tp_allreduce.py --out docs/results/bench-tp-allreduce.json
     ... --decode    also time a real 2-rank LLM(tensor_parallel=2) decode of the bundled model against
                     single-process torch-path decode (kernels=False)
 

@@ -5,7 +5,7 @@ parameters (parallel.resident_bytes) and the growth of the process's anonymous r
 
     python bench/random_checkpoint.py qwen3-0.6b --dtype bfloat16 --out /tmp/sluice-q06-bf16
     flock /tmp/sluice-bench.lock .venv/bin/python bench/tp_memory.py --model /tmp/sluice-q06-bf16 \
-        --ranks 2,4 --json docs/bench-tp-memory.json
+        --ranks 2,4 --json docs/results/bench-tp-memory.json
 
 Ranks are spawned processes in one gloo group (file store), one thread each; nothing is timed.
 """
