@@ -23,7 +23,7 @@ def cpu_info() -> dict:
                  if line.startswith("model name")), "?")
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
                   if line.startswith("flags")), [])
-    return {"model": name, "avx2": "avx2" in flags, "avx512_bf16": "avx512_bf16" in flags,
+    return {"model": name, "avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "amx_bf16": "amx_bf16" in flags, "torch_threads": torch.get_num_threads()}
 
 
