@@ -1,6 +1,6 @@
 """The two kernels of a decode step, alone: the few-row linear and attention over the KV cache.
 
-Linear: torch's F.linear against sluice's gemv (engine/gemv.cpp) over every weight matrix of a
+Linear: torch's F.linear against sluice's gemv (engine/native/gemv.cpp) over every weight matrix of a
 Qwen3-0.6B-shaped stack (28 layers of q, k, v, o, gate, up, down: 1.76 GB fp32), so each weight comes
 from DRAM, not the cache, as in a real step; GB/s = weight bytes / time per pass. int8: torch's
 _weight_int8pack_mm (what model/quant.py uses, bf16 activations) against gemv with int8 weights

@@ -1,4 +1,4 @@
-"""Prefill of one prompt chunk: the native step (engine/step.cpp, in pieces of MAX_CHUNK tokens) against
+"""Prefill of one prompt chunk: the native step (engine/native/step.cpp, in pieces of MAX_CHUNK tokens) against
 the torch path, as the continuous-batching scheduler runs them (paged KV pool, batch 1).
 
 For each T: ms for one chunk of T tokens at positions 0..T-1 through FastStep (final-normed hidden

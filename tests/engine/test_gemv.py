@@ -1,4 +1,4 @@
-"""sluice's batch-1 CPU kernel (engine/gemv.cpp) against F.linear, and the engine path that uses it."""
+"""sluice's batch-1 CPU kernel (engine/native/gemv.cpp) against F.linear, and the engine path that uses it."""
 
 import pytest
 import torch
