@@ -8,7 +8,7 @@ _weight_int8pack_mm (what model/quant.py uses, bf16 activations) against gemv wi
 
 Attention: one query token against S cache slots (16 query heads, 8 KV heads, head 128): SDPA on the
 old (B, S, K, D) cache layout (a strided view), SDPA on the (B, K, S, D) layout, and sluice's
-decode_attention (model/layers.py). Results: docs/benchmarks.md, "Fast decode".
+decode_attention (model/layers.py). Results: docs/changelog-benchmarks.md, 2026-11-30 "Fast decode".
 
     python bench/decode_kernels.py [--quick] [--json PATH]
 """

@@ -7,7 +7,7 @@ the last token, the medians of --repeats calls, and us per token. Run it under t
 
     flock -x /tmp/sluice-bench.lock .venv/bin/python bench/prefill.py [--model DIR] [--lengths 16,64,128]
 
-Results are in docs/benchmarks.md ("prefill through the native step"), with the CPU's flags.
+Results are in docs/changelog-benchmarks.md (2026-12-01 "Prefill through the native step"), with the CPU's flags.
 """
 
 from __future__ import annotations

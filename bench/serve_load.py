@@ -8,7 +8,7 @@ untimed warmup request, run C clients (closed loop: each sends its next request 
 ends) and then 1 client over the same seeded requests, read /metrics, stop the server with SIGTERM
 (killed if it does not exit). Every request streams with a fixed output length (sluice: ignore_eos;
 llama.cpp: min_tokens = max_tokens), so both engines generate the same number of tokens.
-tests/test_serve_load.py runs a reduced load through the same functions.
+tests/server/test_serve_load.py runs a reduced load through the same functions.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Finding such rows is this path's one host sync. Greedy and pure-temperature rows
 Numerics are the plain path's: each chunk's matmul runs in the weight dtype and is cast to fp32 as
 Transformer.logits does, then Gemma's soft-cap, then the repetition penalty. On the CPU measured a
 chunk of F.linear is bit-identical to the same columns of the full product, so greedy picks the
-same token (the first index on ties, like argmax); tests/test_fused_head.py checks it.
+same token (the first index on ties, like argmax); tests/engine/test_fused_head.py checks it.
 """
 
 from __future__ import annotations

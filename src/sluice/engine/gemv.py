@@ -2,8 +2,8 @@
 
 Why: a decode step multiplies 1..8 token rows by every weight matrix, so it is a stream over the
 weights. torch's F.linear at batch 1 reads a weight from DRAM at well under this machine's
-bandwidth (docs/benchmarks.md, "Fast decode"), and for bf16 weights on a CPU without AVX-512-bf16
-it converts through a slow path. gemv.cpp reads W once at its stored width (fp32, bf16, int8),
+bandwidth (docs/changelog-benchmarks.md, 2026-11-30 "Fast decode"), and for bf16 weights on a CPU
+without AVX-512-bf16 it converts through a slow path. gemv.cpp reads W once at its stored width (fp32, bf16, int8),
 widens in registers and accumulates in fp32.
 
 How it is used: `use_fast_linears(model)` swaps each nn.Linear's class for FastLinear, a subclass
@@ -29,9 +29,9 @@ from ..model.quant import Int8Linear
 from .native import NATIVE_DIR, NativeExtension, cpu_flags  # noqa: F401  (cpu_flags: re-exported for callers)
 
 # Rows of x sent to the kernel, by weight dtype, from bench/decode_kernels.py on the AVX2 EPYC
-# (docs/benchmarks.md, "Fast decode"; Qwen3-0.6B's matrices from DRAM, 2 threads): the kernel streams
-# fp32 weights at 13.7 / 14.8 / 11.9 / 6.6 GB/s for 1 / 2 / 4 / 8 rows against F.linear's
-# 8.7 / 5.5 / 3.8 / 4.5, and bf16 at 11.5 / 9.7 / 8.0 / 5.7 against 9.8 / 6.8 / 3.6 / 2.3. More rows
+# (docs/changelog-benchmarks.md, 2026-11-30 "Fast decode"; Qwen3-0.6B's matrices from DRAM, 2 threads):
+# the kernel streams fp32 weights at 13.7 / 14.8 / 11.9 / 6.6 GB/s for 1 / 2 / 4 / 8 rows against
+# F.linear's 8.7 / 5.5 / 3.8 / 4.5, and bf16 at 11.5 / 9.7 / 8.0 / 5.7 against 9.8 / 6.8 / 3.6 / 2.3. More rows
 # than this is prefill (F.linear's GEMM).
 ROWS = {torch.float32: (1, 8), torch.bfloat16: (1, 8)}
 MAX_ROWS = 8  # what the kernel itself accepts

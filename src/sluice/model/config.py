@@ -32,7 +32,7 @@ class ModelConfig:
     head_dim: int
     max_position_embeddings: int
     norm_eps: float = 1e-6
-    # ---- The valves (ARCHITECTURE.md, house rule "variation comes from config fields"); Llama's defaults.
+    # ---- The valves (ARCHITECTURE.md, house rule "families differ by config fields"); Llama's defaults.
     # norm_kind "rms" | "layer". RMSNorm gain = norm_offset + weight (Gemma stores w - 1: offset 1);
     # norm_gain_fp32: multiply the gain in fp32 then cast (Gemma, OLMo 2) instead of casting first
     # (Llama, Qwen). norm_bias: LayerNorm's additive bias (GPT-2, NeoX).

@@ -1,7 +1,7 @@
 """The family table: one row per supported architecture, read by ModelConfig.from_hf_dict.
 
 Kept apart from config.py because it is data, not logic: adding a family means adding a row here
-(ARCHITECTURE.md, house rule "variation comes from config fields"), and reading the rows side by side
+(ARCHITECTURE.md, house rule "families differ by config fields"), and reading the rows side by side
 is easier without the dataclass around them.
 """
 

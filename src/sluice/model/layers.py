@@ -144,7 +144,7 @@ def decode_attention(q, k, v, mask, scale: float) -> torch.Tensor:
     The G query heads that share a KV head are one (G, D) @ (D, S) product, so each head's cache is
     read in place, once (SDPA's GQA path repeats it G times). In fp32 because on CPUs without bf16
     instructions a bf16 matmul is slower than casting the cache up and multiplying in fp32
-    (docs/benchmarks.md, "Fast decode"); the softmax is fp32 as everywhere in sluice."""
+    (docs/changelog-benchmarks.md, 2026-11-30 "Fast decode"); the softmax is fp32 as everywhere in sluice."""
     B, H, _, D = q.shape
     K = k.shape[1]
     qg = q.reshape(B, K, H // K, D).float()  # (B, K, G, D)

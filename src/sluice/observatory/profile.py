@@ -5,7 +5,7 @@ exactly `context` slots (filled with random keys and values: the cost of a step 
 what the cache holds), then the Sampler on its logits. Every context length is measured alone.
 
 Method: timed regions from forward pre-hooks and hooks registered from outside (ARCHITECTURE.md,
-house rule "instrumentation attaches from outside").
+house rule "measurement attaches from outside").
 A hook costs a few microseconds, so hooks are never nested: each *pass* times one level of the
 module tree, and a parent's own work is its region minus its children's regions from the next pass.
 

@@ -16,7 +16,7 @@ changes:
 `apply(model, surgeries)` is a context manager: the model changes on entry, and on exit (also on an
 error) the original modules, attributes and hooks are put back, so logits are bit-identical to
 before. Modules are swapped, never edited in place, and nothing is written to disk. Branch scaling
-is a forward hook registered from outside (ARCHITECTURE.md, house rule "instrumentation attaches from
+is a forward hook registered from outside (ARCHITECTURE.md, house rule "measurement attaches from
 outside"), on the module whose output is added to the stream: the post-norm where the block has one
 (Gemma, OLMo 2), else the attn / mlp branch.
 

@@ -189,7 +189,7 @@ class Run:
         Building and dumping the pydantic models costs ~10 us a chunk (~1 us this way), paid on the event
         loop for every token of every stream. The template is that dump made once per choice around a
         placeholder text, whose JSON string the text's replaces: byte for byte _chunk's output
-        (tests/test_server_chunks.py), since both escape a string the same way (non-ASCII left as is)."""
+        (tests/server/test_server_chunks.py), since both escape a string the same way (non-ASCII left as is)."""
         template = self._templates.get(index)
         if template is None:
             whole = self._chunk(index, _PLACEHOLDER)

@@ -24,7 +24,7 @@ constexpr int kMaxRows = 8;
 
 // out[m] = dot(w[0:K], x[m, 0:K]) for m < M; x is fp32 (M, K) contiguous. Two accumulators per x
 // row hide the FMA latency. (Walking 2-4 W rows at once, with software prefetch, measured slower
-// on the AVX2 EPYC: docs/benchmarks.md, "Fast decode".)
+// on the AVX2 EPYC: docs/changelog-benchmarks.md, 2026-11-30 "Fast decode".)
 template <typename W, int M>
 inline void dot_rows(const W* w, const float* x, int64_t K, float* out) {
   int64_t k = 0;
