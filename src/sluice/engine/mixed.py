@@ -4,8 +4,8 @@ Why: on a CPU without AVX-512-bf16 or AMX, every bf16 op converts through fp32 i
 decode step spent a third of its time on elementwise work (norms, RoPE, residual adds, SiLU, the
 casts between them), and torch's bf16 GEMM runs prefill at 17 GFLOP/s against 150+ for fp32
 (docs/changelog-benchmarks.md, 2026-11-30 "Fast decode"). What bf16 buys is half the bytes per
-weight, and decode is a stream over the weights. So this mode keeps the linear weights in bf16 and computes everything
-else in fp32:
+weight, and decode is a stream over the weights. So this mode keeps the linear weights in bf16 and
+computes everything else in fp32:
 - decode rows go to sluice's kernel (engine/gemv.py), which takes fp32 x and widens bf16 W in
   registers;
 - prefill multiplies by an fp32 copy of W, made one block of rows at a time, so the temporary
