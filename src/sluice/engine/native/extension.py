@@ -34,6 +34,14 @@ RECHECK_SECONDS = 1.0  # how often a caller on the torch path looks whether a ba
 # greedy decode ran 111 tok/s on the torch path against 539 with the native step (docs/benchmarks.md).
 TORCH_PATH_COST = "about 5x slower decode on small models"
 
+# While kernels build in the background, the torch path leaves the compiler a core: two OpenMP threads that
+# share a core with a compiler wait for each other at every parallel region (on 2 cores the bundled model's
+# torch-path decode fell from ~140 to 1-10 tok/s under a nice 10 or SCHED_IDLE compile; on one thread it kept
+# ~80). The thread count is lowered and put back on the thread that runs the model, at a kernel lookup.
+_shared_from: int | None = None  # torch's thread count before a build took a core; None: not shared
+_share_root: Path | None = None  # whose build locks say a build is still running
+_share_look_after = 0.0
+
 _said: set[str] = set()  # the one-line notices this process has given
 _builder: subprocess.Popen | None = None  # the background build this process started
 _builder_lock = threading.Lock()
@@ -79,6 +87,35 @@ def start_background(first: Target) -> int:
         return _builder.pid
 
 
+def share_cores(root: Path) -> None:
+    """Run torch on one thread fewer while a build under `root` is running (see _shared_from)."""
+    global _shared_from, _share_root, _share_look_after
+    import torch
+    if _shared_from is None and torch.get_num_threads() > 1:
+        _shared_from, _share_root = torch.get_num_threads(), root
+        _share_look_after = time.monotonic() + RECHECK_SECONDS
+        torch.set_num_threads(_shared_from - 1)
+
+
+def building_under(root: Path) -> bool:
+    """Whether a kernel build is running: this process's builder, or any live holder of a lock under root."""
+    if _builder is not None and _builder.poll() is None:
+        return True
+    return any(holder(lock) is not None for lock in root.glob("*.lock"))
+
+
+def unshare_cores() -> None:
+    """Put torch's thread count back once no build is running (looked at once a second at most)."""
+    global _shared_from, _share_look_after
+    if _shared_from is None or time.monotonic() < _share_look_after:
+        return
+    _share_look_after = time.monotonic() + RECHECK_SECONDS
+    if not building_under(_share_root):
+        import torch
+        torch.set_num_threads(_shared_from)
+        _shared_from = None
+
+
 def wait_for_background(timeout: float | None = None) -> int | None:
     """Wait for this process's background build to end; its exit status, or None if it started none."""
     with _builder_lock:
@@ -104,6 +141,8 @@ class NativeExtension:
     def module(self, wait: bool | None = None):
         """The extension, or None. wait=True builds it now if it must (waiting for a build in progress,
         saying so); None follows SLUICE_KERNEL_BUILD."""
+        if _shared_from is not None:
+            unshare_cores()
         if self._module is not None or self.failure is not None:
             return self._module
         if self.pending is not None and not wait and time.monotonic() < self._look_after:
@@ -163,6 +202,7 @@ class NativeExtension:
             self.pending = f"being built in the background (pid {pid})"
             _say_once("building", f"sluice: building its native CPU kernels in the background (pid {pid}, "
                                   "a few minutes at low priority); using the torch path meanwhile")
+        share_cores(t.root)
         self._look_after = time.monotonic() + RECHECK_SECONDS
 
     def _load(self, t: Target) -> None:
