@@ -41,7 +41,10 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SLUICE_KERNEL_BUILD", "wait")
     monkeypatch.setattr(extension, "_said", set())
     monkeypatch.setattr(extension, "_builder", None)
-    return tmp_path / "cache"
+    monkeypatch.setattr(extension, "_shared_from", None)
+    threads = torch.get_num_threads()
+    yield tmp_path / "cache"
+    torch.set_num_threads(threads)  # a test that left a build's core share behind must not slow the rest
 
 
 @pytest.fixture
@@ -116,8 +119,10 @@ def test_builds_for_different_environments_get_different_directories(tiny, monke
 def test_a_background_build_lands_and_a_later_call_picks_it_up(cache, tiny, monkeypatch, capfd):
     monkeypatch.setenv("SLUICE_KERNEL_BUILD", "background")
     monkeypatch.setattr(extension, "RECHECK_SECONDS", 0.0)
+    torch.set_num_threads(2)  # a 2-core machine's count, whatever this one has
     ext = NativeExtension(tiny, "tiny kernel")
     assert ext.module() is None  # served at once, on the torch path
+    assert torch.get_num_threads() == 1  # leaving the compiler a core
     pid = extension._builder.pid
     assert ext.why_unavailable() == f"being built in the background (pid {pid})"
     assert NativeExtension(tiny, "another view of it").module() is None
@@ -126,6 +131,7 @@ def test_a_background_build_lands_and_a_later_call_picks_it_up(cache, tiny, monk
                    "low priority); using the torch path meanwhile"]
     assert extension.wait_for_background(HANG) == 0
     assert ext.module().answer() == 42 and ext.why_unavailable() is None
+    assert torch.get_num_threads() == 2  # given back once the build ended
     assert target(tiny).ready() and not list(cache.glob(".sluice_tiny_*"))  # landed whole, no leftovers
 
 
@@ -149,3 +155,25 @@ def test_an_engine_without_a_compiler_generates_on_the_torch_path(tiny_dir, tmp_
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["4"] + ["no C++ compiler found (/nonexistent/c++)"] * 2
     assert len([line for line in r.stderr.splitlines() if line.startswith("sluice:")]) == 1
+
+
+def test_the_torch_path_gives_a_running_build_a_core_until_no_build_lock_is_held(cache, monkeypatch):
+    """Two OpenMP threads sharing a core with a compiler stall each other at every parallel region, so
+    while any build under the cache holds its lock (another process's too) torch runs one thread fewer."""
+    monkeypatch.setattr(extension, "RECHECK_SECONDS", 0.0)
+    torch.set_num_threads(2)
+    cache.mkdir(parents=True)
+    child = hold(cache / "sluice_other_0123.lock")
+    try:
+        extension.share_cores(cache)
+        assert torch.get_num_threads() == 1
+        extension.unshare_cores()
+        assert torch.get_num_threads() == 1  # the build is still running
+    finally:
+        child.stdin.close()
+        child.wait(HANG)
+    extension.unshare_cores()
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(1)
+    extension.share_cores(cache)  # one thread: nothing to give
+    assert torch.get_num_threads() == 1 and extension._shared_from is None

@@ -39,7 +39,8 @@ def use_kernels(model: torch.nn.Module, device: torch.device, required: bool) ->
     unavailable kernel is an error."""
     if device.type == "cpu":
         from . import gemv
-        if gemv.available(wait=required):  # kernels=True asked for it: build it now rather than run without
+        # kernels=True asked for it: build it now rather than run without; else SLUICE_KERNEL_BUILD decides
+        if gemv.available(wait=True if required else None):
             return gemv.use_fast_linears(model)
         why = gemv.why_unavailable()
     else:
@@ -73,7 +74,7 @@ def set_compute(model: torch.nn.Module, device: torch.device, compute: str, kern
             native_step_fits(model, device) or not cpu_has_bf16() and kernels_pay_off(model, device))):
         return False
     from . import gemv
-    if kernels is False or device.type != "cpu" or not gemv.available(wait=compute == "float32"):
+    if kernels is False or device.type != "cpu" or not gemv.available(wait=True if compute == "float32" else None):
         if compute == "auto":
             return False
         why = "kernels=False" if kernels is False else (
