@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from docs_results import (card_values, load, profile_values, serve_values, spec_values,  # noqa: E402
                           speed_values, tp_values)
 
-from docs_prose import profile_prose, spec_prose, tp_prose  # noqa: E402
+from docs_prose import profile_prose, quant_values, spec_prose, tp_prose  # noqa: E402
 from docs_bundled import bundled_values  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def model_values() -> dict[str, str]:
 
 GROUPS = {"speed": speed_values, "serve": serve_values,
           "profile": lambda: {**profile_values(), **profile_prose()}, "spec": lambda: {**spec_values(), **spec_prose()},
-          "tp": lambda: {**tp_values(), **tp_prose()}, "card": card_values, "bundled": bundled_values,
+          "tp": lambda: {**tp_values(), **tp_prose()}, "card": card_values, "bundled": bundled_values, "quant": quant_values,
           "model": model_values}
 
 

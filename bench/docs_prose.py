@@ -174,3 +174,27 @@ def tp_prose() -> dict[str, str]:
         "tp.decode.tp2_ms": f"{tp2_ms:.1f} ms", "tp.decode.one_ms": f"{one_ms:.1f} ms",
         "tp.decode.collectives_ms": f"{bundled2[0]['us_per_token'] / 1e3:.0f} ms",
     }
+
+
+# --- docs/quantization.md, the kernels' table (bench/quant.py) ------------------------------------
+
+QUANT_COLUMNS = [("linear float32", "linear fp32"), ("int8 float32", "int8, fp32 act"),
+                 ("int4 g32 float32", "int4 g32, fp32 act"), ("linear bfloat16", "linear bf16"),
+                 ("int8 bfloat16", "int8, bf16 act"), ("int4 g32 bfloat16", "int4 g32, bf16 act"),
+                 ("int4 g128 bfloat16", "int4 g128, bf16 act")]
+QUANT_ROWS = {(3072, 1024): "gate/up", (1024, 3072): "down", (151936, 1024): "LM head"}
+
+
+def quant_values() -> dict[str, str]:
+    rows = load("bench-quant.json")["kernels_ms"]
+    table = ["| N x K | " + " | ".join(t for _, t in QUANT_COLUMNS) + " |", "|---" * (len(QUANT_COLUMNS) + 1) + "|"]
+    for r in rows:
+        name = QUANT_ROWS.get((r["N"], r["K"]), "")
+        cells = [f"{r[k]:.1f}" if r[k] >= 10 else f"{r[k]:.2f}" for k, _ in QUANT_COLUMNS]
+        table.append(f"| {r['N']} x {r['K']}" + (f" ({name})" if name else "") + " | " + " | ".join(cells) + " |")
+    gbs = (lambda key, bytes_per_weight: span([r["N"] * r["K"] * bytes_per_weight / r[key] / 1e6 for r in rows], "{:.0f}"))
+    return {"quant.kernels": "\n".join(table),
+            "quant.fp32_slower": span([r[k] / r["linear float32"] for r in rows for k in ("int8 float32", "int4 g32 float32")],
+                                      "{:.0f}") + "x",
+            "quant.int8_gbs": gbs("int8 bfloat16", 1), "quant.int4_gbs": gbs("int4 g32 bfloat16", 0.5),
+            "quant.bf16_gbs": gbs("linear bfloat16", 2)}
