@@ -8,7 +8,8 @@ A number in the prose is a marked span, `<!-- n:NAME -->text<!-- /n -->` (a tabl
 the script owns the text between the two comments and the prose around it is ours. NAME's first
 part says where the value comes from: `model.` from the model that ships (bench/docs_model_numbers.py;
 about a minute of CPU), `speed.` and `serve.` from the results files of bench/speed.py and
-bench/serve_load.py, and `r:FILE:PATH:FORMAT` is one field of docs/results/FILE.json: PATH is a JSON
+bench/serve_load.py (bench/docs_results.py; the ranges and ratios the prose reads are in
+bench/docs_prose.py, the bundled model's experiments in bench/docs_bundled.py), and `r:FILE:PATH:FORMAT` is one field of docs/results/FILE.json: PATH is a JSON
 Pointer without its leading slash (keys and list indices joined by `/`, a `/` inside a key written
 `~1`), FORMAT a Python format spec, e.g.
 `r:bench-quant:bits_per_byte/float32/bits_per_byte:.4f`. The scripts in bench/ write those files. A results file is never edited by hand: to change a number, rerun its benchmark.
@@ -54,13 +55,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 from docs_results import (card_values, load, profile_values, serve_values, spec_values,  # noqa: E402
                           speed_values, tp_values)
 
+from docs_prose import profile_prose, quant_values, spec_prose, tp_prose  # noqa: E402
+from docs_bundled import bundled_values  # noqa: E402
+
+
 def model_values() -> dict[str, str]:
     from docs_model_numbers import values
     return values()
 
 
-GROUPS = {"speed": speed_values, "serve": serve_values, "profile": profile_values, "spec": spec_values,
-          "tp": tp_values, "card": card_values, "model": model_values}
+GROUPS = {"speed": speed_values, "serve": serve_values,
+          "profile": lambda: {**profile_values(), **profile_prose()}, "spec": lambda: {**spec_values(), **spec_prose()},
+          "tp": lambda: {**tp_values(), **tp_prose()}, "card": card_values, "bundled": bundled_values, "quant": quant_values,
+          "model": model_values}
 
 
 def field(name: str) -> str | None:

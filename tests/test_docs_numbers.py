@@ -61,7 +61,7 @@ def test_a_results_field_is_read_and_formatted():
 
 def test_the_docs_use_marked_numbers():
     groups = {dn.group(name) for name, _ in USED}
-    assert {"speed", "serve", "profile", "spec", "tp", "card", "model", "r"} <= groups, groups
+    assert {"speed", "serve", "profile", "spec", "tp", "card", "bundled", "quant", "model", "r"} <= groups, groups
 
 
 def test_every_marker_names_a_known_value():
@@ -72,7 +72,7 @@ def test_every_marker_names_a_known_value():
     assert not unknown, "markers that name no value (bench/docs_numbers.py --list):\n" + "\n".join(unknown)
 
 
-@pytest.mark.parametrize("group", ["speed", "serve", "profile", "spec", "tp", "card", "r"])
+@pytest.mark.parametrize("group", ["speed", "serve", "profile", "spec", "tp", "card", "bundled", "quant", "r"])
 def test_result_numbers_match_the_results_files(group):
     stale = _stale(dn.compute({name for name, _ in USED if dn.group(name) == group}), group)
     assert not stale, "run python bench/docs_numbers.py:\n" + "\n".join(stale)
