@@ -41,6 +41,7 @@ TORCH_PATH_COST = "about 5x slower decode on small models"
 _shared_from: int | None = None  # torch's thread count before a build took a core; None: not shared
 _share_root: Path | None = None  # whose build locks say a build is still running
 _share_look_after = 0.0
+_share_lock = threading.Lock()  # two threads asking for two kernels must not both record the lowered count
 
 _said: set[str] = set()  # the one-line notices this process has given
 _builder: subprocess.Popen | None = None  # the background build this process started
@@ -91,10 +92,11 @@ def share_cores(root: Path) -> None:
     """Run torch on one thread fewer while a build under `root` is running (see _shared_from)."""
     global _shared_from, _share_root, _share_look_after
     import torch
-    if _shared_from is None and torch.get_num_threads() > 1:
-        _shared_from, _share_root = torch.get_num_threads(), root
-        _share_look_after = time.monotonic() + RECHECK_SECONDS
-        torch.set_num_threads(_shared_from - 1)
+    with _share_lock:
+        if _shared_from is None and torch.get_num_threads() > 1:
+            _shared_from, _share_root = torch.get_num_threads(), root
+            _share_look_after = time.monotonic() + RECHECK_SECONDS
+            torch.set_num_threads(_shared_from - 1)
 
 
 def building_under(root: Path) -> bool:
@@ -109,11 +111,12 @@ def unshare_cores() -> None:
     global _shared_from, _share_look_after
     if _shared_from is None or time.monotonic() < _share_look_after:
         return
-    _share_look_after = time.monotonic() + RECHECK_SECONDS
-    if not building_under(_share_root):
-        import torch
-        torch.set_num_threads(_shared_from)
-        _shared_from = None
+    with _share_lock:
+        _share_look_after = time.monotonic() + RECHECK_SECONDS
+        if _shared_from is not None and not building_under(_share_root):
+            import torch
+            torch.set_num_threads(_shared_from)
+            _shared_from = None
 
 
 def wait_for_background(timeout: float | None = None) -> int | None:
