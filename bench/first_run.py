@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from common import cpu_info, save_json
 
+from sluice.benchmarks.common import code_version
+
 FIRST_PROMPT = b"def fibonacci(n):"  # the demo's first prompt: what follows it is the first token
 BUILDER = re.compile(r"\(pid (\d+)")
 
@@ -77,10 +79,8 @@ def wait_gone(pid: int | None, t0: float) -> float | None:
 
 def machine() -> dict:
     import platform
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
     return {"cpu": cpu_info(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "python": platform.python_version(), "commit": commit, "date": time.strftime("%Y-%m-%d")}
+            "python": platform.python_version(), "code": code_version(), "date": time.strftime("%Y-%m-%d")}
 
 
 def main(argv=None) -> int:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from common import cpu_info, save_json
 
+from sluice.benchmarks.common import code_version
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"quick": ["-m", "not slow"], "full": []}
 
@@ -46,9 +48,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     subprocess.run([sys.executable, "-c", "from sluice.engine import fast_step, gemv, select\n"
                     "for m in (fast_step, gemv, select): m.why_unavailable()"], check=True)  # common: build mode "wait"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
-    result = {"machine": {"cpu": cpu_info(), "cpus": os.cpu_count(), "commit": commit,
+    result = {"machine": {"cpu": cpu_info(), "cpus": os.cpu_count(), "code": code_version(),
                           "date": time.strftime("%Y-%m-%d")}}
     for name, extra in RUNS.items():
         if args.only in (None, name):

@@ -3,8 +3,8 @@
 Why: a decode step multiplies 1..8 token rows by every weight matrix, so it is a stream over the
 weights. torch's F.linear at batch 1 reads a weight from DRAM at well under this machine's
 bandwidth (docs/changelog-benchmarks.md, 2026-11-30 "Fast decode"), and for bf16 weights on a CPU
-without AVX-512-bf16 it converts through a slow path. gemv.cpp reads W once at its stored width (fp32, bf16, int8),
-widens in registers and accumulates in fp32.
+without AVX-512-bf16 it converts through a slow path. gemv.cpp reads W once at its stored width
+(fp32, bf16, int8), widens in registers and accumulates in fp32.
 
 How it is used: `use_fast_linears(model)` swaps each nn.Linear's class for FastLinear, a subclass
 with the same parameters, names and hooks, whose forward sends inputs of a few rows (ROWS) to the
