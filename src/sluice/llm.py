@@ -9,7 +9,6 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .engine import static_path
 from .engine.batching import (
     DEFAULT_MAX_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -17,11 +16,9 @@ from .engine.batching import (
     collect,
 )
 from .engine.cpu_paths import COMPUTE_CHOICES, decode_kernel_building, kernels_pay_off, set_compute, use_kernels
-from .engine.kv_cache import KVCache, check_budget, default_budget, parse_size
-from .engine.mixed import activation_dtype
+from .engine.kv_cache import default_budget, parse_size
 from .engine.outputs import RequestOutput, Stats
 from .engine.requests import as_prompt_list, token_ids
-from .engine.runner import Runner
 from .engine.sampling import SamplingParams
 from .engine.speculative import check_draft, draft_dir, resolve_mode
 from .errors import ConfigError, NumericsError, RequestError
@@ -41,8 +38,8 @@ class LLM:
                  tensor_parallel: int = 1):
         """kv_cache_memory: the most the KV cache plus per-row sampling buffers may take, as bytes or a
         size such as "4GiB"; None = half of the memory available then. The continuous-batching engine
-        sizes its block pool by it at its first request; the static path checks each batch against it
-        when the batch starts. A request that cannot fit is refused before any compute, with its numbers.
+        sizes its block pool by it (and, speculating with a draft model, the draft's pool) at its first
+        request. A request that cannot fit is refused before any compute, with its numbers.
         compute: for bf16 weights, "bfloat16" runs the plain bf16 forward; "float32" keeps the linear
         weights in bf16 and computes the rest in fp32 (engine/mixed.py: faster on a CPU without bf16
         instructions); "auto" picks "float32" wherever the native step (fast_step.py) runs the model, and on
@@ -50,15 +47,16 @@ class LLM:
         speculative: "off", "draft" (a smaller model with the same tokenizer guesses, draft_model= names it:
         a directory, a cached repo id, or "bundled") or "prompt-lookup" (n-gram matches in the text so far
         guess); None = "draft" if draft_model is given, else "off". num_speculative_tokens: guesses per
-        target forward (default 4), or "auto" (adapted to how often guesses are kept, 1..8). The output's distribution is the target's either way (speculative.py).
+        target forward (default 4), or "auto" (each sequence's
+        own, adapted to how often its guesses are kept, 1..8). The output's distribution is the target's
+        either way (speculative.py).
         max_num_seqs, max_num_batched_tokens: the continuous-batching engine's batch (sequences decoding
         together) and per-step token budget (a long prompt is prefilled in chunks of it); see batching.py.
 
         Requests run on the continuous-batching engine (batching.py, scheduler.py): generate(), stream()
         and chat() may be called from several threads, and several stream()s may be open at once, all
-        sharing one batch. Speculative decoding, compile=True and fused_head=True run on the static
-        one-request path instead (static_path.py), which the scheduler does not implement; there a second
-        request while one runs is an error. batching=False sends every request there.
+        sharing one batch. Speculative decoding, compile=True and the fused head are options of its step.
+        batching=False runs one sequence at a time (max_num_seqs=1), each alone.
         tensor_parallel: N > 1 splits the model over the N ranks of a torchrun launch (or of a group
         started with sluice.parallel.init): every rank runs this same script, loads only its slices,
         and returns the same outputs, provided every rank makes the same calls in the same order.
@@ -83,7 +81,7 @@ class LLM:
             raise ConfigError(f"compile must be True or False, got {compile!r}")
         if compute not in COMPUTE_CHOICES:  # before the (slow) load
             raise ConfigError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, got {compute!r}")
-        self.fused_head = fused_head  # see static_path.use_fused_head
+        self.fused_head = fused_head  # see fused_head.use_fused_head
         self.model_dir = resolve_model_dir(model) if model is not None else bundled_model_dir()
         self.speculative, draft, self.num_speculative_tokens = resolve_mode(  # before the (slow) loads
             speculative, draft_model, num_speculative_tokens, model is None)
@@ -123,13 +121,8 @@ class LLM:
             eos = cfg.eos_token_id
             self.eos_token_ids |= {eos} if isinstance(eos, int) else set(eos or [])
         self._native = kernels is not False
-        self.runner = Runner(self.model, compile=compile, native=self._native)
-        self.draft_runner = self._load_draft(draft, dtype, device, compute, kernels) if draft is not None else None
+        self.draft_model = self._load_draft(draft, dtype, device, compute, kernels) if draft is not None else None
         self.last_stats = Stats()
-        # The static path runs one request at a time: the runner holds a single KV cache. Taken without
-        # waiting (static_run), so a second caller (another thread, a generate() inside an open stream())
-        # hears so at once.
-        self._busy = threading.Lock()
         self._batch: BatchEngine | None = None  # built at the first request that uses it
         self._batch_init = threading.Lock()
 
@@ -138,10 +131,6 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists), decoding them as one batch."""
         outputs, params = self._start(as_prompt_list(prompts), params)
-        if self.static_path:
-            for _ in self.static_run(outputs, params):
-                pass
-            return outputs
         engine, t0 = self.batch_engine(), time.perf_counter()
         self._swap_kernels(len(outputs))
         seqs = [engine.add(o.prompt_token_ids, p, f"prompt {i}") for i, (o, p) in enumerate(zip(outputs, params, strict=True))]
@@ -159,8 +148,6 @@ class LLM:
                 raise RequestError(f"stream() takes one prompt, got {len(prompt)}")
             prompt = prompt[0]
         outputs, params = self._start([prompt], params)  # a bad request fails here, at the call
-        if self.static_path:
-            return self._stream(outputs, params)
         return self._stream_batched(outputs[0], params[0])
 
     def _stream_batched(self, out: RequestOutput, params: SamplingParams) -> Iterator[str]:
@@ -175,11 +162,6 @@ class LLM:
             self._collect([out], [seq], t0)
             self.last_output = out
 
-    @property
-    def static_path(self) -> bool:
-        """Whether requests take the static one-request path (runner.py) rather than the scheduler."""
-        return not self.batching or self.speculative != "off" or self.compile or self.fused_head is True
-
     def batch_engine(self) -> BatchEngine:
         """The continuous-batching engine, built (its KV pool sized) at the first request that needs it."""
         with self._batch_init:
@@ -188,22 +170,12 @@ class LLM:
                 if self.tp is not None:
                     budget = self.tp.agree(budget)
                 self._batch = BatchEngine(self.model, self.tokenizer.decode, self.eos_token_ids, self.max_model_len,
-                                          budget, self.kv_cache_memory is not None, self.max_num_seqs,
-                                          self.max_num_batched_tokens, native=self._native,
-                                          head=self.tp and self.tp.head)
+                                          budget, self.kv_cache_memory is not None,
+                                          self.max_num_seqs if self.batching else 1, self.max_num_batched_tokens,
+                                          native=self._native, head=self.tp and self.tp.head, compile=self.compile,
+                                          fused_head=self.fused_head, speculative=self.speculative,
+                                          draft=self.draft_model, num_speculative_tokens=self.num_speculative_tokens)
             return self._batch
-
-    def static_run(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[tuple[int, str]]:
-        """static_path.decode with this LLM held for the generator's whole life: a stream() closed early
-        (close(), break, garbage collection) runs the finally clause below and frees it."""
-        if not self._busy.acquire(blocking=False):
-            raise RequestError("this LLM is already running a request (a stream() that is still open, or "
-                               "another thread?); finish or close it first, or use one LLM per thread")
-        try:
-            self._swap_kernels(len(outputs))
-            yield from static_path.decode(self, outputs, params)
-        finally:
-            self._busy.release()
 
     def _swap_kernels(self, rows: int) -> None:
         if self._kernels_pending and (rows >= 2 or kernels_pay_off(self.model, self.device)):
@@ -218,19 +190,10 @@ class LLM:
     def _collect(self, outputs: list[RequestOutput], seqs: list, t0: float) -> None:
         """Fill the outputs and last_stats; a sequence whose logits went non-finite raises NumericsError,
         as on the static path."""
-        self.last_stats = collect(outputs, seqs, t0)
+        self.last_stats = collect(outputs, seqs, t0, self.speculative)
         bad = next((s for s in seqs if s.finish_reason == "error"), None)
         if bad is not None:
             raise NumericsError(bad.error)
-
-    def _stream(self, outputs: list[RequestOutput], params: list[SamplingParams]) -> Iterator[str]:
-        run = self.static_run(outputs, params)
-        try:
-            for _, delta in run:
-                yield delta
-        finally:
-            run.close()  # frees the LLM now if this stream was closed early, not when run is collected
-        self.last_output = outputs[0]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
              **template_kwargs) -> RequestOutput:
@@ -241,7 +204,7 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   max_tokens=self.max_model_len, **template_kwargs)
 
-    def _load_draft(self, draft, dtype, device, compute, kernels) -> Runner:
+    def _load_draft(self, draft, dtype, device, compute, kernels):
         """The draft model for speculative decoding, on the target's dtype and device, checked to share its
         tokenizer (speculative.check_draft), in the target's compute mode, with the native step where it fits."""
         path = draft_dir(draft)
@@ -249,14 +212,7 @@ class LLM:
         check_draft(self.model.config, self.tokenizer, self.model_dir, model.config, Tokenizer.from_pretrained(path),
                     path, self.max_model_len)
         set_compute(model, self.device, compute, kernels, None)  # as the target: the native step needs fp32 compute
-        return Runner(model, native=kernels is not False)
-
-    def _minus_draft(self, budget: int | None, rows: int, slots: int) -> int | None:
-        """The memory budget left for the target's batch state once the draft's KV cache is counted."""
-        if budget is None or self.draft_runner is None:
-            return budget
-        draft = self.draft_runner.model
-        return max(budget - KVCache.nbytes_for(draft.config, rows, slots, activation_dtype(draft)), 0)
+        return model
 
     def _start(self, prompts: list, params) -> tuple[list[RequestOutput], list[SamplingParams]]:
         """Validate the request and resolve its params, before any compute. Every check comes
@@ -278,26 +234,14 @@ class LLM:
         params = [p.with_defaults(self.generation_config) for p in params]
         for i, p in enumerate(params):
             p.validate(vocab)
-            if self.static_path and (p.logprobs is not None or p.presence_penalty or p.frequency_penalty):
-                raise RequestError(
-                    f"prompt {i} asks for logprobs or presence/frequency penalties, which only the continuous-"
-                    "batching engine implements; this LLM runs the static path (speculative decoding, "
-                    "compile=True, fused_head=True or batching=False)")
             if p.max_tokens >= limit:
                 raise RequestError(f"prompt {i} asks for max_tokens={p.max_tokens}, which leaves no room for a "
                                    f"prompt in the context of {limit} tokens (lower max_tokens)")
-        static = self.static_path
-        budget = (self.kv_cache_memory or default_budget(self.device)) if static else None
-        dtype = activation_dtype(self.model)  # the KV cache's
+        # The pool has a fixed size; each request must fit it alone (it then never fails, see scheduler.py).
         # Every row needs at least one prompt token: refuse a hopeless batch before tokenizing it.
-        slots = Runner.slots_for(1 + min(p.max_tokens for p in params))
-        if static:
-            check_budget(cfg, len(prompts), slots, dtype, self._minus_draft(budget, len(prompts), slots),
-                         self.kv_cache_memory is not None)
-        else:  # the pool has a fixed size; each request must fit it alone (it then never fails, see scheduler.py)
-            engine = self.batch_engine()
-            for i, p in enumerate(params):
-                engine.scheduler.check_fits(1, p.max_tokens, f"prompt {i}: ")
+        engine = self.batch_engine()
+        for i, p in enumerate(params):
+            engine.scheduler.check_fits(1, p.max_tokens, f"prompt {i}: ")
         outputs = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             text = prompt if isinstance(prompt, str) else None
@@ -316,12 +260,6 @@ class LLM:
                     f"{len(ids) + p.max_tokens} tokens do not fit the context of {limit} "
                     f"tokens (shorten the prompt or lower max_tokens)")
             outputs.append(RequestOutput(prompt_token_ids=ids, prompt=text))
-        if not static:
-            for i, (o, p) in enumerate(zip(outputs, params, strict=True)):
-                engine.scheduler.check_fits(len(o.prompt_token_ids), p.max_tokens, f"prompt {i}: ")
-            return outputs, params
-        needed = max(len(o.prompt_token_ids) + p.max_tokens for o, p in zip(outputs, params, strict=True))
-        slots = Runner.slots_for(needed)
-        check_budget(cfg, len(outputs), slots, dtype, self._minus_draft(budget, len(outputs), slots),
-                     self.kv_cache_memory is not None)
+        for i, (o, p) in enumerate(zip(outputs, params, strict=True)):
+            engine.scheduler.check_fits(len(o.prompt_token_ids), p.max_tokens, f"prompt {i}: ")
         return outputs, params

@@ -1,8 +1,8 @@
 """Speculative decoding (engine/speculative.py, proposers.py): lossless against plain decoding.
 
 Greedy output must be token-identical to plain decoding; sampled output must follow the target's
-filtered distribution (chi-square against the exact law computed by full recompute); the caches after
-a run must hold exactly the accepted tokens; a draft that does not share the tokenizer is refused.
+filtered distribution (chi-square against the exact law computed by full recompute); the target's and
+the draft's paged caches after some rounds must hold exactly the accepted tokens; a draft that does not share the tokenizer is refused.
 Drafts are crafted to force both outcomes: the target itself (guesses kept), the target with noisy
 weights (some kept, some rejected) and an unrelated small random model (mostly rejected)."""
 
@@ -22,10 +22,11 @@ import sluice
 from ckpt import build, build_with_tokenizer
 from sluice import SamplingParams
 from sluice.engine.noise import RowStream
-from sluice.engine.proposers import DraftProposer, lookup
-from sluice.engine.runner import Runner
+from sluice.engine.paged_cache import BlockPool, PagedView
+from sluice.engine.proposers import lookup
 from sluice.engine.sampling import Sampler, filtered_probs
-from sluice.engine.speculative import Speculator, accept
+from sluice.engine.speculative import accept
+from sluice.engine.verify import stacks
 from sluice.errors import ConfigError, NumericsError
 from tok_fixtures import VOCAB_SIZE, build_tokenizer
 
@@ -60,6 +61,11 @@ def spec_llms(tiny_dir, drafts):
     return llms
 
 
+def set_k(llm, k) -> None:
+    """Guesses per round for the requests llm takes from now on."""
+    llm.batch_engine().scheduler.speculation.set_k(k)
+
+
 # ---------------------------------------------------------------- greedy: token-identical to plain decoding
 
 
@@ -90,11 +96,11 @@ def test_adaptive_k_grows_with_kept_guesses_and_stays_exact(tiny_llm, spec_llms)
     plain = tiny_llm.generate(PROMPTS, GREEDY)
     for name in ("same", "small"):
         llm = spec_llms[name]
-        llm.num_speculative_tokens = "auto"
+        set_k(llm, "auto")
         try:
             outs = llm.generate(PROMPTS, GREEDY)
         finally:
-            llm.num_speculative_tokens = 4
+            set_k(llm, 4)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
         if name == "same":  # every guess kept: k climbs from 4 to 8, past what a fixed 4 allows (5 per forward)
             assert llm.last_stats.tokens_per_forward > 5
@@ -224,21 +230,23 @@ SAMPLED = {"temp-topk": dict(temperature=0.8, top_k=3), "topp-minp": dict(temper
                                       ("noisy", "penalty-4")])
 def test_sampled_joint_of_three_tokens_is_the_targets(tiny_llm, spec_llms, name, kw):
     kw_name = kw
-    """The joint law of the first three tokens (the 2nd and 3rd come out of one speculative round of two
-    guesses) against the exact law, over 800 seeds run as one batch, with guesses often rejected. Every
+    """The joint law of the first three tokens (the 2nd and 3rd come out of one speculative round of one
+    guess and the token after it) against the exact law, over 800 seeds run as one batch, with guesses often rejected. Every
     case sets top_k, which keeps the law's support small enough to enumerate."""
     n, kw, steps = 800, SAMPLED[kw], 4 if kw.endswith("-4") else 3
     base = [7, 8, 9, 10]
-    # The prompt repeats the base with the model's greedy continuation after it, so that prompt lookup
-    # finds the base again at its end and guesses tokens the model likes (kept sometimes, not always).
-    prompt = base + tiny_llm.generate([base], SamplingParams(max_tokens=6, temperature=0))[0].token_ids + base
+    # The draft cases' prompt repeats the base with the model's greedy continuation after it. Prompt lookup
+    # gets the model's own greedy text, which repeats a token: it finds matches whose next token the model
+    # likes (kept sometimes, not always; a round guesses at most the tokens max_tokens leaves).
+    cont = tiny_llm.generate([base], SamplingParams(max_tokens=6, temperature=0))[0].token_ids
+    prompt = base + cont[:5] if name == "lookup" else base + cont + base
     params = [SamplingParams(max_tokens=steps, ignore_eos=True, seed=s, **kw) for s in range(n)]
     llm = spec_llms[name]
-    llm.num_speculative_tokens = steps - 1
+    set_k(llm, steps - 1)
     try:
         outs = llm.generate([prompt] * n, params)
     finally:
-        llm.num_speculative_tokens = 4
+        set_k(llm, 4)
     s = llm.last_stats
     assert s.accepted < s.proposed  # rejections; and acceptances where the proposer can win them: the
     # unrelated draft's top-k rarely meets the target's, and the penalty pushes down the seen tokens lookup guesses
@@ -248,12 +256,16 @@ def test_sampled_joint_of_three_tokens_is_the_targets(tiny_llm, spec_llms, name,
 
 
 def test_penalty_sees_every_earlier_guess():
-    """The repetition penalty's context grows inside a round: after guesses x1..xi, both p and q count
-    x1..xi as seen (the chi-square above has too little power to see this alone)."""
-    sampler = Sampler([SamplingParams(temperature=1.0, repetition_penalty=1.3).with_defaults()], 16)
-    sampler.add_context(0, [1])
-    seen = Speculator(None, None, sampler, 3).seen_stack(torch.tensor([[4, 5, 6]]))
-    assert [torch.nonzero(seen[0, i])[:, 0].tolist() for i in range(4)] == [[1], [1, 4], [1, 4, 5], [1, 4, 5, 6]]
+    """The penalties' context grows inside a round: after guesses x1..xi, both p and q count x1..xi as
+    seen (repetition penalty) and as generated (presence / frequency; the chi-square above has too
+    little power to see this alone)."""
+    seen = torch.zeros(1, 16, dtype=torch.bool)
+    seen[0, 1] = True
+    counts = torch.zeros(1, 16)
+    counts[0, 5] = 2
+    seen_at, counts_at = stacks(seen, counts, torch.tensor([[4, 5, 4]]))
+    assert [torch.nonzero(seen_at[0, i])[:, 0].tolist() for i in range(4)] == [[1], [1, 4], [1, 4, 5], [1, 4, 5]]
+    assert [counts_at[0, i, [4, 5]].tolist() for i in range(4)] == [[0, 2], [1, 2], [1, 3], [2, 3]]
 
 
 def test_seeded_sampling_repeats(spec_llms):
@@ -266,25 +278,40 @@ def test_seeded_sampling_repeats(spec_llms):
 # ---------------------------------------------------------------- the caches hold exactly the accepted tokens
 
 
+def _prefilled(model, tokens: list[int]) -> BlockPool:
+    """A fresh pool holding `tokens` prefilled by the plain torch forward, in blocks 0, 1, ..."""
+    pool = BlockPool(model.config, -(-len(tokens) // 16) + 1, 16)
+    view = PagedView(pool, [list(range(pool.num_blocks))])
+    with torch.inference_mode():
+        model(torch.tensor([tokens]), torch.arange(len(tokens))[None], view)
+    return pool
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_caches_equal_plain_prefill_of_the_accepted_tokens(tiny_llm, drafts, temperature):
-    target, draft = tiny_llm.model, sluice.load(drafts["noisy"])
+def test_caches_equal_plain_prefill_of_the_accepted_tokens(tiny_dir, drafts, temperature):
+    """After some rounds mid-generation, every slot the scheduler counts as computed holds the keys and
+    values of the accepted tokens: the target's up to num_computed, the draft's up to draft_valid (the
+    blocks holding only rejected guesses went back to the pool)."""
+    llm = sluice.LLM(str(tiny_dir), draft_model=str(drafts["noisy"]))
+    engine = llm.batch_engine()
     prompts = [[5, 17, 99, 230, 4, 61, 7], [3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=40).with_defaults() for i in range(3)]
-    sampler = Sampler(params, target.config.vocab_size)
-    spec = Speculator(Runner(target), DraftProposer(Runner(draft)), sampler, 4)
-    spec.start(sampler(spec.prefill(prompts, 64)).tolist())
-    for _ in range(6):
-        spec.round([0, 1, 2])
-    assert 0 < spec.accepted < spec.proposed
-    pos = spec.runner.pos.tolist()
-    for b, hist in enumerate(spec.history):
-        assert pos[b] == len(hist) - 1  # every token but the last emitted one is in the cache
-        for model, runner, upto in ((target, spec.runner, pos[b]), (draft, spec.proposer.runner, pos[b] - 1)):
-            ref = Runner(model)
-            ref.prefill([hist[:upto]], 64)
-            for got, want in ((runner.cache.k, ref.cache.k), (runner.cache.v, ref.cache.v)):
-                torch.testing.assert_close(got[:, b, :, :upto], want[:, 0, :, :upto], atol=1e-5, rtol=1e-4)
+    seqs = [engine.add(p, SamplingParams(temperature=temperature, seed=i, max_tokens=60, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    for _ in range(8):
+        engine.step()
+    assert all(not s.finished for s in seqs)
+    assert 0 < sum(s.spec.accepted for s in seqs) < sum(s.spec.proposed for s in seqs)
+    draft_pool = engine.scheduler.speculation.proposer.pool
+    for s in seqs:
+        assert s.num_computed == len(s.ids) - 1  # every token but the last emitted one is in the cache
+        assert len(s.blocks) == -(-len(s.ids) // 16)  # no block beyond the next token's
+        for model, pool, upto in ((llm.model, engine.pool, s.num_computed), (llm.draft_model, draft_pool, s.spec.draft_valid)):
+            assert upto >= s.num_computed - 1
+            ref = _prefilled(model, s.ids[:upto])
+            for got, want in ((pool.k, ref.k), (pool.v, ref.v)):
+                flat = got[:, s.blocks].transpose(2, 3).flatten(1, 2)[:, :upto]  # (L, slots, K, D)
+                torch.testing.assert_close(flat, want[:, :len(s.blocks)].transpose(2, 3).flatten(1, 2)[:, :upto],
+                                           atol=1e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- prompt lookup itself

@@ -1,9 +1,14 @@
-"""One scheduler step's model work (scheduler.py): every 1-token row in one forward over the paged
-KV pool, each prefill chunk in its own; the logits of the rows that reached their end come back.
+"""A step's model work (plan.py): the rows of a StepPlan through the model over the paged KV pool.
+
+Rows are grouped so that each forward has one shape: every one-token row together (the decoding
+rows of a plain step), the verifying rows of a speculative step together (each reads its last token
+and its guesses; a row with fewer guesses is padded with dummy ones where its blocks allow, since
+the acceptance rule never looks past a row's own guesses), and each multi-token prompt chunk alone.
 
 The native step (fast_step.py) runs the model where it can (native_check says why not: hooks, an
-unsupported family, kernels=False); that is decided once per busy period (refresh()), so hooks added
-between requests take effect and a request never switches paths midway.
+unsupported model, kernels=False); that is decided once per busy period (refresh()), so hooks added
+between requests take effect and a request never switches paths midway. compile=True runs the torch
+forward of the one-token rows through torch.compile instead of the native step.
 """
 
 from __future__ import annotations
@@ -13,16 +18,21 @@ import torch
 from ..model.layers import Transformer
 from .fast_step import FastStep, native_check
 from .paged_cache import BlockPool, PagedView
-from .sequence import Seq
+from .plan import Row, StepPlan
+
+PAD_TOKEN = 0  # what fills a verifying row's unused guess slots (never accepted, see module docstring)
 
 
 class BatchForward:
-    def __init__(self, model: Transformer, pool: BlockPool, native: bool = True):
-        self.model, self.pool, self.native = model, pool, native
+    def __init__(self, model: Transformer, pool: BlockPool, native: bool = True, compile: bool = False):
+        self.model, self.pool = model, pool
+        self.native = native and not compile
         self.device = model.embed.weight.device
-        self.native_reason: str | None = None if native else "not asked for"  # why the torch forward runs
+        self.native_reason: str | None = None if self.native else (
+            "compile=True (the torch forward is compiled)" if compile else "not asked for")
         self.fast: FastStep | None = None  # built at the first busy period that can use it
         self.use_fast = False  # for the current busy period
+        self._compiled = torch.compile(self._torch, dynamic=True) if compile else None
 
     def refresh(self) -> None:
         """Decide the path for a new busy period: the native step, or (native_reason says why) torch's."""
@@ -30,45 +40,69 @@ class BatchForward:
             self.native_reason, self.fast = native_check(self.model, self.fast)
         self.use_fast = self.native and self.native_reason is None
 
-    def logits_of(self, seqs: list[Seq], tokens: torch.Tensor, positions: torch.Tensor, final: bool):
-        """tokens, positions (B, T) of `seqs` -> logits (B, V) at each row's last token (final), or None."""
-        view = PagedView(self.pool, [s.blocks for s in seqs], self.device)
-        T = tokens.shape[1]
+    def run(self, tables: list[list[int]], tokens: torch.Tensor, positions: torch.Tensor, want: str | None):
+        """tokens, positions (B, T) of rows with these block tables -> by `want`: "last" logits (B, V),
+        "all" logits (B, T, V), "hidden" final-normed states at the last token (B, C), or None (the
+        chunk only writes the cache)."""
+        view = PagedView(self.pool, tables, self.device)
         if self.use_fast:  # prefill too: 1.4-6x faster than torch's path on the bundled model (bench/prefill.py)
-            if T == 1:
-                return self.fast(tokens, positions, self.pool.k, self.pool.v, block_table=view.table)[:, -1]
+            if want == "all" or (want == "last" and tokens.shape[1] == 1):
+                out = self.fast(tokens, positions, self.pool.k, self.pool.v, block_table=view.table)
+                return out if want == "all" else out[:, -1]
             h = self.fast(tokens, positions, self.pool.k, self.pool.v, hidden=True, block_table=view.table)
-            return self.model.logits(h[:, -1:].to(self.model.lm_head.weight.dtype))[:, 0] if final else None
-        last = torch.full((len(seqs),), T - 1, device=self.device)
-        out = self.model(tokens, positions, view, logits_at=last if final else None, return_hidden=not final)
-        return out[:, 0] if final else None
+            if want == "last":  # a prompt's last chunk: the head on its last token only
+                return self.model.logits(h[:, -1:].to(self.model.lm_head.weight.dtype))[:, 0]
+            return h[:, -1] if want == "hidden" else None
+        step = self._compiled if self._compiled is not None and tokens.shape[1] == 1 else self._torch
+        return step(tokens, positions, self.pool.k, self.pool.v, view.table, want)
 
-    def __call__(self, batch: list[tuple[Seq, int]]) -> torch.Tensor | None:
-        """Compute each (seq, n): its next n tokens. Returns logits (N, V) of the sequences whose
-        computed tokens reached their end, in batch order, or None if none did."""
-        dev, rows = self.device, []
-        decodes = [s for s, n in batch if n == 1]
-        if decodes:
-            tokens = torch.tensor([[s.ids[s.num_computed]] for s in decodes], device=dev)
-            positions = torch.tensor([[s.num_computed] for s in decodes], device=dev)
-            out = self.logits_of(decodes, tokens, positions, True)
-            for s in decodes:
-                s.num_computed += 1
-            if len(decodes) == len(batch) and all(s.num_computed == len(s.ids) for s in decodes):
-                return out  # the usual decode step: every row, in batch order, no copy
-            # a 1-token prefill chunk rides with the decodes; only rows at their end are sampled
-            rows += [(s, o) for s, o in zip(decodes, out, strict=True) if s.num_computed == len(s.ids)]
-        for s, n in batch:
-            if n == 1:
-                continue
-            start = s.num_computed
-            tokens = torch.tensor([s.ids[start:start + n]], device=dev)
-            positions = torch.arange(start, start + n, device=dev)[None]
-            s.num_computed += n
-            final = s.num_computed == len(s.ids)
-            out = self.logits_of([s], tokens, positions, final)
-            if final:
-                rows.append((s, out[0]))
-        order = {s.id: i for i, (s, _) in enumerate(batch)}
-        rows.sort(key=lambda r: order[r[0].id])
-        return torch.stack([r for _, r in rows]) if rows else None
+    def _torch(self, tokens, positions, k, v, table, want):
+        # The pool comes in as arguments, so a compiled forward is traced once and reused.
+        view = PagedView.of(k, v, table)
+        if want == "all":
+            return self.model(tokens, positions, view)
+        last = torch.full((tokens.shape[0],), tokens.shape[1] - 1, device=tokens.device)
+        out = self.model(tokens, positions, view, logits_at=last if want == "last" else None,
+                         return_hidden=want != "last")
+        return None if want is None else out[:, -1]
+
+    def __call__(self, plan: StepPlan) -> dict[Row, torch.Tensor]:
+        """Compute every row of the plan: {row: what its draw needs} for the final rows, as
+        logits (V,), hidden states (C,) when plan.fused, or logits (1 + its guesses, V) for a
+        row with guesses. Prompt chunks are run in plan order, so a sequence's chunks stay causal."""
+        out: dict[Row, torch.Tensor] = {}
+        want = "hidden" if plan.fused else "last"
+        ones = [r for r in plan.rows if len(r.fed) == 1]
+        if ones:
+            res = self._rows(ones, [r.fed for r in ones], want if any(r.final for r in ones) else None)
+            out.update((r, res[i]) for i, r in enumerate(ones) if r.final)
+        guessing = [r for r in plan.rows if r.guesses]
+        for T, group in _verify_groups(guessing).items():
+            fed = [r.fed + [PAD_TOKEN] * (T - len(r.fed)) for r in group]
+            res = self._rows(group, fed, "all")
+            out.update((r, res[i, :len(r.fed)]) for i, r in enumerate(group))
+        for r in plan.rows:
+            if len(r.fed) > 1 and not r.guesses:
+                res = self._rows([r], [r.fed], want if r.final else None)
+                if r.final:
+                    out[r] = res[0]
+        return out
+
+    def _rows(self, rows: list[Row], fed: list[list[int]], want: str | None):
+        T = len(fed[0])
+        tokens = torch.tensor(fed, device=self.device)
+        positions = torch.tensor([r.start for r in rows], device=self.device)[:, None] + torch.arange(T, device=self.device)
+        return self.run([r.seq.blocks for r in rows], tokens, positions, want)
+
+
+def _verify_groups(rows: list[Row]) -> dict[int, list[Row]]:
+    """{T: rows read as T tokens}: padded to the longest row's length where a row's cap (the guesses
+    its blocks cover) allows, otherwise at its own length."""
+    if not rows:
+        return {}
+    longest = max(len(r.fed) for r in rows)
+    groups: dict[int, list[Row]] = {}
+    for r in rows:
+        T = longest if len(r.tokens) + r.cap >= longest else len(r.fed)
+        groups.setdefault(T, []).append(r)
+    return groups

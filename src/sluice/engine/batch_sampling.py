@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from .fused_head import FusedHead
 from .logprobs import token_logprobs
+from .plan import Row, StepPlan
 from .sampling import NONFINITE, Sampler, SamplingParams, argmax_rows
 from .sequence import Seq
+from .verify import verify
 
 
 class FullHead:
@@ -44,6 +47,10 @@ class BatchDraw:
         self.head = head
         self._joined: tuple[list[int], Sampler] | None = None  # (sequence ids, the joined sampler)
 
+    def forget(self) -> None:
+        """Drop the kept joined sampler: the rows' penalty state changed outside it (a speculative round)."""
+        self._joined = None
+
     def __call__(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor:
         kept, self._joined = self._joined, None  # only a joined draw keeps it; other paths drop it
         if all(s.sampler.plain_greedy for s in seqs):
@@ -56,3 +63,62 @@ class BatchDraw:
         joined.write_back()
         self._joined = (key, joined)
         return tokens
+
+
+class StepDraw:
+    """The draw stage of a step (plan.py): each final row's run of new tokens and their logprobs.
+
+    Rows without guesses draw one token: through BatchDraw from logits, or through the fused LM head
+    (fused_head.py) from hidden states when the plan says fused; rows with guesses keep a prefix of
+    them (verify.py). Logprobs are of the raw logits at each emitted token's position."""
+
+    def __init__(self, model, head, decode_one):
+        self.model, self.head, self.decode_one = model, head, decode_one
+        self.batch = BatchDraw(head)
+        self.fused_calls = self.fused_filtered = self.fused_fallback = 0  # what "auto" decides on
+
+    @property
+    def fallback_rate(self) -> float:
+        return self.fused_fallback / self.fused_filtered if self.fused_filtered else 0.0
+
+    def __call__(self, plan: StepPlan, out: dict) -> tuple[dict[Row, list[int]], dict[Row, list]]:
+        runs: dict[Row, list[int]] = {}
+        plain = [r for r in plan.finals if not r.guesses]
+        guessing = [r for r in plan.finals if r.guesses]
+        if guessing or plan.fused:
+            self.batch.forget()
+        if plain:
+            seqs = [r.seq for r in plain]
+            x = torch.stack([out[r] for r in plain])
+            tokens = (self._fused(seqs, x) if plan.fused else self.batch(seqs, x)).tolist()  # the step's host sync
+            runs.update((r, [t]) for r, t in zip(plain, tokens, strict=True))
+        if guessing:
+            runs.update(zip(guessing, verify(guessing, [out[r] for r in guessing]), strict=True))
+            for r in guessing:  # what plain sampling would have recorded, token by token
+                r.seq.sampler.add_generated(0, [t for t in runs[r] if t != NONFINITE])
+        return runs, self._logprobs(plan, out, runs)
+
+    def _fused(self, seqs: list[Seq], hidden: torch.Tensor) -> torch.Tensor:
+        samplers = [s.sampler for s in seqs]
+        sampler = samplers[0] if len(samplers) == 1 else Sampler.joined(samplers)
+        head = FusedHead(sampler)
+        w = self.model.lm_head.weight  # in engine/mixed.py's mode hidden is fp32 and w bf16: as the bf16 head
+        tokens = head(hidden.to(w.dtype), w, self.model.final_softcap).tokens
+        if len(samplers) > 1:
+            sampler.write_back()
+        self.fused_calls += head.calls
+        self.fused_filtered += head.rows_filtered
+        self.fused_fallback += head.rows_fallback
+        return tokens
+
+    def _logprobs(self, plan: StepPlan, out: dict, runs: dict) -> dict[Row, list]:
+        """{row: TokenLogprob per token of its run} for the rows whose params ask for logprobs."""
+        found = {}
+        for r in plan.finals:
+            n = r.seq.params.logprobs
+            run = [t for t in runs[r] if t != NONFINITE]
+            if n is None or not run:
+                continue
+            logits = out[r] if r.guesses else out[r][None]
+            found[r] = self.head.logprobs(logits[: len(run)], torch.tensor(run), [n] * len(run), self.decode_one)
+        return found

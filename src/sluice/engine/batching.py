@@ -23,19 +23,22 @@ from .kv_cache import STEP_BYTES_PER_LOGIT, fmt_bytes
 from .mixed import activation_dtype
 from .outputs import RequestOutput, Stats
 from .paged_cache import DEFAULT_BLOCK_SIZE, BlockPool
+from .proposers import DraftProposer, PromptLookup
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Seq, Update
+from .verify import Speculation
 
 DEFAULT_MAX_NUM_SEQS = 8
 DEFAULT_MAX_BATCHED_TOKENS = 256  # per step: a long prompt's chunk; decodes wait at most one such chunk
 
 
 def pool_blocks(model: Transformer, max_model_len: int, max_num_seqs: int, block_size: int,
-                budget: int | None, given: bool) -> int:
-    """How many blocks the pool gets (see the module docstring); refuses a budget below one block."""
+                budget: int | None, given: bool, draft: Transformer | None = None) -> int:
+    """How many blocks the pool gets (see the module docstring); refuses a budget below one block.
+    With a draft model each block id also names a block of the draft's pool (proposers.DraftProposer)."""
     cfg = model.config
-    per_block = BlockPool.block_bytes(cfg, block_size, activation_dtype(model))
+    per_block = sum(BlockPool.block_bytes(m.config, block_size, activation_dtype(m)) for m in (model, draft) if m)
     useful = max_num_seqs * -(-max_model_len // block_size)
     if budget is None:
         return useful
@@ -52,11 +55,20 @@ class BatchEngine:
     def __init__(self, model: Transformer, decode, eos_ids, max_model_len: int, budget: int | None,
                  budget_given: bool, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
-                 native: bool = True, nonfinite_origin=None, head=None):
-        blocks = pool_blocks(model, max_model_len, max_num_seqs, block_size, budget, budget_given)
+                 native: bool = True, nonfinite_origin=None, head=None, compile: bool = False,
+                 fused_head: bool | str = False, speculative: str = "off", draft: Transformer | None = None,
+                 num_speculative_tokens: int | str = 0):
+        """speculative: "off", "draft" (draft: the draft model) or "prompt-lookup" (verify.py)."""
+        blocks = pool_blocks(model, max_model_len, max_num_seqs, block_size, budget, budget_given, draft)
         self.pool = BlockPool(model.config, blocks, block_size, activation_dtype(model), model.embed.weight.device)
+        speculation = None
+        if speculative == "draft":
+            draft_pool = BlockPool(draft.config, blocks, block_size, activation_dtype(draft), draft.embed.weight.device)
+            speculation = Speculation("draft", DraftProposer(draft, draft_pool, native), num_speculative_tokens)
+        elif speculative == "prompt-lookup":
+            speculation = Speculation("prompt-lookup", PromptLookup(), num_speculative_tokens)
         self.scheduler = Scheduler(model, self.pool, decode, max_num_seqs, max_num_batched_tokens, native,
-                                   nonfinite_origin, head)
+                                   nonfinite_origin, head, compile, fused_head, speculation)
         self.eos_ids = eos_ids  # the LLM's own set, read at each add(): a caller may change it
         self._lock = threading.Lock()
 
@@ -105,7 +117,7 @@ class BatchEngine:
                 self._lock.release()
 
 
-def collect(outputs: list[RequestOutput], seqs: list[Seq], t0: float) -> Stats:
+def collect(outputs: list[RequestOutput], seqs: list[Seq], t0: float, speculative: str = "off") -> Stats:
     """Copy finished (or aborted) sequences into their outputs; return the request's Stats (prefill:
     from t0 to the last sequence's first token; decode: from there to now)."""
     end = time.perf_counter()
@@ -114,6 +126,12 @@ def collect(outputs: list[RequestOutput], seqs: list[Seq], t0: float) -> Stats:
     stats = Stats(prompt_tokens=sum(s.prompt_len for s in seqs), rows=len(seqs),
                   generated_tokens=sum(len(s.token_ids) for s in seqs),
                   prefill_seconds=first - t0, decode_seconds=end - first)
+    specs = [s.spec for s in seqs if s.spec is not None]
+    if specs:
+        stats.speculative = speculative
+        stats.proposed, stats.accepted = sum(p.proposed for p in specs), sum(p.accepted for p in specs)
+        stats.row_forwards = sum(p.rounds for p in specs)
+        stats.target_forwards = max(p.rounds for p in specs)
     for out, s in zip(outputs, seqs, strict=True):
         out.token_ids, out.text = list(s.token_ids), s.text
         out.finish_reason = s.finish_reason if s.finish_reason != "abort" else None

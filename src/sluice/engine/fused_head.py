@@ -41,6 +41,29 @@ from .sampling import (NONFINITE, Sampler, SamplingParams, filter_logits, nonfin
 
 CHUNK = 32768  # head rows per step: a (32, 32768) fp32 block fits the L3 cache; few chunks, little overhead
 CANDIDATES = 1024  # the top-K kept per row with filters; raised to max(top_k) + 1 where a row needs it
+# "auto" steps taken on the fused head (by a scheduler, over all its requests) before its fallback rate
+# may send the steps back to the plain head.
+AUTO_PROBATION = 16
+
+
+def use_fused_head(model, fused_head: bool | str, params: list[SamplingParams]) -> bool:
+    """Sample through the fused LM head (fused_head.py) or the plain one (logits, Sampler)?
+
+    Hooks on the model or its LM head (the observatory) need the logits and the head module to
+    run, so they always get the plain path. "auto" takes the fused path where bench/fused_head.py
+    measured it faster on CPU: a batch with a sampled row that uses top-k, top-p or min-p (no
+    full-vocabulary sort); greedy and plain-temperature batches keep the plain path, where the
+    two are even (docs/benchmarks.md, "The softmax toll booth"). A fused "auto" batch whose
+    rows keep falling back (over a quarter of them after AUTO_PROBATION steps: a model too
+    flat for the candidates to prove its cuts, paying for the LM head twice) returns to the
+    plain path (scheduler.Scheduler._fused)."""
+    m = model
+    if not isinstance(m.lm_head, torch.nn.Linear):  # a quantized head (model/quant.py) has no float weight
+        return False
+    if fused_head is False or any(mod._forward_hooks or mod._forward_pre_hooks for mod in (m, m.lm_head)):
+        return False
+    return fused_head is True or any(
+        p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params)
 
 
 @dataclass
@@ -110,7 +133,7 @@ class FusedHead:
         m_raw, s_raw = torch.full((B,), -math.inf, device=dev), torch.zeros(B, device=dev)
         m_t, s_t = torch.full((len(filt),), -math.inf, device=dev), torch.zeros(len(filt), device=dev)
         cand_v, cand_i = [], []  # per chunk (Bf, <=K): penalised logits and token ids
-        race_streams = [smp._streams[i] for i in race]
+        race_streams = [smp.streams[i] for i in race]
         for start in range(0, V, self.chunk):
             z = F.linear(hidden, weight[start:start + self.chunk]).float()  # (B, c) as Transformer.logits
             c = z.shape[1]
@@ -119,7 +142,7 @@ class FusedHead:
             broken |= nonfinite_rows(z)
             if logprobs:
                 m_raw, s_raw = _online(m_raw, s_raw, z)
-            if smp._use_penalty:
+            if smp.uses_penalty:
                 z = penalize_seen(z, smp.seen[:, start:start + c], smp.rows["penalty"])
             if pick:
                 key = z  # greedy rows: the penalised logit; their temperature reads 1 and noise stays 1
@@ -151,8 +174,8 @@ class FusedHead:
             self.rows_filtered, self.rows_fallback = self.rows_filtered + len(filt), self.rows_fallback + n_fallback
         self.calls += 1
         for i in race + filt:  # one draw a sampled row, whichever path it took
-            smp._streams[i].advance()
-        if smp._use_penalty:
+            smp.streams[i].advance()
+        if smp.uses_penalty:
             smp.seen.scatter_(1, tokens[:, None], True)
         out = HeadOut(tokens, fallback)
         if logprobs:
@@ -172,7 +195,7 @@ class FusedHead:
         complete = K == V  # every token is a candidate
         certain = (v > v[:, -1:]) | complete  # (Bf, K): no token outside can rank among these
         exact = torch.full_like(certain[:, 0], complete)  # (Bf,)
-        use_top_k, use_top_p, use_min_p = smp._filters
+        use_top_k, use_top_p, use_min_p = smp.filters
         k = rows["top_k"]
         topk_on = k < V  # off rows have k = V
         kth = (k - 1).clamp(max=K - 1)[:, None]  # (Bf, 1); off rows read the K-th: keeps every candidate
@@ -198,7 +221,7 @@ class FusedHead:
                 exact |= ~keep_m[:, -1]  # the K-th value fails min_p, so every smaller one does
         keep[:, 0] = True
         fallback = ~exact | (topk_on & ~k_proven)  # an unproven top-k set also leaves top-p's mass unknown
-        pick = _race(x.masked_fill(~keep, -math.inf), ids, [smp._streams[i] for i in fr.tolist()])
+        pick = _race(x.masked_fill(~keep, -math.inf), ids, [smp.streams[i] for i in fr.tolist()])
         return ids.gather(1, pick[:, None])[:, 0], fallback
 
     def _plain(self, hidden, weight, softcap, idx: list[int]) -> torch.Tensor:
@@ -208,9 +231,9 @@ class FusedHead:
         if softcap is not None:
             z = torch.tanh(z / softcap) * softcap
         rows = {name: t[idx] for name, t in smp.rows.items()}
-        if smp._use_penalty:
+        if smp.uses_penalty:
             z = penalize_seen(z, smp.seen[idx], rows["penalty"])
-        return _race(filter_logits(z, rows, *smp._filters), None, [smp._streams[i] for i in idx])
+        return _race(filter_logits(z, rows, *smp.filters), None, [smp.streams[i] for i in idx])
 
     @staticmethod
     def _logits_of(hidden, weight, softcap, tokens) -> torch.Tensor:

@@ -166,13 +166,22 @@ class PagedView:
     def __init__(self, pool: BlockPool, tables: list[list[int]], device=None):
         nb = max(len(t) for t in tables)
         pad = [t + [t[0]] * (nb - len(t)) for t in tables]
-        self.pool = pool
+        self.k, self.v = pool.k, pool.v
         self.table = torch.tensor(pad, dtype=torch.int64, device=device or pool.k.device)  # (B, nb)
         self.num_slots = nb * pool.block_size
         self.batch_size = len(tables)
 
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor) -> "PagedView":
+        """A view from the pool's tensors and a built table: what a compiled forward takes as arguments."""
+        self = cls.__new__(cls)
+        self.k, self.v, self.table = k, v, table
+        self.num_slots = table.shape[1] * k.shape[3]
+        self.batch_size = table.shape[0]
+        return self
+
     def layer(self, i: int) -> "PagedLayer":
-        return PagedLayer(self.pool.k[i], self.pool.v[i], self.table)
+        return PagedLayer(self.k[i], self.v[i], self.table)
 
 
 class PagedLayer:

@@ -1,8 +1,8 @@
-"""What guesses the next tokens for speculative decoding (speculative.py): a draft model, or prompt lookup.
+"""What guesses the next tokens for speculative decoding (verify.py): a draft model, or prompt lookup.
 
-A proposer's propose(spec, k, active) returns (tokens (B, k) int64, q (B, k, V) or None, lengths): row b
-guesses tokens[b, :lengths[b]], drawn from q (the draft's filtered distributions) or, with q None, picked
-without a distribution (a point mass). Rows not in `active` have finished: what they get is ignored.
+A proposer's propose(rows) fills each decoding row's `guesses` (at most row.cap of them) and `q` (the
+draft's filtered distribution of each guess; None for a guess picked without one, a point mass).
+prefill(rows) sees the step's prompt chunks; refresh() starts a busy period.
 """
 
 from __future__ import annotations
@@ -10,59 +10,100 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .runner import Runner
+from ..model.layers import Transformer
+from .batch_forward import BatchForward
+from .paged_cache import BlockPool
+from .plan import Row
 from .sampling import filtered_probs, nonfinite_rows
 from .speculative import draw
+from .verify import grow, penalty_state
 
 
 class DraftProposer:
-    """A smaller model with the target's vocabulary, with its own Runner and KV cache.
+    """A smaller model with the target's vocabulary, over its own KV pool with the target pool's block
+    ids: a sequence's block j holds the target's and the draft's keys and values of the same tokens,
+    so the scheduler's blocks, preemption and prefix cache serve both.
 
-    Kept in step with the target: at the start of a round the draft rolls back to the target's position
-    minus one and feeds the row's last two tokens (positions p-1 and p), so whatever the previous round
-    kept, the draft's cache below p+1 holds exactly the accepted tokens. (After a round whose k guesses
-    were all kept, the draft never saw its own last guess; after a rejection, the slot it wrote for the
-    rejected guess is rewritten. Feeding two tokens every round covers both cases with one shape.)"""
+    The draft prefills each prompt chunk with the target. At a round it reads the tokens the target
+    accepted since the draft last ran, from max(what it holds, the last two tokens): always at least
+    two, so after a round that kept every guess (the draft never read its last guess) and after one
+    that rejected (the draft's slot for the rejected guess is rewritten) the rows share one shape.
+    Every draft slot below SpecState.draft_valid holds an accepted token's keys and values, which is
+    what the scheduler keys a full block by."""
 
-    def __init__(self, runner: Runner):
-        self.runner = runner
+    def __init__(self, model: Transformer, pool: BlockPool, native: bool = True):
+        self.model, self.pool = model, pool
+        self.forward = BatchForward(model, pool, native)
 
-    def prefill(self, prompts: list[list[int]], num_slots: int) -> None:
-        self.runner.prefill(prompts, num_slots)
+    def refresh(self) -> None:
+        self.forward.refresh()
+
+    def prefill(self, rows: list[Row]) -> None:
+        for r in rows:
+            self._run([r], [r.tokens], [r.start], None)
+            r.seq.spec.draft_valid = r.start + len(r.tokens)
 
     @torch.inference_mode()
-    def propose(self, spec, k: int, active: list[int]):
-        r = self.runner
-        B, dev = len(spec.history), r.pos.device
-        r.seek(spec.runner.pos - 1)
-        # Every history holds a prompt token and the first generated one, so two tokens exist.
-        pair = torch.tensor([h[-2:] for h in spec.history], device=dev).clamp_min(0)  # (B, 2)
-        logits = r.verify(pair)[:, 1]  # (B, V)
-        r.advance(2)
-        greedy = spec.greedy
-        seen = spec.sampler.seen.clone() if spec.penalty else None  # grows with each guess, as the context does
-        rows = [i for i in spec.sampled_rows if i in active]
-        tokens = torch.zeros(B, k, dtype=torch.long, device=dev)
-        q = None if greedy else torch.empty(B, k, logits.shape[-1], device=dev)
-        finite = torch.ones(B, k, dtype=torch.bool, device=dev)
-        for i in range(k):
-            if i:
-                logits = r.step(tokens[:, i - 1])
-            finite[:, i] = ~nonfinite_rows(logits)
-            if greedy:
-                tokens[:, i] = logits.argmax(-1)
-                continue
-            probs = filtered_probs(logits, spec.params, seen)  # the target's processing, on the draft's logits
-            tokens[:, i] = draw(probs, rows, spec.streams)
-            q[:, i] = probs
-            if seen is not None:
-                seen.scatter_(1, tokens[:, i : i + 1], True)
-        # A draft gone non-finite guesses nothing from there on (its q would not be a distribution).
-        lengths = finite.long().cumprod(-1).sum(-1).tolist()
-        return tokens, q, lengths
+    def propose(self, rows: list[Row]) -> None:
+        if not rows:
+            return
+        starts = [min(r.seq.spec.draft_valid, len(r.seq.ids) - 2) for r in rows]
+        logits = [None] * len(rows)
+        pairs = [i for i, (r, s) in enumerate(zip(rows, starts, strict=True)) if len(r.seq.ids) - s == 2]
+        if pairs:  # the usual round: every row reads two tokens
+            out = self._run([rows[i] for i in pairs], [rows[i].seq.ids[-2:] for i in pairs],
+                            [starts[i] for i in pairs], "last")
+            for j, i in enumerate(pairs):
+                logits[i] = out[j]
+        for i, (r, s) in enumerate(zip(rows, starts, strict=True)):
+            if logits[i] is None:  # more to catch up on (a draft state that fell behind): alone
+                logits[i] = self._run([r], [r.seq.ids[s:]], [s], "last")[0]
+        self._guess(rows, torch.stack(logits))
 
-    def release(self) -> None:
-        self.runner.release()
+    def _guess(self, rows: list[Row], logits: torch.Tensor) -> None:
+        """Draw each row's guesses from the draft, one forward per guess after the first."""
+        samplers = [r.seq.sampler for r in rows]
+        greedy = all(s.plain_greedy for s in samplers)
+        params = [s.params[0] for s in samplers]
+        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        streams = [s.streams[0] for s in samplers]
+        seen, counts = penalty_state(rows)  # grows with each guess, as the context does
+        K = max(r.cap for r in rows)
+        guesses, qs, alive = [[] for _ in rows], [[] for _ in rows], list(range(len(rows)))
+        for j in range(K):
+            if j:
+                alive = [i for i in alive if rows[i].cap > j]
+                if not alive:
+                    break
+                prev = torch.tensor([[guesses[i][-1]] for i in alive])
+                pos = [len(rows[i].seq.ids) - 1 + j for i in alive]
+                logits[alive] = self._run([rows[i] for i in alive], prev.tolist(), pos, "last")
+            finite = (~nonfinite_rows(logits)).tolist()
+            if greedy:
+                tokens, probs = logits.argmax(-1), None
+            else:
+                probs = filtered_probs(logits, params, seen, counts)
+                tokens = draw(probs, [i for i in sampled if i in alive], streams)
+                seen, counts = grow(seen, counts, tokens)
+            for i in list(alive):
+                if not finite[i]:  # a draft gone non-finite guesses nothing more (its q is no distribution)
+                    alive.remove(i)
+                    continue
+                guesses[i].append(int(tokens[i]))
+                if probs is not None:
+                    qs[i].append(probs[i])
+        for i, r in enumerate(rows):
+            r.guesses = guesses[i]
+            r.q = torch.stack(qs[i]) if qs[i] else (None if greedy else logits.new_zeros(0, logits.shape[-1]))
+            # The draft read every guess but the last: its slots hold the row's tokens up to there.
+            r.seq.spec.draft_valid = len(r.seq.ids) + max(len(guesses[i]) - 1, 0)
+
+    def _run(self, rows: list[Row], fed: list[list[int]], starts: list[int], want):
+        dev = self.forward.device
+        T = len(fed[0])
+        tokens = torch.tensor(fed, device=dev)
+        positions = torch.tensor(starts, device=dev)[:, None] + torch.arange(T, device=dev)
+        return self.forward.run([r.seq.blocks for r in rows], tokens, positions, want)
 
 
 class PromptLookup:
@@ -73,21 +114,15 @@ class PromptLookup:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def prefill(self, prompts, num_slots) -> None:
+    def refresh(self) -> None:
         pass
 
-    def propose(self, spec, k: int, active: list[int]):
-        B = len(spec.history)
-        tokens = torch.zeros(B, k, dtype=torch.long)
-        lengths = [0] * B
-        for b in active:
-            found = lookup(spec.history[b], k, self.max_ngram, self.min_ngram)
-            tokens[b, : len(found)] = torch.tensor(found, dtype=torch.long)
-            lengths[b] = len(found)
-        return tokens.to(spec.runner.pos.device), None, lengths
-
-    def release(self) -> None:
+    def prefill(self, rows: list[Row]) -> None:
         pass
+
+    def propose(self, rows: list[Row]) -> None:
+        for r in rows:
+            r.guesses, r.q = lookup(r.seq.ids, r.cap, self.max_ngram, self.min_ngram), None
 
 
 def lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:

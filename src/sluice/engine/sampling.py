@@ -253,6 +253,22 @@ class Sampler:
         self._filters = _flags(self.params)
 
     @property
+    def streams(self) -> list[RowStream]:
+        """The rows' random streams, the objects themselves: a draw made elsewhere (speculative
+        decoding's, the fused head's) advances them as this sampler's own draws do."""
+        return self._streams
+
+    @property
+    def filters(self) -> tuple[bool, bool, bool]:
+        """Whether some sampled row uses top_k, top_p, min_p."""
+        return self._filters
+
+    @property
+    def uses_penalty(self) -> bool:
+        """Whether some row has a repetition penalty (then `seen` is kept up to date)."""
+        return self._use_penalty
+
+    @property
     def plain_greedy(self) -> bool:
         """Whether every row is greedy with no penalty: then the argmax of the raw logits is all this
         sampler does (no generator or penalty state of its own to advance)."""

@@ -1,18 +1,21 @@
 """Continuous batching: requests join and leave the running batch at every step.
 
-One `step()`:
-1. applies aborts (a request's blocks go back to the pool now);
-2. schedules, oldest request first: a decoding sequence takes 1 token, a prefilling one a chunk of
-   its prompt within the step's token budget (max_num_batched_tokens), so a long prompt is prefilled
-   over several steps while the others keep decoding; then waiting requests are admitted while the
-   batch has room (max_num_seqs), the budget lasts and the pool has blocks. A new request first
-   takes its prompt's blocks from the prefix cache (paged_cache.py): a shared system prompt is
-   computed once;
-3. runs the model (batch_forward.py): every 1-token row in one forward, each prefill chunk in its own;
-4. samples a token for every sequence whose computed tokens reached its end (batch_sampling.py), each
+One `step()` is plain data flowing one way (plan.py): `schedule()` -> StepPlan -> propose ->
+`forward(plan)` -> `draw(plan, out)` -> `update(plan, runs)` -> the output stage.
+1. aborts are applied (a request's blocks go back to the pool now);
+2. schedule, oldest request first: a decoding sequence takes 1 token (and, speculating, room for its
+   guesses), a prefilling one a chunk of its prompt within the step's token budget
+   (max_num_batched_tokens), so a long prompt is prefilled over several steps while the others keep
+   decoding; then waiting requests are admitted while the batch has room (max_num_seqs), the budget
+   lasts and the pool has blocks. A new request first takes its prompt's blocks from the prefix
+   cache (paged_cache.py): a shared system prompt is computed once;
+3. speculating (verify.py), the proposer guesses for each decoding row;
+4. the model runs the plan (batch_forward.py: the native step or torch, compiled or not);
+5. draw: a token for every sequence whose computed tokens reached its end (batch_sampling.py), each
    with its own Sampler (its own random stream and penalty state), so a request draws exactly what it
-   would alone;
-5. keys the blocks that filled up, and frees the blocks of sequences that finished.
+   would alone; a speculating row keeps a prefix of its guesses and draws one more;
+6. update: what each sequence has computed, its rejected guesses' blocks back to the pool, the
+   blocks that filled up keyed; then the output stage (output_stage.py) detokenizes and stops.
 
 Under tensor parallelism (LLM(tensor_parallel=N)) every rank runs this same scheduler on its part of
 the model: the logits of step 4 are the rank's vocabulary shard, and the `head` (parallel/head.py)
@@ -41,9 +44,12 @@ import torch
 from ..errors import RequestError
 from ..model.layers import Transformer
 from .batch_forward import BatchForward
-from .batch_sampling import BatchDraw, FullHead
+from .batch_sampling import FullHead, StepDraw
+from .fused_head import AUTO_PROBATION, use_fused_head
+from .output_stage import OutputStage
 from .paged_cache import BlockPool
-from .sampling import NONFINITE, SamplingParams
+from .plan import Row, StepPlan
+from .sampling import SamplingParams
 from .sequence import Seq, Update
 from .streaming import TextStream
 
@@ -54,7 +60,8 @@ _serials = itertools.count()
 class Scheduler:
     def __init__(self, model: Transformer, pool: BlockPool, decode: Callable[[list[int]], str],
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 256, native: bool = True,
-                 nonfinite_origin: Callable[[list[int]], str] | None = None, head=None):
+                 nonfinite_origin: Callable[[list[int]], str] | None = None, head=None, compile: bool = False,
+                 fused_head: bool | str = False, speculation=None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise RequestError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got "
                                f"{max_num_seqs} and {max_num_batched_tokens}")
@@ -65,9 +72,11 @@ class Scheduler:
         # What a step does with its logits (samplers, argmax, logprobs): the full vocabulary's here,
         # parallel/head.ParallelHead's when the model is one rank's part (logits (B, V/N)).
         self.head = head or FullHead(self.vocab_size, self.device)
-        self.draw = BatchDraw(self.head)
-        self.forward = BatchForward(model, pool, native)  # the model work of a step (native step or torch)
-        self.nonfinite_origin = nonfinite_origin  # ids -> where a NaN starts (the observatory's, from the server)
+        self.draw = StepDraw(model, self.head, lambda t: decode([t]))
+        self.forward = BatchForward(model, pool, native, compile)  # the model work of a step
+        self.fused_head = fused_head  # True, False or "auto" (fused_head.use_fused_head)
+        self.speculation = speculation  # verify.Speculation, or None
+        self.output = OutputStage(self._end, nonfinite_origin)
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []  # in admission order
         self._incoming: collections.deque[Seq] = collections.deque()
@@ -77,6 +86,14 @@ class Scheduler:
         self._preempted_now = False
         self.before_forward: Callable[[], None] | None = None  # called as each step's model work starts
         self.steps = 0
+
+    @property
+    def nonfinite_origin(self):
+        return self.output.nonfinite_origin
+
+    @nonfinite_origin.setter
+    def nonfinite_origin(self, f) -> None:
+        self.output.nonfinite_origin = f
 
     # ------------------------------------------------------------------ requests in, out
     def add(self, prompt_ids: list[int], params: SamplingParams, eos_ids=frozenset(), label: str | None = None) -> Seq:
@@ -90,6 +107,8 @@ class Scheduler:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         seq = Seq(next(_serials), len(prompt_ids), list(prompt_ids), params, sampler,
                   TextStream(self.decode, params.stop), stop_ids)
+        if self.speculation is not None:
+            seq.spec = self.speculation.new_state()
         if label:
             seq.label = label
         with self._lock:
@@ -124,18 +143,21 @@ class Scheduler:
         updates = self.apply_aborts()
         if not self.running and self.waiting:  # a busy period starts: hooks may have come or gone
             self.forward.refresh()
-        batch = self._schedule()
-        if not batch:
+            if self.speculation is not None:
+                self.speculation.proposer.refresh()
+        plan = self.schedule()
+        if not plan.rows:
             return updates
         self.steps += 1
         if self.before_forward is not None:
             self.before_forward()
-        logits = self.forward(batch)  # (N, V) for the sequences that reached their end, in batch order
-        done = [s for s, n in batch if s.num_computed == len(s.ids)]
-        self._key_full_blocks([s for s, _ in batch])
-        if done:
-            updates += self._sample(done, logits)
-        return updates
+        if self.speculation is not None:
+            self.speculation.proposer.prefill([r for r in plan.rows if not r.cap])
+            self.speculation.proposer.propose([r for r in plan.rows if r.cap])
+        out = self.forward(plan)
+        runs, logprobs = self.draw(plan, out)
+        self.update(plan, runs)
+        return updates + [self.output(r.seq, runs[r], logprobs.get(r)) for r in plan.finals]
 
     def apply_aborts(self) -> list[Update]:
         """Take in new requests and end the aborted ones now (step() does this first)."""
@@ -163,6 +185,8 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.release_all(seq.blocks)
         seq.blocks, seq.serials, seq.num_computed = [], [], 0
+        if seq.spec is not None:
+            seq.spec.draft_valid = 0
         seq.preemptions += 1
         self.preemptions += 1
         self._preempted_now = True
@@ -180,18 +204,20 @@ class Scheduler:
         seq.blocks += [self.pool.take() for _ in range(need)]
         return True
 
-    def _schedule(self) -> list[tuple[Seq, int]]:
-        budget, batch = self.max_num_batched_tokens, []
+    def schedule(self) -> StepPlan:
+        budget, rows = self.max_num_batched_tokens, []
         self._preempted_now = False
         for seq in list(self.running):  # oldest first; victims come from the newest, not yet scheduled
             if seq not in self.running:
                 continue  # preempted for an older one in this loop
             left = len(seq.ids) - seq.num_computed
             n = 1 if left == 1 else min(left, budget)  # a decode always goes; a chunk within the budget
-            if n == 0 or not self._grow(seq, seq.num_computed + n):
+            # A speculating decode takes room for its guesses: those past max_tokens are never needed.
+            cap = min(seq.spec.k, seq.max_len - len(seq.ids) - 1, max(budget - 1, 0)) if seq.spec and left == 1 else 0
+            if n == 0 or not self._grow(seq, seq.num_computed + n + cap):
                 continue
-            batch.append((seq, n))
-            budget -= n
+            rows.append(self._row(seq, n, cap))
+            budget -= n + cap
         # No admissions in a step that preempted: the blocks just freed went to an older sequence.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not self._preempted_now:
             seq = self.waiting[0]
@@ -200,9 +226,25 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             n = min(len(seq.ids) - seq.num_computed, budget)
-            batch.append((seq, n))
+            rows.append(self._row(seq, n, 0))
             budget -= n
-        return batch
+        return StepPlan(rows, self._fused([r for r in rows if r.final]))
+
+    @staticmethod
+    def _row(seq: Seq, n: int, cap: int) -> Row:
+        start = seq.num_computed
+        return Row(seq, start, seq.ids[start:start + n], start + n == len(seq.ids), cap)
+
+    def _fused(self, finals: list[Row]) -> bool:
+        """Whether this step's plain rows draw through the fused LM head (fused_head.use_fused_head)."""
+        if not finals or self.fused_head is False or not isinstance(self.head, FullHead):
+            return False
+        params = [r.seq.params for r in finals]
+        if any(p.logprobs is not None or p.presence_penalty or p.frequency_penalty for p in params):
+            return False  # logprobs need the logits; the fused head keeps no generated counts
+        if self.fused_head == "auto" and self.draw.fused_calls >= AUTO_PROBATION and self.draw.fallback_rate > 0.25:
+            return False  # the candidates rarely prove this model's cuts (a flat model): plain from here
+        return use_fused_head(self.model, self.fused_head, params)
 
     def _admit(self, seq: Seq, budget: int) -> bool:
         """Take the prompt's cached blocks and the blocks for its first chunk, or nothing."""
@@ -227,51 +269,40 @@ class Scheduler:
         seq.blocks = hits + [pool.take() for _ in range(need)]
         seq.serials = [pool.serial(b) for b in hits]
         seq.num_computed = computed
+        if seq.spec is not None:  # a keyed block holds the draft's keys and values too (update())
+            seq.spec.draft_valid = computed
         return True
 
-    def _key_full_blocks(self, seqs: list[Seq]) -> None:
+    # ------------------------------------------------------------------ after the draw
+    def update(self, plan: StepPlan, runs: dict[Row, list[int]]) -> None:
+        """What each row computed: its tokens, and of a speculating row the guesses it kept. A rejected
+        guess's keys and values are stale; the blocks that held only those go back to the pool (the
+        slots left in a kept block are rewritten before any query reads them)."""
+        for r in plan.rows:
+            seq = r.seq
+            kept = len(runs[r]) - 1 if r.guesses else 0
+            seq.num_computed = r.start + len(r.tokens) + kept
+            if seq.spec is not None and (r.cap or (r.final and len(r.tokens) == 1 and len(seq.ids) > seq.prompt_len)):
+                seq.spec.rounds += 1  # a decoding row: with guesses, or a plain step near max_tokens
+                seq.spec.proposed += len(r.guesses)
+                seq.spec.accepted += kept
+                # The draft holds accepted tokens only below what the target kept.
+                seq.spec.draft_valid = min(seq.spec.draft_valid, seq.num_computed)
+                if r.guesses:
+                    self.speculation.adapt(seq.spec, kept, kept < len(r.guesses))
+            keep = self.blocks_for(seq.num_computed + 1)
+            if len(seq.blocks) > keep:
+                self.pool.release_all(seq.blocks[keep:])
+                del seq.blocks[keep:]
+        self._key_full_blocks([r for r in plan.rows], runs)
+
+    def _key_full_blocks(self, rows: list[Row], runs: dict[Row, list[int]]) -> None:
         bs = self.pool.block_size
-        for seq in seqs:
-            for j in range(len(seq.serials), seq.num_computed // bs):
+        for r in rows:
+            seq = r.seq
+            # ids up to num_computed: the run's kept guesses are not in seq.ids until the output stage
+            ids = seq.ids + runs[r][:-1] if r.guesses else seq.ids
+            done = seq.num_computed if seq.spec is None else min(seq.num_computed, seq.spec.draft_valid)
+            for j in range(len(seq.serials), done // bs):
                 prev = seq.serials[-1] if seq.serials else 0
-                seq.serials.append(self.pool.register(seq.blocks[j], self.pool.key(prev, seq.ids[j * bs:(j + 1) * bs])))
-
-    # ------------------------------------------------------------------ sampling
-    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[Update]:
-        tokens = self.draw(seqs, logits).tolist()  # the step's one host sync
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        lps = self._logprobs(want, [seqs[i] for i in want], logits[want], [tokens[i] for i in want]) if want else {}
-        now, updates = time.perf_counter(), []
-        for i, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
-            if tok == NONFINITE:
-                where = (self.nonfinite_origin(seq.ids) if self.nonfinite_origin else
-                         "NaN or inf in the weights or the config? `sluice inspect` shows the layer where it starts")
-                msg = (f"the model produced non-finite logits (NaN or inf) at step {len(seq.token_ids)} of "
-                       f"{seq.label}; {where}")
-                updates.append(self._finish(seq, "error", msg))
-                continue
-            seq.first_token_at = seq.first_token_at or now
-            seq.ids.append(tok)
-            lp = lps.get(i)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            if tok in seq.stop_ids:
-                delta, reason = seq.stream.finish(), "stop"
-            else:
-                delta = seq.stream.push(tok)
-                reason = "stop" if seq.stream.stopped else None
-                if reason is None and len(seq.token_ids) >= seq.params.max_tokens:
-                    delta, reason = delta + seq.stream.finish(), "length"
-            seq.text += delta
-            update = Update(seq, delta, [tok], [lp] if lp is not None else None, reason is not None)
-            if reason is not None:
-                self._end(seq, reason)
-            seq.pending.append(update)
-            updates.append(update)
-        return updates
-
-    def _logprobs(self, index: list[int], seqs: list[Seq], logits: torch.Tensor, tokens: list[int]) -> dict:
-        """{index in the step's list: TokenLogprob} for the sequences that asked for logprobs."""
-        out = self.head.logprobs(logits, torch.tensor(tokens), [s.params.logprobs for s in seqs],
-                                 lambda t: self.decode([t]))
-        return dict(zip(index, out, strict=True))
+                seq.serials.append(self.pool.register(seq.blocks[j], self.pool.key(prev, ids[j * bs:(j + 1) * bs])))

@@ -9,6 +9,18 @@ from .sampling import Sampler, SamplingParams
 from .streaming import TextStream
 
 
+@dataclass(eq=False)
+class SpecState:
+    """One sequence's speculative decoding (speculative.py): its guess count, and what its draft saw."""
+    k: int  # guesses per round; adapted between rounds when adaptive
+    adaptive: bool = False
+    keep_rate: float | None = None  # "auto": running estimate of P(a guess is kept | it is checked)
+    draft_valid: int = 0  # positions 0 .. draft_valid-1 hold the draft model's keys and values
+    proposed: int = 0  # guesses made while the sequence was generating
+    accepted: int = 0  # of those, kept
+    rounds: int = 0  # target forwards this sequence took part in as a decoding row
+
+
 @dataclass(eq=False)  # a sequence is itself: `in` and remove() compare identity, not every field
 class Seq:
     """One generation: a prompt and one SamplingParams (a request with n choices is n of these)."""
@@ -31,6 +43,12 @@ class Seq:
     label: str = "this request"  # how errors name it ("prompt 2")
     logprobs: list = field(default_factory=list)  # TokenLogprob per generated token, if asked for
     pending: collections.deque = field(default_factory=collections.deque)  # updates not yet read
+    spec: SpecState | None = None  # when the engine speculates
+
+    @property
+    def max_len(self) -> int:
+        """Prompt plus max_tokens: the most tokens this sequence can reach."""
+        return self.prompt_len + self.params.max_tokens
 
     @property
     def token_ids(self) -> list[int]:

@@ -10,11 +10,13 @@ proposer without a distribution (prompt lookup) is a point mass: q(x) = 1. Tempe
 greedy: a guess is kept iff it is the target's argmax, and the correction is the argmax.
 
 The repetition penalty depends on the context, which grows inside a round: the target's p after
-guesses x1..xi and the draft's q for x(i+1) both see x1..xi as seen tokens (_seen_stack).
+guesses x1..xi and the draft's q for x(i+1) both see x1..xi as seen tokens (verify.stacks); so do the
+presence and frequency penalties, which count them as generated.
 
-Cache bookkeeping (slots are positions, see Transformer.attention_mask): a round feeds each row's last
-emitted token and its guesses at positions pos .. pos+K; a row that keeps n guesses moves pos by n+1,
-so every slot below pos holds an accepted token and the slots above are rewritten before they are read.
+The rounds run on the continuous-batching scheduler's rows (verify.py, proposers.py): a round feeds each
+row's last token and its guesses at positions pos .. pos+K; a row that keeps n guesses has n+1 more
+computed tokens, so every slot below them holds an accepted token and the slots above are rewritten
+before they are read (the blocks that hold only rejected slots go back to the pool).
 """
 
 from __future__ import annotations
@@ -24,9 +26,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from .runner import Runner
 from .noise import ACCEPT, RowStream, log_exp_noise, uniforms_range
-from .sampling import NONFINITE, Sampler, filtered_probs, nonfinite_rows
 
 MODES = ("off", "draft", "prompt-lookup")
 MAX_SPECULATIVE_TOKENS = 16  # past this a guess is almost never kept whole, and the verify forward grows
@@ -87,118 +87,6 @@ def accept_greedy(argmax: torch.Tensor, draft: torch.Tensor, lengths: list[int])
     ok = (draft == argmax[:, :K]) & (torch.arange(K) < torch.tensor(lengths)[:, None]).to(draft.device)
     n = ok.long().cumprod(-1).sum(-1)
     return n, argmax.gather(-1, n[:, None])[:, 0]
-
-
-# ---------------------------------------------------------------- the decode rounds
-
-
-class Speculator:
-    """One request's speculative rounds over a prefilled target Runner: round() returns the tokens each
-    active row emits (its kept guesses, then one more), at one target forward per round.
-
-    The sampler is the request's: its per-row params, streams (every random draw of a row, the
-    draft's included, comes from the row's own stream, so a seeded request repeats) and penalty mask
-    (the tokens seen so far, which round() extends with what it emits)."""
-
-    def __init__(self, runner: Runner, proposer, sampler: Sampler, num_tokens: int | str):
-        self.runner, self.proposer, self.sampler = runner, proposer, sampler
-        self.adaptive = num_tokens == "auto"
-        self.k = DEFAULT_SPECULATIVE_TOKENS if self.adaptive else num_tokens
-        self.keep_rate: float | None = None  # "auto": running estimate of P(a guess is kept | it is checked)
-        self.params = sampler.params
-        self.streams = sampler._streams  # the rows' own streams, shared with the first (prefill) token
-        self.sampled_rows = [i for i, p in enumerate(self.params) if p.temperature > 0]
-        self.penalty = any(p.repetition_penalty != 1 for p in self.params)
-        # Temperature 0 everywhere and no penalty: q would be one-hot and the rule compares argmaxes only.
-        self.greedy = not self.sampled_rows and not self.penalty
-        self.history: list[list[int]] = []  # per row: prompt + emitted tokens, the last not yet in the cache
-        self.proposed = self.accepted = self.forwards = self.row_forwards = 0
-
-    @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], num_slots: int) -> torch.Tensor:
-        """Prefill the target and the proposer; return the target's last logits (B, V)."""
-        self.history = [list(p) for p in prompts]
-        self.proposer.prefill(prompts, num_slots)
-        return self.runner.prefill(prompts, num_slots)
-
-    def start(self, first: list[int]) -> None:
-        """The first generated tokens (sampled from prefill's logits by the plain sampler)."""
-        for b, tok in enumerate(first):
-            self.history[b].append(tok)
-            if tok != NONFINITE:
-                self.sampler.add_context(b, [tok])
-
-    def seen_stack(self, draft: torch.Tensor) -> torch.Tensor | None:
-        """(B, K+1, V): the penalty's seen tokens after the history and after each guess; None if unused."""
-        if not self.penalty:
-            return None
-        B, K = draft.shape
-        hits = torch.zeros(B, K + 1, self.sampler.vocab_size, dtype=torch.bool, device=draft.device)
-        hits[:, 1:].scatter_(-1, draft[..., None], True)
-        return self.sampler.seen[:, None] | (hits.cumsum(1) > 0)
-
-    def probs(self, logits: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
-        """(B, T, V) logits -> the filtered probabilities plain sampling would draw from, per position."""
-        B, T, V = logits.shape
-        params = [p for p in self.params for _ in range(T)]
-        flat = filtered_probs(logits.reshape(B * T, V), params, None if seen is None else seen.reshape(B * T, V))
-        return flat.view(B, T, V)
-
-    @torch.inference_mode()
-    def round(self, active: list[int]) -> list[list[int]]:
-        B = len(self.history)
-        draft, q, lengths = self.proposer.propose(self, self.k, active)  # (B, k), (B, k, V) | None, list
-        lengths = [lengths[b] if b in active else 0 for b in range(B)]
-        K = max(lengths)
-        draft, q = draft[:, :K], None if q is None else q[:, :K]
-        dev = self.runner.pos.device
-        last = torch.tensor([h[-1] if h[-1] != NONFINITE else 0 for h in self.history], device=dev)
-        if K == 0:  # nothing proposed: a plain decode step, which may be faster than a forward of one token
-            logits = self.runner.step(last)[:, None]
-            self.runner.advance(-1)  # the rows move below, by what they emit
-        else:
-            logits = self.runner.verify(torch.cat([last[:, None], draft], 1))  # (B, K+1, V)
-        if self.greedy:
-            n, final = accept_greedy(logits.argmax(-1), draft, lengths)
-        else:
-            n, final = accept(self.probs(logits, self.seen_stack(draft)), q, draft, lengths,
-                              [i for i in self.sampled_rows if i in active], self.streams)
-        # A position whose logits hold NaN or inf ends the row's run with NONFINITE (the engine reports it).
-        bad = nonfinite_rows(logits)  # (B, K+1)
-        first_bad = torch.where(bad.any(-1), bad.long().argmax(-1), K + 1)
-        final = torch.where(first_bad <= n, NONFINITE, final)
-        n = torch.minimum(n, first_bad)
-        n_host, final_host, draft_host = n.tolist(), final.tolist(), draft.tolist()
-        runs: list[list[int]] = [[] for _ in range(B)]
-        moves = [0] * B
-        for b in active:
-            run = draft_host[b][: n_host[b]] + [final_host[b]]
-            runs[b], moves[b] = run, len(run)
-            self.history[b].extend(run)
-            self.sampler.add_context(b, [t for t in run if t != NONFINITE])
-            self.proposed += lengths[b]
-            self.accepted += n_host[b]
-        self.runner.advance(torch.tensor(moves, device=dev))
-        self.forwards += 1
-        self.row_forwards += len(active)
-        if self.adaptive:
-            self._adapt(sum(n_host[b] for b in active), sum(n_host[b] < lengths[b] for b in active))
-        return runs
-
-    def _adapt(self, kept: int, rejections: int) -> None:
-        """num_speculative_tokens="auto": if each checked guess is kept with probability a, a round keeps
-        a / (1 - a) guesses on average; guess one more than that (1 .. AUTO_MAX_TOKENS). a is a running
-        mean over rounds (weight 0.3 on the newest) of kept / (kept + rejected): guesses after a rejection
-        were never checked, so they say nothing about a."""
-        if kept + rejections == 0:
-            return
-        rate = kept / (kept + rejections)
-        self.keep_rate = rate if self.keep_rate is None else 0.7 * self.keep_rate + 0.3 * rate
-        a = min(self.keep_rate, 0.95)
-        self.k = max(1, min(AUTO_MAX_TOKENS, round(a / (1 - a)) + 1))
-
-    def release(self) -> None:
-        self.proposer.release()
 
 
 # ---------------------------------------------------------------- choosing and checking a draft

@@ -1,0 +1,57 @@
+"""The last stage of a step (plan.py): a sequence's new tokens become what its caller sees.
+
+Takes a row's run (one token, or a speculative round's kept guesses and one more), stops it at the
+first stop token, max_tokens or stop string, detokenizes what is released (streaming.TextStream) and
+records logprobs. A sequence whose logits went non-finite ends with finish_reason "error" and a
+message that says where (the server passes the observatory's first_nonfinite as nonfinite_origin).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from .sampling import NONFINITE
+from .sequence import Seq, Update
+
+
+class OutputStage:
+    def __init__(self, end: Callable[[Seq, str, str | None], None],
+                 nonfinite_origin: Callable[[list[int]], str] | None = None):
+        self.end = end  # takes a finished sequence out of the batch (the scheduler's)
+        self.nonfinite_origin = nonfinite_origin
+
+    def __call__(self, seq: Seq, run: list[int], logprobs: list | None) -> Update:
+        """seq's update for `run`, its tokens not yet in seq.ids; ends seq when a stop is reached."""
+        now, taken, reason, text = time.perf_counter(), [], None, ""
+        seq.first_token_at = seq.first_token_at or now
+        for tok in run:
+            if tok == NONFINITE:
+                reason = "error"
+                break
+            seq.ids.append(tok)
+            taken.append(tok)
+            if tok in seq.stop_ids:
+                text, reason = text + seq.stream.finish(), "stop"
+                break
+            text += seq.stream.push(tok)
+            if seq.stream.stopped:
+                reason = "stop"
+                break
+            if len(seq.token_ids) >= seq.params.max_tokens:
+                text, reason = text + seq.stream.finish(), "length"
+                break
+        lps = logprobs[: len(taken)] if logprobs is not None else None
+        if lps:
+            seq.logprobs += lps
+        seq.text += text
+        update = Update(seq, text, taken, lps, reason is not None)
+        if reason == "error":
+            where = (self.nonfinite_origin(seq.ids) if self.nonfinite_origin else
+                     "NaN or inf in the weights or the config? `sluice inspect` shows the layer where it starts")
+            self.end(seq, "error", f"the model produced non-finite logits (NaN or inf) at step "
+                                   f"{len(seq.token_ids)} of {seq.label}; {where}")
+        elif reason is not None:
+            self.end(seq, reason, None)
+        seq.pending.append(update)
+        return update

@@ -1,0 +1,117 @@
+"""Speculative decoding on the scheduler's rows: a Speculation proposes guesses for the decoding rows
+of a step (proposers.py), the step's forward reads each row's last token and its guesses in one
+chunk, and verify() keeps a prefix of every row's guesses by the acceptance rule (speculative.py), so
+the output follows the target's distribution exactly whatever the proposer guessed.
+
+Each row is its own: its guess count (adapted to its own keep rate with num_speculative_tokens="auto"),
+its draft state (SpecState.draft_valid), its random stream (every draw, the draft's included, comes
+from the sequence's own stream, so a seeded request repeats) and its penalty state (the repetition,
+presence and frequency penalties see each earlier guess as a generated token, as plain decoding would
+have seen it: see stacks()).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .plan import Row
+from .sampling import NONFINITE, filtered_probs, nonfinite_rows
+from .sequence import SpecState
+from .speculative import AUTO_MAX_TOKENS, DEFAULT_SPECULATIVE_TOKENS, accept, accept_greedy
+
+
+class Speculation:
+    """An engine's speculative decoding: its proposer (a DraftProposer or PromptLookup) and guess count."""
+
+    def __init__(self, mode: str, proposer, num_tokens: int | str):
+        self.mode, self.proposer = mode, proposer
+        self.set_k(num_tokens)
+
+    def set_k(self, num_tokens: int | str) -> None:
+        """Guesses per round for sequences added from now on: a number, or "auto" (starting at the default)."""
+        self.adaptive = num_tokens == "auto"
+        self.k = DEFAULT_SPECULATIVE_TOKENS if self.adaptive else num_tokens
+
+    def new_state(self) -> SpecState:
+        return SpecState(self.k, self.adaptive)
+
+    @staticmethod
+    def adapt(state: SpecState, kept: int, rejected: bool) -> None:
+        """num_speculative_tokens="auto": if each checked guess is kept with probability a, a round keeps
+        a / (1 - a) guesses on average; guess one more than that (1 .. AUTO_MAX_TOKENS). a is a running
+        mean over rounds (weight 0.3 on the newest) of kept / (kept + rejected): guesses after a rejection
+        were never checked, so they say nothing about a."""
+        if not state.adaptive or kept + rejected == 0:
+            return
+        rate = kept / (kept + rejected)
+        state.keep_rate = rate if state.keep_rate is None else 0.7 * state.keep_rate + 0.3 * rate
+        a = min(state.keep_rate, 0.95)
+        state.k = max(1, min(AUTO_MAX_TOKENS, round(a / (1 - a)) + 1))
+
+
+def penalty_state(rows: list[Row]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The rows' seen masks (B, V) and generated counts (B, V), each None when no row uses it."""
+    samplers = [r.seq.sampler for r in rows]
+    seen = torch.cat([s.seen for s in samplers]) if any(s.uses_penalty for s in samplers) else None
+    counts = None
+    if any(s.counts is not None for s in samplers):
+        counts = torch.cat([s.counts if s.counts is not None else torch.zeros(s.seen.shape) for s in samplers])
+    return seen, counts
+
+
+def grow(seen: torch.Tensor | None, counts: torch.Tensor | None, tokens: torch.Tensor):
+    """The penalty state after each row generated tokens (B,)."""
+    if seen is not None:
+        seen = seen.scatter(1, tokens[:, None], True)
+    if counts is not None:
+        counts = counts.scatter_add(1, tokens[:, None], torch.ones(tokens.shape[0], 1, device=counts.device))
+    return seen, counts
+
+
+def stacks(seen, counts, draft: torch.Tensor):
+    """(B, K+1, V) each: the penalty state before the first guess and after each of draft (B, K)."""
+    if seen is None and counts is None:
+        return None, None
+    B, K = draft.shape
+    V = (seen if seen is not None else counts).shape[1]
+    hits = torch.zeros(B, K + 1, V, device=draft.device)
+    hits[:, 1:].scatter_(-1, draft[..., None], 1.0)
+    cum = hits.cumsum(1)
+    return (None if seen is None else seen[:, None] | (cum > 0)), (None if counts is None else counts[:, None] + cum)
+
+
+def verify(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]:
+    """Each row's run: the guesses it keeps, then one more token (NONFINITE ends a run whose logits went
+    non-finite). logits[i] (1 + len(rows[i].guesses), V): the target's after the row's last token and
+    after each guess."""
+    B, K = len(rows), max(len(r.guesses) for r in rows)
+    V, dev = logits[0].shape[-1], logits[0].device
+    lengths = [len(r.guesses) for r in rows]
+    if all(n == K for n in lengths):
+        x = torch.stack(logits)
+    else:  # positions past a row's guesses are never read by the rule: zeros do
+        x = torch.zeros(B, K + 1, V, dtype=logits[0].dtype, device=dev)
+        for i, lg in enumerate(logits):
+            x[i, : lg.shape[0]] = lg
+    draft = torch.tensor([r.guesses + [0] * (K - len(r.guesses)) for r in rows], dtype=torch.long, device=dev)
+    samplers = [r.seq.sampler for r in rows]
+    if all(s.plain_greedy for s in samplers):
+        n, final = accept_greedy(x.argmax(-1), draft, lengths)
+    else:
+        seen, counts = stacks(*penalty_state(rows), draft)
+        params = [s.params[0] for s in samplers for _ in range(K + 1)]
+        p = filtered_probs(x.reshape(B * (K + 1), V), params, None if seen is None else seen.reshape(B * (K + 1), V),
+                           None if counts is None else counts.reshape(B * (K + 1), V)).view(B, K + 1, V)
+        q = None
+        if rows[0].q is not None:
+            q = torch.zeros(B, K, V, device=dev)
+            for i, r in enumerate(rows):
+                q[i, : len(r.guesses)] = r.q
+        sampled = [i for i, s in enumerate(samplers) if s.params[0].temperature > 0]
+        n, final = accept(p, q, draft, lengths, sampled, [s.streams[0] for s in samplers])
+    # A position whose logits hold NaN or inf ends the row's run with NONFINITE (the engine reports it).
+    bad = nonfinite_rows(x)  # (B, K+1)
+    first_bad = torch.where(bad.any(-1), bad.long().argmax(-1), K + 1)
+    final = torch.where(first_bad <= n, NONFINITE, final)
+    n = torch.minimum(n, first_bad)
+    return [g[:k] + [f] for g, k, f in zip(draft.tolist(), n.tolist(), final.tolist(), strict=True)]
