@@ -171,22 +171,24 @@ def test_the_llm_runs_the_native_step_where_it_fits_with_the_same_tokens(tiny_di
         pytest.skip(f"no native step here: {fast_step.why_unavailable()}")
     prompts = ["def add(a, b):", "x"]
     params = sluice.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    plain = sluice.LLM(tiny_dir, kernels=False, batching=False)  # the static path's Runner (the scheduler's
-    native = sluice.LLM(tiny_dir, batching=False)  # use of the native step: test_scheduler.py)
+    plain = sluice.LLM(tiny_dir, kernels=False, batching=False)  # the torch forward, one sequence at a time
+    native = sluice.LLM(tiny_dir)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in native.generate(prompts, params)] == want
-    assert native.runner._fast is not None and native.runner.native_reason is None
-    fast, steps = native.runner._fast, []
-    native.runner._fast = lambda *a, **k: steps.append(1) or fast(*a, **k)
-    assert [o.token_ids for o in native.generate(prompts, params)] == want and len(steps) == 11
+    forward = native.batch_engine().scheduler.forward
+    assert forward.fast is not None and forward.native_reason is None
+    fast, steps = forward.fast, []
+    forward.fast = lambda *a, **k: steps.append(1) or fast(*a, **k)
+    # step 1: the 1-token prompt in the one-token forward, the other prompt's chunk alone; then 11 decodes
+    assert [o.token_ids for o in native.generate(prompts, params)] == want and len(steps) == 2 + 11
     calls = []
     handle = native.model.final_norm.register_forward_hook(lambda *a: calls.append(1))
     try:
         assert [o.token_ids for o in native.generate(prompts, params)] == want
     finally:
         handle.remove()
-    assert "hook" in native.runner.native_reason and len(calls) == 1 + 11  # prefill + every decode step
-    assert [o.token_ids for o in native.generate(prompts, params)] == want and native.runner.native_reason is None
+    assert "hook" in forward.native_reason and len(calls) == 2 + 11  # every forward of every step
+    assert [o.token_ids for o in native.generate(prompts, params)] == want and forward.native_reason is None
 
 
 def _copy(src, dst, generation_config):

@@ -42,23 +42,27 @@ def test_budget_arithmetic_and_message(tiny_llm):
 
 
 def test_over_budget_request_is_refused_before_tokenizing(tiny_dir, monkeypatch):
-    llm = sluice.LLM(str(tiny_dir), kv_cache_memory="200KiB", batching=False)
+    """The pool is sized by the budget; a request that could not fit it even alone is refused, before
+    tokenizing when max_tokens alone is too much, else once its prompt's length is known."""
+    llm = sluice.LLM(str(tiny_dir), kv_cache_memory="200KiB", max_num_seqs=1)
+    pool = llm.batch_engine().pool
+    slots = pool.num_blocks * pool.block_size
     monkeypatch.setattr(llm.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized a hopeless request"))
-    with pytest.raises(RequestError, match=r"100 prompts x 64 slots.*budget of 200.0 KiB \(kv_cache_memory\)"):
-        llm.generate(["hi"] * 100, SamplingParams(max_tokens=20))
+    with pytest.raises(RequestError, match=rf"needs \d+ KV blocks of 16 tokens, and the whole pool has "
+                                           rf"{pool.num_blocks} \({slots} tokens\).*kv_cache_memory"):
+        llm.generate(["hi"] * 100, SamplingParams(max_tokens=slots))
     monkeypatch.undo()
-    # the exact check, after tokenizing: one row fits 200 KiB at 64 slots, not at 448
-    assert llm.generate([[5] * 10], SamplingParams(max_tokens=4, **GREEDY))[0].finish_reason == "length"
-    with pytest.raises(RequestError, match=r"1 prompts x 448 slots"):
-        llm.generate([[5] * 400], SamplingParams(max_tokens=4))
+    assert llm.generate([[5] * 10] * 3, SamplingParams(max_tokens=4, **GREEDY))[0].finish_reason == "length"
+    with pytest.raises(RequestError, match=rf"a prompt of {slots} tokens with max_tokens=4 needs"):
+        llm.generate([[5] * slots], SamplingParams(max_tokens=4))
 
 
-def test_default_budget_is_a_share_of_free_memory(static_llm, monkeypatch):
-    monkeypatch.setattr(kv_cache, "available_memory", lambda device: 2 * 2**20)
-    with pytest.raises(RequestError, match=r"budget of 1.0 MiB \(the default, 0.5 of the memory available now\)"):
-        static_llm.generate(["hi"] * 100, SamplingParams(max_tokens=20))
+def test_default_budget_is_a_share_of_free_memory(tiny_dir, monkeypatch):
+    monkeypatch.setattr(kv_cache, "available_memory", lambda device: 64 * 2**10)
+    with pytest.raises(RequestError, match=r"over the budget of 32.0 KiB \(the default, half of the memory available"):
+        sluice.LLM(str(tiny_dir)).generate(["hi"] * 100, SamplingParams(max_tokens=20))
     monkeypatch.setattr(kv_cache, "available_memory", lambda device: None)  # a platform that does not say
-    assert static_llm.generate("hi", SamplingParams(max_tokens=2))[0].token_ids
+    assert sluice.LLM(str(tiny_dir)).generate("hi", SamplingParams(max_tokens=2))[0].token_ids
 
 
 def refused_in_capped_child(tiny_dir, llm_kwargs: str, setup: str, generate_args: str) -> str:
@@ -82,28 +86,14 @@ def refused_in_capped_child(tiny_dir, llm_kwargs: str, setup: str, generate_args
 
 
 def test_thousand_long_prompts_refused_in_a_capped_child(tiny_dir):
-    """The issue's case, 1,000 prompts x 2,040 tokens (12.8 GB before): refused up front, small peak."""
-    message = refused_in_capped_child(tiny_dir, 'kv_cache_memory="256MiB"', "",
+    """1,000 prompts x 400 tokens, each over a small pool: refused up front with a small peak (the old
+    static path took 12.8 GB for this before it checked)."""
+    message = refused_in_capped_child(tiny_dir, 'kv_cache_memory="256KiB"', "",
                                       "[[5] * 400] * 1000, SamplingParams(max_tokens=100)")
-    assert "1,000 prompts x 512 slots" in message
+    assert "prompt 0: a prompt of 400 tokens with max_tokens=100 needs 32 KV blocks" in message
 
 
 def test_ten_million_character_prompt_refused_in_a_capped_child(tiny_dir):
     """10^8 characters took 11 GB and 2 minutes to tokenize before the length check; now the
     tokenizer refuses it from its byte count (Tokenizer.encode(max_tokens=))."""
     assert "prompt 0" in refused_in_capped_child(tiny_dir, "", 'text = "hello world " * (10**8 // 12)', "text")
-
-
-def test_sliced_prefill_equals_one_forward(tiny_llm, monkeypatch):
-    import sluice.engine.runner as runner_mod
-    prompts = [[7, 8, 9, 10, 11, 12, 13], [3, 4], list(range(20, 60))]
-    p = SamplingParams(max_tokens=6, **GREEDY)
-    whole = tiny_llm.generate(prompts, p)
-    logits = tiny_llm.runner.prefill(prompts, 64)
-    # So small that every forward takes one row and a few positions: rows and positions both sliced.
-    per_token = runner_mod.PREFILL_BYTES // runner_mod.prefill_tokens_per_forward(tiny_llm.model.config, 64, 4)
-    monkeypatch.setattr(runner_mod, "PREFILL_BYTES", 5 * per_token)
-    assert runner_mod.prefill_tokens_per_forward(tiny_llm.model.config, 64, 4) == 5
-    sliced = tiny_llm.runner.prefill(prompts, 64)
-    torch.testing.assert_close(sliced, logits, rtol=0, atol=1e-5)
-    assert [o.token_ids for o in tiny_llm.generate(prompts, p)] == [o.token_ids for o in whole]

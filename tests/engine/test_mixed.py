@@ -42,7 +42,7 @@ def test_forward_equals_fp32_of_the_rounded_weights(tiny_dir, monkeypatch):
 def test_llm_compute_float32_generates_what_the_rounded_fp32_model_does(tiny_dir):
     params = sluice.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
-    llm = sluice.LLM(tiny_dir, dtype="bfloat16", compute="float32", batching=False)  # static: the fused head too
+    llm = sluice.LLM(tiny_dir, dtype="bfloat16", compute="float32")
     assert isinstance(llm.model.layers[0].mlp.up, mixed.Bf16WeightLinear)
     ref = sluice.LLM(tiny_dir, kernels=False)
     with torch.no_grad():

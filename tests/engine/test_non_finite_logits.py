@@ -11,13 +11,17 @@ from sluice.errors import NumericsError
 
 @pytest.fixture
 def nan_llm(tiny_dir):
-    return sluice.LLM(str(tiny_dir), batching=False)  # poisons runner.step; the scheduler: test_scheduler.py
+    return sluice.LLM(str(tiny_dir))
+
+
+def _fused(llm, fused: bool) -> None:
+    llm.batch_engine().scheduler.fused_head = fused
 
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("poison", ["nan", "inf"])
 def test_non_finite_weights_raise_instead_of_an_empty_completion(nan_llm, fused, poison):
-    nan_llm.fused_head = fused
+    _fused(nan_llm, fused)
     with torch.no_grad():
         nan_llm.model.layers[1].mlp.down.weight[0, 0] = float(poison)
     p = SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=1)
@@ -30,21 +34,24 @@ def test_non_finite_weights_raise_instead_of_an_empty_completion(nan_llm, fused,
 
 
 def _poison_steps_from(llm, monkeypatch, step: int, row: int):
-    """Make decode step `step` (1 = the first after prefill) and later give NaN for batch row `row`."""
-    real, calls = llm.runner.step, [0]
+    """Make the model's output for prompt `row` NaN from its decode step `step` on (1 = the first after
+    prefill: the step that draws its token number `step`, counting from 0)."""
+    forward = llm.batch_engine().scheduler.forward
+    real = forward._rows
 
-    def step_fn(tokens, hidden=False):
-        out = real(tokens, hidden=hidden).clone()  # an inference tensor takes no in-place write outside
-        calls[0] += 1
-        if calls[0] >= step:
-            out[row] = float("nan")
+    def rows_fn(rows, fed, want):
+        out = real(rows, fed, want)
+        bad = [i for i, r in enumerate(rows) if r.seq.label == f"prompt {row}" and len(r.seq.token_ids) >= step]
+        if out is not None and bad:
+            out = out.clone()  # an inference tensor takes no in-place write outside
+            out[bad] = float("nan")
         return out
-    monkeypatch.setattr(llm.runner, "step", step_fn)
+    monkeypatch.setattr(forward, "_rows", rows_fn)
 
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_nan_mid_generation_is_not_returned_as_a_completion(nan_llm, monkeypatch, fused):
-    nan_llm.fused_head = fused
+    _fused(nan_llm, fused)
     params = [SamplingParams(max_tokens=8, seed=s, temperature=1.0, top_k=20, ignore_eos=True) for s in (1, 2)]
     _poison_steps_from(nan_llm, monkeypatch, step=3, row=1)
     with pytest.raises(NumericsError, match="at step 3 of prompt 1"):
@@ -59,7 +66,7 @@ def test_nan_mid_generation_is_not_returned_as_a_completion(nan_llm, monkeypatch
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_nan_in_a_finished_row_does_not_stop_the_others(nan_llm, monkeypatch, fused):
-    nan_llm.fused_head = fused
+    _fused(nan_llm, fused)
     params = [SamplingParams(max_tokens=1, temperature=1.0, top_k=20, seed=1),
               SamplingParams(max_tokens=6, temperature=1.0, top_k=20, seed=2, ignore_eos=True)]
     _poison_steps_from(nan_llm, monkeypatch, step=1, row=0)

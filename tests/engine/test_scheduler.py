@@ -182,31 +182,32 @@ def test_nan_in_one_sequence_ends_it_and_not_the_others(tiny_dir, monkeypatch):
     llm = sluice.LLM(str(tiny_dir), max_num_seqs=4)
     engine = llm.batch_engine()
     sched = engine.scheduler
-    real = sched.forward.logits_of
+    real = sched.forward._rows  # every forward of a step: (rows, tokens fed, what to return)
     p = SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
     a, b = engine.add([5, 6, 7], p), engine.add([8, 9], p)
 
-    def forward(seqs, tokens, positions, final):
-        out = real(seqs, tokens, positions, final)
+    def forward(rows, fed, want):
+        out = real(rows, fed, want)
+        seqs = [r.seq for r in rows]
         if out is not None and a in seqs and len(a.token_ids) >= 3:
             out = out.clone()
             out[seqs.index(a)] = float("nan")
         return out
-    monkeypatch.setattr(sched.forward, "logits_of", forward)
+    monkeypatch.setattr(sched.forward, "_rows", forward)
     engine.run([a, b])
     assert a.finish_reason == "error" and "non-finite logits (NaN or inf) at step 3" in a.error
     assert b.finish_reason == "length" and len(b.token_ids) == 8
     assert engine.pool.stats().used == 0
-    monkeypatch.setattr(sched.forward, "logits_of", lambda *args: _poison_late(real, *args))
+    monkeypatch.setattr(sched.forward, "_rows", lambda *args: _poison_late(real, *args))
     with pytest.raises(NumericsError, match="at step 3 of prompt 0"):
         llm.generate([[5, 6, 7]], p)
     assert engine.pool.stats().used == 0 and not sched.has_work
 
 
-def _poison_late(real, seqs, tokens, positions, final):
+def _poison_late(real, rows, fed, want):
     """NaN logits for every row once all of them have 3 tokens."""
-    out = real(seqs, tokens, positions, final)
-    if out is not None and min(len(s.token_ids) for s in seqs) >= 3:
+    out = real(rows, fed, want)
+    if out is not None and min(len(r.seq.token_ids) for r in rows) >= 3:
         out = torch.full_like(out, float("nan"))
     return out
 

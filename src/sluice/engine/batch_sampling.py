@@ -103,13 +103,16 @@ class StepDraw:
         sampler = samplers[0] if len(samplers) == 1 else Sampler.joined(samplers)
         head = FusedHead(sampler)
         w = self.model.lm_head.weight  # in engine/mixed.py's mode hidden is fp32 and w bf16: as the bf16 head
-        tokens = head(hidden.to(w.dtype), w, self.model.final_softcap).tokens
+        out = head(hidden.to(w.dtype), w, self.model.final_softcap)
         if len(samplers) > 1:
             sampler.write_back()
+        for s, fell in zip(seqs, out.fallback.tolist(), strict=True):
+            s.fused_steps += 1
+            s.fused_fallbacks += fell
         self.fused_calls += head.calls
         self.fused_filtered += head.rows_filtered
         self.fused_fallback += head.rows_fallback
-        return tokens
+        return out.tokens
 
     def _logprobs(self, plan: StepPlan, out: dict, runs: dict) -> dict[Row, list]:
         """{row: TokenLogprob per token of its run} for the rows whose params ask for logprobs."""

@@ -126,6 +126,9 @@ def collect(outputs: list[RequestOutput], seqs: list[Seq], t0: float, speculativ
     stats = Stats(prompt_tokens=sum(s.prompt_len for s in seqs), rows=len(seqs),
                   generated_tokens=sum(len(s.token_ids) for s in seqs),
                   prefill_seconds=first - t0, decode_seconds=end - first)
+    stats.fused_head_steps = max(s.fused_steps for s in seqs)
+    fused = sum(s.fused_steps for s in seqs)
+    stats.fallback_rate = sum(s.fused_fallbacks for s in seqs) / fused if fused else 0.0
     specs = [s.spec for s in seqs if s.spec is not None]
     if specs:
         stats.speculative = speculative

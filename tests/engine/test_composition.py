@@ -1,0 +1,92 @@
+"""Every engine feature composes with every other (docs/engine.md's composition table): one generation
+path, the continuous-batching scheduler, with speculative decoding (draft, prompt lookup), the fused
+head and compile as options of its step, on fp32, bf16, int8 and int4 weights, the native step or the
+torch forward, under a forward hook (the observatory's way in).
+
+A cell is a pair of features. Its greedy output (a batch of prompts of different lengths, decoded while
+another stream is open) equals the output of the same weights on the plain path (no speculation, no
+fused head, no compile), token for token; so do its logprobs and its tokens under every penalty; and a
+seeded sampled batch repeats. Tensor parallelism and the server have their own cells in tests/parallel
+and tests/server."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import sluice
+from sluice import SamplingParams
+
+# The features that must not change a greedy token: the rest (weights, the native step) define the reference.
+OUTPUT_NEUTRAL = ("draft_model", "speculative", "fused_head", "compile")
+FEATURES = {
+    "draft": dict(draft_model="SELF"), "prompt-lookup": dict(speculative="prompt-lookup"),
+    "fused-head": dict(fused_head=True), "compile": dict(compile=True), "bf16": dict(dtype="bfloat16"),
+    "int8": dict(quantize="int8"), "int4": dict(quantize="int4"), "torch-forward": dict(kernels=False),
+    "hooks": {},
+}
+SLOW = {"compile"}  # torch.compile traces per shape: its cells are marked slow
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7], [3, 4], list(range(20, 60))]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+PENALIZED = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2, repetition_penalty=1.3,
+                           presence_penalty=0.5, frequency_penalty=0.4)
+
+
+def _cells():
+    for a, b in itertools.combinations(FEATURES, 2):
+        if {a, b} in ({"draft", "prompt-lookup"}, {"int8", "int4"}, {"bf16", "int8"}, {"bf16", "int4"},
+                      {"compile", "torch-forward"}):
+            continue  # one or the other: the same option (speculative=, quantize=, dtype / weights, the forward)
+        marks = [pytest.mark.slow] if {a, b} & SLOW else []
+        yield pytest.param(a, b, marks=marks, id=f"{a}+{b}")
+
+
+def _kwargs(tiny_dir, names) -> dict:
+    kw = {}
+    for n in names:
+        kw.update({k: (str(tiny_dir) if v == "SELF" else v) for k, v in FEATURES[n].items()})
+    return kw
+
+
+def _hooked(llm, on: bool):
+    calls = []
+    if on:  # a forward hook on a block: the native step and the fused head step aside for it
+        return calls, llm.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    return calls, None
+
+
+def _run(llm, params):
+    """The batch, decoded while a stream of the first prompt is open (its first delta read)."""
+    s = llm.stream(PROMPTS[0], params)
+    next(s, None)
+    outs = llm.generate(PROMPTS, params)
+    s.close()
+    return outs
+
+
+@pytest.mark.parametrize("a, b", list(_cells()))
+def test_cell_greedy_logprobs_penalties_equal_the_plain_path_and_seeds_repeat(tiny_dir, a, b):
+    kw = _kwargs(tiny_dir, (a, b))
+    ref_kw = {k: v for k, v in kw.items() if k not in OUTPUT_NEUTRAL}
+    llm, ref = sluice.LLM(str(tiny_dir), **kw), sluice.LLM(str(tiny_dir), fused_head=False, **ref_kw)
+    calls, handle = _hooked(llm, "hooks" in (a, b))
+    proposed = 0
+    try:
+        for params in (GREEDY, PENALIZED):
+            got, want = _run(llm, params), ref.generate(PROMPTS, params)
+            assert [o.token_ids for o in got] == [o.token_ids for o in want], (a, b, params)
+            if params.logprobs:
+                for g, w in zip(got, want, strict=True):
+                    torch.testing.assert_close(torch.tensor([t.logprob for t in g.logprobs]),
+                                               torch.tensor([t.logprob for t in w.logprobs]), atol=2e-3, rtol=0)
+            proposed += llm.last_stats.proposed
+        sampled = [SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+        one, two = llm.generate(PROMPTS, sampled), llm.generate(PROMPTS, sampled)
+        assert [o.token_ids for o in one] == [o.token_ids for o in two]
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert bool(calls) == ("hooks" in (a, b))
+    assert (proposed > 0) == ("draft" in (a, b) or "prompt-lookup" in (a, b))  # it did speculate
