@@ -43,6 +43,7 @@ from ..model.layers import Transformer
 from .batch_forward import BatchForward
 from .batch_sampling import BatchDraw, FullHead
 from .paged_cache import BlockPool
+from .requests import Request
 from .sampling import NONFINITE, SamplingParams
 from .sequence import Seq, Update
 from .streaming import TextStream
@@ -79,19 +80,14 @@ class Scheduler:
         self.steps = 0
 
     # ------------------------------------------------------------------ requests in, out
-    def add(self, prompt_ids: list[int], params: SamplingParams, eos_ids=frozenset(), label: str | None = None) -> Seq:
-        """Queue a generation. params should be resolved (with_defaults(generation_config)) and checked
-        against the context by the caller; fields left unset get the library defaults here. Refused
-        only if it could never fit the whole pool."""
-        params = params.with_defaults(None)
-        self.check_fits(len(prompt_ids), params.max_tokens)
+    def add(self, request: Request) -> Seq:
+        """Queue a generation, checked at the door (requests.Request: its params resolved, its prompt
+        fit to the context and to this pool alone), so nothing here can refuse it."""
+        params, prompt_ids = request.params, request.prompt_token_ids
         sampler = self.head.sampler(params)
         sampler.add_context(0, prompt_ids)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         seq = Seq(next(_serials), len(prompt_ids), list(prompt_ids), params, sampler,
-                  TextStream(self.decode, params.stop), stop_ids)
-        if label:
-            seq.label = label
+                  TextStream(self.decode, params.stop), set(request.stop_ids), label=request.label)
         with self._lock:
             self._incoming.append(seq)
         return seq
