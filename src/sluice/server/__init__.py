@@ -3,10 +3,12 @@
     app.py          routes, error handlers          serving.py     OpenAI request <-> engine events, SSE
     protocol.py     pydantic wire models            errors.py      OpenAI's error object, statuses
     guard.py        API key and body size           metrics.py     Prometheus text
-    engine.py       the ServingEngine interface, which one of these implements:
-    batch_engine.py   the LLM's continuous-batching scheduler (the default)
+    engine.py       the ServingEngine interface (submit, abort, stats, drain) and its events
+    inbox.py        the bounded queue of accepted requests, the server's state, the worker thread
+    batch_engine.py   the ServingEngine: one object holding the LLM, an inbox and one worker that drives
+                      LLM.requests / add_request / step / abort; under `sluice serve --tp N` it drives a
+                      parallel.lockstep.Leader over the LLM instead (composed, not a subclass)
     llm_engine.py     one request at a time, for an LLM on the static path (speculative decoding, compile)
-    tp_engine.py      rank 0 of `sluice serve --tp N`: the batch engine, its steps replayed by the followers
 """
 
 from .app import create_app
