@@ -108,12 +108,12 @@ def _follow(args, config) -> int:
 
 def cmd_serve(args) -> int:
     rank = tp_rank(args, "serve")  # a rank other than 0 is silenced from here (rank 0 speaks)
-    config = _check(args)
+    options = _check(args)
     tp = (args.tp or 1) > 1
     if tp:
         _check_tp(args)
         if rank:
-            return _follow(args, config)
+            return _follow(args, options)
     try:
         import uvicorn
 
@@ -126,7 +126,7 @@ def cmd_serve(args) -> int:
     from ..model.loading import BUNDLED_MODEL
 
     # Speculative decoding and --compile run on the static one-request path (sluice/llm.py): requests queue.
-    static = config.static_path
+    static = options.static_path
     if static and args.max_num_seqs > 1:
         print("sluice serve: note: with speculative decoding or --compile requests run one at a time (the "
               "continuous-batching engine does neither yet); --max-num-seqs has no effect", file=sys.stderr)
@@ -140,7 +140,7 @@ def cmd_serve(args) -> int:
             from ..parallel import init
             # joins the others (part of the load: /health says 503 meanwhile)
             init(timeout_s=args.tp_timeout, device=getattr(args, "device", None))
-        llm = LLM(config=config)
+        llm = LLM(config=options)
         print(f"sluice serve: {name} loaded in {time.perf_counter() - t0:.1f} s; ready", file=sys.stderr)
         return llm
 
