@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .engine import static_path
-from .engine.batching import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, BatchEngine, Snapshot, collect
+from .engine.batching import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, BatchEngine, EngineState, collect
 from .engine.config import EngineConfig
 from .engine.cpu_paths import decode_kernel_building, kernels_pay_off, set_compute, use_kernels
 from .engine.kv_cache import default_budget
@@ -224,8 +224,8 @@ class LLM:
     def has_work(self) -> bool:
         return self._batch is not None and self._batch.scheduler.has_work
 
-    def snapshot(self) -> Snapshot:
-        """The engine's state between steps (batching.Snapshot: running, waiting, KV pool, preemptions)."""
+    def snapshot(self) -> EngineState:
+        """The engine's state between steps (batching.EngineState: running, waiting, KV pool, preemptions)."""
         return self.batch_engine().snapshot()
 
     def on_step(self, before_forward: Callable[[], None] | None = None,

@@ -88,14 +88,14 @@ class BatchEngine:
                 self._lock.release()
         return []
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> EngineState:
         sched = self.scheduler
-        return Snapshot(sched.steps, frozenset(s.id for s in list(sched.running)), len(sched.waiting),
+        return EngineState(sched.steps, frozenset(s.id for s in list(sched.running)), len(sched.waiting),
                         self.pool.stats(), sched.preemptions)
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class EngineState:
     """The engine's state between steps: what a server reports, and what tensor-parallel ranks in
     step agree on (steps, how many run, how many wait) once a step's adds and aborts are taken in."""
     steps: int

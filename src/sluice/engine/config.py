@@ -98,7 +98,8 @@ class EngineConfig:
             if not isinstance(getattr(self, option), bool):
                 raise ConfigError(f"{names.of(option)} must be True or False, got {getattr(self, option)!r}")
         if self.compute not in COMPUTE_CHOICES:
-            raise ConfigError(f"{names.of('compute')} must be one of {', '.join(COMPUTE_CHOICES)}, got {self.compute!r}")
+            raise ConfigError(f"{names.of('compute')} must be one of {', '.join(COMPUTE_CHOICES)}, "
+                              f"got {self.compute!r}")
         if self.max_model_len is not None and (isinstance(self.max_model_len, bool) or not (
                 isinstance(self.max_model_len, int) and self.max_model_len > 0)):
             raise ConfigError(f"{names.of('max_model_len')} must be an integer >= 1 (at most the model's "

@@ -49,7 +49,7 @@ class Message:
 
 def state_of(snapshot) -> tuple[int, int, int]:
     """What ranks in step agree on before a step, once its adds and aborts are in (LLM.step's
-    before): the steps taken and the running and waiting sequences (an engine Snapshot's)."""
+    before): the steps taken and the running and waiting sequences (an engine's EngineState, LLM.snapshot())."""
     return snapshot.steps, len(snapshot.running), snapshot.waiting
 
 

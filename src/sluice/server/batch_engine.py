@@ -79,7 +79,8 @@ class _Live:
 
 class BatchServingEngine:
     def __init__(self, make_llm: Callable[[], object], model_name: str, max_queue: int = 64,
-                 on_fatal: Callable[[Exception], None] | None = None, lockstep: Callable[[object], object] | None = None):
+                 on_fatal: Callable[[Exception], None] | None = None,
+                 lockstep: Callable[[object], object] | None = None):
         """make_llm builds the LLM; it runs on the worker thread, which owns the LLM from then on.
         lockstep(llm): under tensor parallelism, what the worker drives instead of the LLM (a
         parallel.lockstep.Leader). on_fatal(error) is called (on that thread) when the engine cannot
