@@ -41,7 +41,7 @@ def run(engine, prompts, specs, concurrency: int) -> float:
     while todo or live:
         while todo and len(live) < concurrency:
             ids, spec = todo.pop(0)
-            live.append(engine.add(ids, params(spec)))
+            live.append(engine.add_request(engine.requests([ids], params(spec))[0]))
         engine.step()
         for seq in [s for s in live if s.finished]:
             live.remove(seq)
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     llm = LLM(dtype="float32", max_num_seqs=args.concurrency)
-    engine, tok = llm.batch_engine(), llm.tokenizer
+    engine, tok = llm, llm.tokenizer
     specs = fit_prompts(make_specs(args.n, (16, 256), (16, 128), 0.5, 0.0, 0), lambda t: len(tok.encode(t)), 0)
     prompts = [tok.encode(s.prompt) for s in specs]
     print(f"torch threads {torch.get_num_threads()}; {args.n} requests, mean prompt "

@@ -39,3 +39,14 @@ class BenchmarkError(SluiceError, ValueError):
 
 class NumericsError(SluiceError):
     """The model computed NaN or inf where a number was needed (its weights or config are broken)."""
+
+
+class ContextExceeded(RequestError):
+    """A prompt and the max_tokens asked for do not fit the context together; the numbers are kept
+    so that a caller (the server) can say it in its own words."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int, what: str = ""):
+        self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
+        super().__init__(f"{what}has {prompt_tokens} tokens and asks for max_tokens={max_tokens}: "
+                         f"{prompt_tokens + max_tokens} tokens do not fit the context of {limit} "
+                         "tokens (shorten the prompt or lower max_tokens)")

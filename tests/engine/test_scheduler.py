@@ -184,7 +184,7 @@ def test_nan_in_one_sequence_ends_it_and_not_the_others(tiny_dir, monkeypatch):
     sched = engine.scheduler
     real = sched.forward._rows  # every forward of a step: (rows, tokens fed, what to return)
     p = SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
-    a, b = engine.add([5, 6, 7], p), engine.add([8, 9], p)
+    a, b = (llm.add_request(r) for r in llm.requests([[5, 6, 7], [8, 9]], p))
 
     def forward(rows, fed, want):
         out = real(rows, fed, want)
@@ -194,7 +194,8 @@ def test_nan_in_one_sequence_ends_it_and_not_the_others(tiny_dir, monkeypatch):
             out[seqs.index(a)] = float("nan")
         return out
     monkeypatch.setattr(sched.forward, "_rows", forward)
-    engine.run([a, b])
+    while not (a.finished and b.finished):
+        llm.step()
     assert a.finish_reason == "error" and "non-finite logits (NaN or inf) at step 3" in a.error
     assert b.finish_reason == "length" and len(b.token_ids) == 8
     assert engine.pool.stats().used == 0

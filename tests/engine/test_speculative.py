@@ -295,10 +295,10 @@ def test_caches_equal_plain_prefill_of_the_accepted_tokens(tiny_dir, drafts, tem
     llm = sluice.LLM(str(tiny_dir), draft_model=str(drafts["noisy"]))
     engine = llm.batch_engine()
     prompts = [[5, 17, 99, 230, 4, 61, 7], [3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
-    seqs = [engine.add(p, SamplingParams(temperature=temperature, seed=i, max_tokens=60, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=60, ignore_eos=True) for i in range(3)]
+    seqs = [llm.add_request(r) for r in llm.requests(prompts, params)]
     for _ in range(8):
-        engine.step()
+        llm.step()
     assert all(not s.finished for s in seqs)
     assert 0 < sum(s.spec.accepted for s in seqs) < sum(s.spec.proposed for s in seqs)
     draft_pool = engine.scheduler.speculation.proposer.pool

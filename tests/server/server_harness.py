@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
 import sluice  # noqa: E402
-from sluice.server import BatchServingEngine, LLMEngine, create_app  # noqa: E402
+from sluice.server import BatchServingEngine, create_app  # noqa: E402
 
 MODEL = "tiny"
 
@@ -62,8 +62,9 @@ class LiveServer:
 
 
 class SlowLLM:
-    """An LLM whose stream() waits for `gate` and sleeps `delay` before each delta, so a test can hold
-    the engine's worker (a full queue) or keep a stream open (a client that leaves mid-stream)."""
+    """An LLM whose step() then waits for `gate` and sleeps `delay`, so a test can hold the engine's
+    worker after a request's first step (a full queue) or keep a stream open (a client that leaves
+    mid-stream)."""
 
     def __init__(self, llm):
         self._llm = llm
@@ -74,31 +75,24 @@ class SlowLLM:
     def __getattr__(self, name):
         return getattr(self._llm, name)
 
-    def stream(self, prompt, params):
-        inner = self._llm.stream(prompt, params)
-
-        def slowed():
-            try:
-                for delta in inner:
-                    self.gate.wait(60)
-                    time.sleep(self.delay)
-                    yield delta
-            finally:
-                inner.close()
-        return slowed()
+    def step(self, *args, **kwargs):
+        updates = self._llm.step(*args, **kwargs)
+        self.gate.wait(60)
+        time.sleep(self.delay)
+        return updates
 
 
 def make_engine(tiny_dir, slow: bool = False, max_queue: int = 8, **llm_kwargs):
     """The engine `sluice serve` runs (BatchServingEngine, continuous batching) on its own LLM over
-    tiny_dir, loaded; returns (engine, llm). slow=True: an LLMEngine (the one-request engine serve uses
-    for speculative decoding) over a SlowLLM, whose deltas a test can hold or slow down."""
+    tiny_dir, loaded; returns (engine, llm). slow=True: over a SlowLLM, whose steps a test can hold
+    or slow down."""
     held = {}
 
     def make():
         llm = sluice.LLM(str(tiny_dir), **llm_kwargs)
         held["llm"] = SlowLLM(llm) if slow else llm
         return held["llm"]
-    engine = (LLMEngine if slow else BatchServingEngine)(make, MODEL, max_queue=max_queue)
+    engine = BatchServingEngine(make, MODEL, max_queue=max_queue)
     assert engine.wait_ready(120), engine.load_error
     return engine, held["llm"]
 

@@ -111,10 +111,9 @@ def test_n_choices_share_the_prompt_blocks_and_report_logprobs(live):
 
 
 def test_a_client_leaving_mid_stream_frees_every_block(live, monkeypatch):
-    server, _ = live
-    sched = server.engine._batch.scheduler
-    real = sched.step
-    monkeypatch.setattr(sched, "step", lambda: (time.sleep(0.02), real())[1])  # slow enough to leave mid-way
+    server, llm = live
+    real = llm.step
+    monkeypatch.setattr(llm, "step", lambda *a: (time.sleep(0.02), real(*a))[1])  # slow enough to leave mid-way
     aborted = _metric(server.url, 'request_finished_total{model_name="tiny",finished_reason="aborted"')
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
                       json=dict(model=MODEL, prompt="def " * 40, max_tokens=400, temperature=0, ignore_eos=True,
@@ -158,9 +157,9 @@ def test_nan_ends_its_request_with_the_origin_and_the_server_stays_healthy(tiny_
 
 
 def test_past_max_queue_is_429_and_the_queued_ones_still_run(tiny_dir, one_torch_thread):  # noqa: F811
-    engine, _ = _engine(tiny_dir, max_queue=2)
-    gate, real = threading.Event(), engine._batch.step
-    engine._batch.step = lambda: (gate.wait(60), real())[1]  # the worker holds at its next step
+    engine, llm = _engine(tiny_dir, max_queue=2)
+    gate, real = threading.Event(), llm.step
+    llm.step = lambda *a: (gate.wait(60), real(*a))[1]  # the worker holds at its next step
     server = LiveServer(engine)
     body = dict(model=MODEL, prompt="def", max_tokens=3, temperature=0)
     results = []

@@ -129,14 +129,14 @@ def test_a_port_in_use_is_one_line(tiny_dir):
 
 def test_serve_takes_the_speculative_flags_as_generate_does(tiny_dir):
     """`sluice serve` reads --draft-model / --prompt-lookup / --speculative-tokens through the same
-    cli.common.llm_kwargs as generate, and refuses a contradiction before it binds or loads anything."""
+    cli.common.engine_config as generate, and refuses a contradiction before it binds or loads anything."""
     from sluice.cli import build_parser
     from sluice.cli.serve import _check
     args = build_parser().parse_args(["serve", "--model", str(tiny_dir), "--prompt-lookup", "--speculative-tokens", "3"])
-    kwargs = _check(args)
-    assert kwargs["speculative"] == "prompt-lookup" and kwargs["num_speculative_tokens"] == 3
-    assert kwargs["model"] == str(tiny_dir) and kwargs["draft_model"] is None
-    assert _check(build_parser().parse_args(["serve"]))["speculative"] == "off"
+    config = _check(args)
+    assert config.speculative == "prompt-lookup" and config.num_speculative_tokens == 3
+    assert config.model == str(tiny_dir) and config.draft_model is None
+    assert _check(build_parser().parse_args(["serve"])).speculative == "off"
     out = subprocess.run([sys.executable, "-m", "sluice", "serve", "--model", str(tiny_dir), "--port",
                           str(_free_port()), "--prompt-lookup", "--draft-model", "bundled"],
                          capture_output=True, text=True, timeout=120)

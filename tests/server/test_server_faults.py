@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from sluice.server import LLMEngine
+from sluice.server import BatchServingEngine
 from server_harness import one_torch_thread  # noqa: F401 -- a fixture
 from server_harness import (MODEL, LiveServer, assert_error_shape, make_engine, metric, request,
                                  sse_events, wait_for)
@@ -172,7 +172,7 @@ def test_health_and_requests_are_503_while_loading(tiny_dir):
         release.wait(60)
         import sluice
         return sluice.LLM(str(tiny_dir))
-    engine = LLMEngine(make, MODEL)
+    engine = BatchServingEngine(make, MODEL)
     live = LiveServer(engine)
     try:
         status, headers, body = request(live.port, "GET", "/health")
@@ -191,7 +191,7 @@ def test_health_and_requests_are_503_while_loading(tiny_dir):
 
 
 def test_failed_load_is_reported_by_health(tmp_path):
-    engine = LLMEngine(lambda: (_ for _ in ()).throw(RuntimeError("no weights")), MODEL)
+    engine = BatchServingEngine(lambda: (_ for _ in ()).throw(RuntimeError("no weights")), MODEL)
     live = LiveServer(engine)
     try:
         wait_for(lambda: engine.load_error is not None)

@@ -121,16 +121,21 @@ def stdin_lines():
     return sys.stdin
 
 
-def kv_budget(args) -> None:
-    """A malformed --kv-cache-memory is refused before the (slow) load."""
-    if args.kv_cache_memory is not None:
-        from ..engine.kv_cache import parse_size
-        parse_size(args.kv_cache_memory, "--kv-cache-memory")
+def flag_naming():
+    """How the engine's option checks (engine/config.py) name an option given on the command line."""
+    from ..engine.config import Naming
+    return Naming(flags={
+        "kv_cache_memory": "--kv-cache-memory", "num_speculative_tokens": "--speculative-tokens",
+        "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+        "max_model_len": "--max-model-len", "compile": "--compile", "quantize": "--quantize",
+        "compute": {"float32": "--compute float32"}, "tensor_parallel": "--tp",
+        "speculative": {"draft": "--draft-model", "prompt-lookup": "--prompt-lookup"},
+    }, tensor_parallel="--tp", leave="leave it out")
 
 
-def llm_kwargs(args) -> dict:
-    """The LLM(...) arguments of the model flags (model_args) and the speculative ones, checked: one
-    reading for generate, chat, demo and serve."""
+def engine_config(args):
+    """The EngineConfig of the model flags (model_args), the speculative ones and --tp, checked before
+    the (slow) load and named by flag: one reading for generate, chat, demo and serve."""
     draft, lookup = getattr(args, "draft_model", None), getattr(args, "prompt_lookup", False)
     if draft is not None and lookup:
         raise ConfigError("--draft-model and --prompt-lookup are two ways to guess tokens: pick one")
@@ -139,20 +144,22 @@ def llm_kwargs(args) -> dict:
     if k is not None:
         if speculative == "off":
             raise ConfigError("--speculative-tokens needs --draft-model or --prompt-lookup")
-        from ..engine.speculative import check_num_tokens
-        k = check_num_tokens(int(k) if k.strip().lstrip("+-").isdigit() else k, "--speculative-tokens")
-    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
-                device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory,
-                compute=args.compute, speculative=speculative, draft_model=draft, num_speculative_tokens=k,
-                tensor_parallel=getattr(args, "tp", None) or 1)
+        k = int(k) if k.strip().lstrip("+-").isdigit() else k
+    from ..engine.config import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
+    return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, compile=args.compile,
+                        device=args.device, quantize=args.quantize, kv_cache_memory=args.kv_cache_memory,
+                        compute=args.compute, speculative=speculative, draft_model=draft, num_speculative_tokens=k,
+                        max_num_seqs=getattr(args, "max_num_seqs", DEFAULT_MAX_NUM_SEQS),
+                        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", DEFAULT_MAX_BATCHED_TOKENS),
+                        tensor_parallel=getattr(args, "tp", None) or 1, naming=flag_naming())
 
 
-def load_llm(args):
+def load_llm(args, config=None):
     """Load with a spinner on stderr, so a slow load never looks like a hang."""
     from rich.console import Console
 
     from ..llm import LLM
     console = Console(stderr=True)
-    kwargs = llm_kwargs(args)
+    config = config or engine_config(args)
     with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype}, {args.device})..."):
-        return LLM(**kwargs)
+        return LLM(config=config)

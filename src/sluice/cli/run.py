@@ -6,25 +6,25 @@ import json
 import sys
 
 from ..errors import RequestError, SluiceError
-from .common import kv_budget, load_llm, sampling_params, stdin_lines, tp_rank, utf8_arg
+from .common import engine_config, load_llm, sampling_params, stdin_lines, tp_rank, utf8_arg
 
 
 def cmd_generate(args) -> int:
     params = sampling_params(args)  # validate before the (slow) load
     utf8_arg(args.prompt, "the prompt")
-    kv_budget(args)
+    config = engine_config(args)  # every engine flag checked, before the (slow) load
     tp_rank(args, "generate")
     if (args.tp or 1) > 1:  # every rank runs this same command, in lockstep; rank 0 prints
         from ..parallel import shutdown
         try:
-            return _generate(args, params)
+            return _generate(args, params, config)
         finally:
             shutdown()
-    return _generate(args, params)
+    return _generate(args, params, config)
 
 
-def _generate(args, params) -> int:
-    llm = load_llm(args)
+def _generate(args, params, config) -> int:
+    llm = load_llm(args, config)
     prompt = args.prompt
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}])
@@ -56,8 +56,7 @@ def _generate(args, params) -> int:
 def cmd_chat(args) -> int:
     params = sampling_params(args)
     utf8_arg(args.system or "", "--system")
-    kv_budget(args)
-    llm = load_llm(args)
+    llm = load_llm(args, engine_config(args))
     system = [{"role": "system", "content": args.system}] if args.system else []
     stdin_lines()
     history = list(system)

@@ -5,7 +5,7 @@ drains: /health and new requests get 503, requests in flight (streams included) 
 --shutdown-timeout (then they are cut), and the process exits 0. A second Ctrl-C quits at once.
 
 With --tp N under torchrun every rank loads its part of the model; rank 0 serves HTTP and drives the
-others' schedulers in lockstep (server/tp_engine.py, parallel/lockstep.py); the others run
+others' engines in lockstep (server/batch_engine.py through parallel/lockstep.Leader); the others run
 _follow() and leave shutdown to rank 0 (a SIGTERM or Ctrl-C that torchrun passes them is ignored:
 rank 0 drains with their help, then tells them to stop).
 """
@@ -19,7 +19,7 @@ import threading
 import time
 
 from ..errors import ConfigError, SluiceError
-from .common import kv_budget, llm_kwargs, model_args, speculative_args, tp_rank
+from .common import engine_config, model_args, speculative_args, tp_rank
 
 
 def add_serve_parser(sub) -> None:
@@ -59,21 +59,16 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def _check(args) -> dict:
-    """Refuse bad flags before the (slow) imports and load."""
+def _check(args):
+    """Refuse bad flags before the (slow) imports and load; the engine's, by building its EngineConfig."""
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
-    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-queue", args.max_queue),
-                        ("--max-num-batched-tokens", args.max_num_batched_tokens),
-                        ("--max-body-bytes", args.max_body_bytes)):
+    for flag, value in (("--max-queue", args.max_queue), ("--max-body-bytes", args.max_body_bytes)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    kv_budget(args)
-    kwargs = llm_kwargs(args)  # the speculative flags checked too, before anything is bound or loaded
-    kwargs.update(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    return kwargs
+    return engine_config(args)  # what --tp cannot run is refused there, by flag
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -92,28 +87,20 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _check_tp(args) -> None:
-    """Refuse, by flag, what LLM(tensor_parallel=N) cannot do, before the group starts or anything loads."""
-    for flag, given in (("--compile", args.compile), ("--quantize", args.quantize is not None),
-                        ("--draft-model", args.draft_model is not None), ("--prompt-lookup", args.prompt_lookup),
-                        ("--compute float32", args.compute == "float32")):
-        if given:
-            raise ConfigError(f"{flag} is not available with --tp (tensor parallelism runs the continuous-"
-                              "batching engine's plain torch forward); leave it out")
     if not args.tp_timeout > 0:  # also refuses nan
         raise ConfigError(f"--tp-timeout must be a positive number of seconds, got {args.tp_timeout}")
 
 
-def _follow(args, kwargs) -> int:
+def _follow(args, config) -> int:
     """A rank other than 0: load this rank's part, then step whenever rank 0 says, until it says stop."""
     from ..llm import LLM
     from ..parallel import init, shutdown
-    from ..parallel.lockstep import Channel, follow
+    from ..parallel.lockstep import follow
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the group stops (see the docstring)
         signal.signal(sig, signal.SIG_IGN)
     try:
         init(timeout_s=args.tp_timeout, device=getattr(args, "device", None))
-        llm = LLM(**kwargs)
-        follow(llm.batch_engine(), Channel(args.tp_timeout))  # batch_engine(): as rank 0's engine, in order
+        follow(LLM(config=config), args.tp_timeout)
     finally:
         shutdown()
     return 0
@@ -121,16 +108,16 @@ def _follow(args, kwargs) -> int:
 
 def cmd_serve(args) -> int:
     rank = tp_rank(args, "serve")  # a rank other than 0 is silenced from here (rank 0 speaks)
-    kwargs = _check(args)
+    options = _check(args)
     tp = (args.tp or 1) > 1
     if tp:
         _check_tp(args)
         if rank:
-            return _follow(args, kwargs)
+            return _follow(args, options)
     try:
         import uvicorn
 
-        from ..server import BatchServingEngine, LLMEngine, create_app
+        from ..server import BatchServingEngine, create_app
         from ..server.app import DEFAULT_MAX_BODY_BYTES
     except ImportError as e:
         raise SluiceError(f"sluice serve needs fastapi, uvicorn and pydantic ({e.name} is missing): "
@@ -138,11 +125,6 @@ def cmd_serve(args) -> int:
     from ..llm import LLM
     from ..model.loading import BUNDLED_MODEL
 
-    # Speculative decoding and --compile run on the static one-request path (sluice/llm.py): requests queue.
-    static = kwargs["speculative"] != "off" or kwargs["compile"]
-    if static and args.max_num_seqs > 1:
-        print("sluice serve: note: with speculative decoding or --compile requests run one at a time (the "
-              "continuous-batching engine does neither yet); --max-num-seqs has no effect", file=sys.stderr)
     sock = _bind(args.host, args.port)
     name = args.served_model_name or args.model or BUNDLED_MODEL
     server: list = []  # filled below; a failed load (on the worker thread) stops it
@@ -153,7 +135,7 @@ def cmd_serve(args) -> int:
             from ..parallel import init
             # joins the others (part of the load: /health says 503 meanwhile)
             init(timeout_s=args.tp_timeout, device=getattr(args, "device", None))
-        llm = LLM(**kwargs)
+        llm = LLM(config=options)
         print(f"sluice serve: {name} loaded in {time.perf_counter() - t0:.1f} s; ready", file=sys.stderr)
         return llm
 
@@ -161,13 +143,10 @@ def cmd_serve(args) -> int:
         if server:
             server[0].should_exit = True
 
-    if tp:
-        from ..server.tp_engine import ParallelServingEngine
-        engine = ParallelServingEngine(make_llm, name, max_queue=args.max_queue, on_fatal=stop_server,
-                                       timeout_s=args.tp_timeout)
-    else:
-        make_engine = LLMEngine if static else BatchServingEngine
-        engine = make_engine(make_llm, name, max_queue=args.max_queue, on_fatal=stop_server)
+    # Under --tp, rank 0 drives its LLM through a Leader that the followers' steps follow.
+    from ..parallel.lockstep import Leader
+    lockstep = (lambda llm: Leader(llm, args.tp_timeout)) if tp else None
+    engine = BatchServingEngine(make_llm, name, max_queue=args.max_queue, on_fatal=stop_server, lockstep=lockstep)
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     # uvicorn's own drain timeout is the backstop for a connection that will not close after ours
     config = uvicorn.Config(app, log_level="info", lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout + 5)

@@ -1,7 +1,8 @@
 """BatchEngine: the continuous-batching scheduler with its KV pool, driven by whoever asks for output.
 
-An `LLM` has one. There is no background thread: whoever needs output (a generate() call, the next()
-of a stream() generator, on any thread) runs scheduler steps until its sequences have some, under a
+An `LLM` has one, and drives it through its public add_request(), step() and abort(). There is no
+background thread: whoever needs output (a generate() call, the next() of a stream() generator, the
+server's worker, on any thread) runs steps until its sequences have some, one step at a time under a
 lock, and every sequence in the batch advances with them. So two streams interleaved on one LLM
 both progress, and a stream closed early aborts its sequence, whose blocks go back at once.
 
@@ -14,8 +15,9 @@ committed as blocks are written (paged_cache._lazy_zeros).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 import time
-from typing import Iterator
+from typing import Callable
 
 from ..errors import RequestError
 from ..model.layers import Transformer
@@ -24,7 +26,7 @@ from .mixed import activation_dtype
 from .outputs import RequestOutput, Stats
 from .paged_cache import DEFAULT_BLOCK_SIZE, BlockPool
 from .proposers import DraftProposer, PromptLookup
-from .sampling import SamplingParams
+from .requests import Request
 from .scheduler import Scheduler
 from .sequence import Seq, Update
 from .verify import Speculation
@@ -52,7 +54,7 @@ def pool_blocks(model: Transformer, max_model_len: int, max_num_seqs: int, block
 
 
 class BatchEngine:
-    def __init__(self, model: Transformer, decode, eos_ids, max_model_len: int, budget: int | None,
+    def __init__(self, model: Transformer, decode, max_model_len: int, budget: int | None,
                  budget_given: bool, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
                  native: bool = True, nonfinite_origin=None, head=None, compile: bool = False,
@@ -69,52 +71,50 @@ class BatchEngine:
             speculation = Speculation("prompt-lookup", PromptLookup(), num_speculative_tokens)
         self.scheduler = Scheduler(model, self.pool, decode, max_num_seqs, max_num_batched_tokens, native,
                                    nonfinite_origin, head, compile, fused_head, speculation)
-        self.eos_ids = eos_ids  # the LLM's own set, read at each add(): a caller may change it
         self._lock = threading.Lock()
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, label: str | None = None) -> Seq:
-        return self.scheduler.add(prompt_ids, params, self.eos_ids, label)
+    def add(self, request: Request) -> Seq:
+        return self.scheduler.add(request)
 
-    def step(self) -> list[Update]:
+    def step(self, before: Callable[[], None] | None = None) -> list[Update]:
+        """One scheduler step. before(): called once the requests added and aborted since the last
+        step are taken in, as the step starts (a tensor-parallel rank 0 sends the step's calls then)."""
         with self._lock:
-            return self.scheduler.step()
+            updates = self.scheduler.apply_aborts()
+            if before is not None:
+                before()
+            return updates + self.scheduler.step()
 
-    def run(self, seqs: list[Seq]) -> None:
-        """Step until every one of `seqs` has finished (others in the batch advance too). If this is
-        interrupted (an exception, KeyboardInterrupt), the unfinished ones are aborted."""
-        try:
-            while not all(s.finished for s in seqs):
-                self.step()
-        finally:
-            self.abort([s for s in seqs if not s.finished])
-
-    def updates(self, seq: Seq) -> Iterator[Update]:
-        """seq's updates as they come, stepping when it has none waiting; closing the iterator early
-        aborts seq."""
-        try:
-            while True:
-                while seq.pending:
-                    update = seq.pending.popleft()
-                    yield update
-                    if update.finished:
-                        return
-                self.step()
-        finally:
-            if not seq.finished:
-                self.abort([seq])
-
-    def abort(self, seqs: list[Seq]) -> None:
+    def abort(self, seqs: list[Seq]) -> list[Update]:
+        """End seqs. Their blocks are freed now when nobody is stepping, and the final updates of what
+        ended are returned; else (another thread's step, or a generator finalised inside one) the next
+        step frees them and returns those updates."""
         if not seqs:
-            return
+            return []
         for s in seqs:
             self.scheduler.abort(s)
-        # Free the blocks now when nobody is stepping; else (another thread's step, or a generator
-        # finalised inside one) the next step frees them.
         if self._lock.acquire(blocking=False):
             try:
-                self.scheduler.apply_aborts()
+                return self.scheduler.apply_aborts()
             finally:
                 self._lock.release()
+        return []
+
+    def snapshot(self) -> EngineState:
+        sched = self.scheduler
+        return EngineState(sched.steps, frozenset(s.id for s in list(sched.running)), len(sched.waiting),
+                        self.pool.stats(), sched.preemptions)
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """The engine's state between steps: what a server reports, and what tensor-parallel ranks in
+    step agree on (steps, how many run, how many wait) once a step's adds and aborts are taken in."""
+    steps: int
+    running: frozenset[int]  # the ids of the sequences in the batch (Seq.id)
+    waiting: int
+    kv: object  # paged_cache.PoolStats
+    preemptions: int
 
 
 def collect(outputs: list[RequestOutput], seqs: list[Seq], t0: float, speculative: str = "off") -> Stats:

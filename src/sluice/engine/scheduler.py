@@ -49,7 +49,7 @@ from .fused_head import AUTO_PROBATION, use_fused_head
 from .output_stage import OutputStage
 from .paged_cache import BlockPool
 from .plan import Row, StepPlan
-from .sampling import SamplingParams
+from .requests import Request
 from .sequence import Seq, Update
 from .streaming import TextStream
 
@@ -96,21 +96,16 @@ class Scheduler:
         self.output.nonfinite_origin = f
 
     # ------------------------------------------------------------------ requests in, out
-    def add(self, prompt_ids: list[int], params: SamplingParams, eos_ids=frozenset(), label: str | None = None) -> Seq:
-        """Queue a generation. params should be resolved (with_defaults(generation_config)) and checked
-        against the context by the caller; fields left unset get the library defaults here. Refused
-        only if it could never fit the whole pool."""
-        params = params.with_defaults(None)
-        self.check_fits(len(prompt_ids), params.max_tokens)
+    def add(self, request: Request) -> Seq:
+        """Queue a generation, checked at the door (requests.Request: its params resolved, its prompt
+        fit to the context and to this pool alone), so nothing here can refuse it."""
+        params, prompt_ids = request.params, request.prompt_token_ids
         sampler = self.head.sampler(params)
         sampler.add_context(0, prompt_ids)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         seq = Seq(next(_serials), len(prompt_ids), list(prompt_ids), params, sampler,
-                  TextStream(self.decode, params.stop), stop_ids)
+                  TextStream(self.decode, params.stop), set(request.stop_ids), label=request.label)
         if self.speculation is not None:
             seq.spec = self.speculation.new_state()
-        if label:
-            seq.label = label
         with self._lock:
             self._incoming.append(seq)
         return seq

@@ -7,9 +7,10 @@ As long as every rank gets the same requests in the same order, every rank takes
 decisions and returns the same outputs (the KV pool is sized by the smallest rank's budget, so
 admission and preemption agree too).
 
-Refused under tensor parallelism, with a ConfigError before anything loads: compile=True,
-fused_head=True, speculative decoding, quantize, kernels=True, compute="float32" and batching=False
-(the static one-request path and the CPU kernels are single-process code). The defaults
+Refused under tensor parallelism, with a ConfigError before anything loads (engine/config.py checks
+it with the LLM's other options): compile=True, fused_head=True, speculative decoding, quantize,
+kernels=True, compute="float32" and batching=False (the static one-request path and the CPU kernels
+are single-process code). The defaults
 (fused_head="auto", kernels="auto", compute="auto") quietly mean off there, as they do wherever those
 paths do not fit; so does the native decode step.
 """
@@ -26,11 +27,6 @@ from .loading import load_rank
 from .sharding import check_shardable, vocab_range
 
 
-def _refuse(name: str, value, why: str = "it is single-process code") -> None:
-    raise ConfigError(f"{name}={value!r} is not available with tensor parallelism ({why}); leave it at "
-                      "its default")
-
-
 class TensorParallel:
     """This rank's part in an LLM split over `size` ranks."""
 
@@ -39,24 +35,9 @@ class TensorParallel:
         self.head: ParallelHead | None = None  # known once the model is loaded
 
     @classmethod
-    def start(cls, size, *, compile=False, fused_head="auto", quantize=None, kernels="auto", compute="auto",
-              speculative="off", batching=True, timeout_s: float | None = None, device="cpu") -> TensorParallel:
-        """Check the LLM's options and the size against the process group (joined from torchrun's
-        environment if not started yet), before the (slow) load."""
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ConfigError(f"tensor_parallel must be an integer >= 1, got {size!r}")
-        for name, value, off in (("compile", compile, False), ("quantize", quantize, None),
-                                 ("batching", batching, True)):
-            if value != off:
-                _refuse(name, value)
-        if fused_head is True:
-            _refuse("fused_head", True, "the fused head samples from one process's whole vocabulary")
-        if kernels is True:
-            _refuse("kernels", True)
-        if compute == "float32":
-            _refuse("compute", "float32", "it needs sluice's single-process CPU kernel")
-        if speculative != "off":
-            _refuse("speculative", speculative)
+    def start(cls, size: int, timeout_s: float | None = None, device="cpu") -> TensorParallel:
+        """Join the process group (from torchrun's environment if not started yet) and check its size,
+        before the (slow) load. The LLM's options were checked already (engine/config.py)."""
         ranks = group.init(device=device) if timeout_s is None else group.init(timeout_s=timeout_s, device=device)
         if ranks.world != size:
             raise ConfigError(f"tensor_parallel={size} but the process group has {ranks.world} ranks "

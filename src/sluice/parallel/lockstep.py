@@ -1,11 +1,11 @@
 """Driving every rank's scheduler in lockstep from rank 0: what `sluice serve --tp N` runs on.
 
-Each scheduler step runs collectives (the row-parallel all-reduces, the sampler's merges), so every
-rank must make the same scheduler calls in the same order: the same add()s with the same prompt
-ids and SamplingParams, the same abort()s, then step(). Rank 0 alone hears the clients; before
-each of its steps it broadcasts a Message with what changed the scheduler's state since the last
-one (the sequences it added, in order, and the numbers of those it aborted), and the followers
-(follow()) apply the same calls and step with it. Everything else a step decides (admission,
+Each engine step runs collectives (the row-parallel all-reduces, the sampler's merges), so every
+rank must make the same LLM calls in the same order: the same add_request()s with the same checked
+Requests, the same abort()s, then step(). Rank 0 alone hears the clients; it drives its LLM through
+a Leader, which before each step broadcasts a Message with what changed the engine's state since
+the last one (the requests added, in order, and the numbers of those aborted), and the followers
+(follow()) make the same calls and step with it. Everything else a step decides (admission,
 preemption, chunking, the tokens) then comes out the same on every rank by construction.
 
 Sequences are named across ranks by their number: the count of adds before them, the same on
@@ -42,15 +42,15 @@ def heartbeat_interval(timeout_s: float) -> float:
 @dataclass
 class Message:
     kind: str  # "step" (apply adds and aborts, then step), "heartbeat" or "stop"
-    adds: list = field(default_factory=list)  # (prompt ids, SamplingParams), in the order added
+    adds: list = field(default_factory=list)  # the checked Requests (engine/requests.py), in the order added
     aborts: list[int] = field(default_factory=list)  # numbers of the sequences to abort
     state: tuple = (0, 0, 0, 0)  # a step's: adds so far (these included), then state_of(rank 0's scheduler)
 
 
-def state_of(scheduler) -> tuple[int, int, int]:
-    """What ranks in step agree on before a step, once its adds and aborts are applied
-    (scheduler.apply_aborts): the steps taken and the running and waiting sequences."""
-    return scheduler.steps, len(scheduler.running), len(scheduler.waiting)
+def state_of(snapshot) -> tuple[int, int, int]:
+    """What ranks in step agree on before a step, once its adds and aborts are in (LLM.step's
+    before): the steps taken and the running and waiting sequences (an engine's EngineState, LLM.snapshot())."""
+    return snapshot.steps, len(snapshot.running), snapshot.waiting
 
 
 class Channel:
@@ -114,29 +114,47 @@ class Book:
 
 
 class Leader:
-    """Rank 0's side: record its adds and aborts as it makes them, then send() before each step."""
+    """Rank 0's engine under tensor parallelism, composed over its LLM: the LLM's add_request(),
+    abort() and step(), where each step first sends the followers the calls made since the last one
+    (follow() makes them too). The server drives it as it drives a single-process LLM."""
 
-    def __init__(self, channel: Channel):
-        self.channel, self.book = channel, Book()
+    # Where a NaN starts is found by rerunning a sequence through one model alone, which would leave
+    # the other ranks waiting in a collective.
+    NO_ORIGIN = ("its origin is not located under tensor parallelism (that reruns the sequence on one rank "
+                 "alone); `sluice inspect` on the same text shows the layer where it starts")
+
+    def __init__(self, llm, timeout_s: float):
+        llm.snapshot()  # builds the engine (its KV budget agreed in a collective) before the channel, as follow()
+        self.llm, self.channel, self.book = llm, Channel(timeout_s), Book()
+        self.idle_wait_s = heartbeat_interval(timeout_s)
         self._adds: list = []
         self._aborts: list[int] = []
 
-    def added(self, seq, prompt_ids: list[int], params) -> None:
+    def add_request(self, request):
+        seq = self.llm.add_request(request)
         self.book.add(seq)
-        self._adds.append((list(prompt_ids), params))
+        self._adds.append(request)
+        return seq
 
-    def aborted(self, seq) -> None:
-        number = self.book.number(seq)
-        if number is not None and number not in self._aborts:
-            self._aborts.append(number)
+    def abort(self, seqs: list) -> list:
+        for seq in seqs:
+            number = self.book.number(seq)
+            if number is not None and number not in self._aborts:
+                self._aborts.append(number)
+        return self.llm.abort(seqs)
 
-    def step(self, scheduler) -> None:
-        """Tell the followers to make this step's calls; call after scheduler.apply_aborts() and before
-        the step."""
-        message = Message("step", self._adds, self._aborts, (self.book.count, *state_of(scheduler)))
+    def step(self) -> list:
+        return self.llm.step(before=self._send)
+
+    def _send(self) -> None:
+        """Tell the followers to make this step's calls: the step's adds and aborts are in by now."""
+        message = Message("step", self._adds, self._aborts, (self.book.count, *state_of(self.llm.snapshot())))
         self._adds, self._aborts = [], []
         self.channel.send(message)
         self.book.prune()
+
+    def nonfinite_origin(self, ids: list[int]) -> str:
+        return self.NO_ORIGIN
 
     def heartbeat(self) -> None:
         self.channel.send(Message("heartbeat"))
@@ -145,27 +163,27 @@ class Leader:
         self.channel.send(Message("stop"))
 
 
-def follow(batch, channel: Channel) -> None:
-    """A follower's loop over its BatchEngine: receive, make the same calls as rank 0, step, drop
-    the updates (rank 0 answers the clients). Returns at "stop"; raises ParallelError if rank 0 dies,
-    or if this rank finds itself out of step (a bug: its collectives would wait for ones rank 0 never
-    makes, or mix with others; failing now lets rank 0 fail its requests and exit)."""
-    book = Book()
+def follow(llm, timeout_s: float) -> None:
+    """A follower's loop over its LLM: receive, make the same calls as rank 0, step, drop the updates
+    (rank 0 answers the clients). Returns at "stop"; raises ParallelError if rank 0 dies, or if this
+    rank finds itself out of step (a bug: its collectives would wait for ones rank 0 never makes, or
+    mix with others; failing now lets rank 0 fail its requests and exit)."""
+    llm.snapshot()  # builds the engine before the channel, in rank 0's order (Leader)
+    channel, book = Channel(timeout_s), Book()
     while True:
         message = channel.receive()
         if message.kind == "stop":
             return
         if message.kind == "heartbeat":
             continue
-        for prompt_ids, params in message.adds:
-            book.add(batch.add(prompt_ids, params))
-        for number in message.aborts:
-            if number in book.seqs:
-                batch.scheduler.abort(book.seqs[number])
-        batch.scheduler.apply_aborts()
-        mine = (book.count, *state_of(batch.scheduler))
-        if mine != message.state:
-            raise ParallelError(f"rank {dist.get_rank()} is out of step with rank 0 (adds, steps, running, waiting: "
-                                f"{list(mine)} here, {list(message.state)} on rank 0): a bug in sluice")
-        batch.step()
+        for request in message.adds:  # checked at rank 0's door
+            book.add(llm.add_request(request))
+        llm.abort([book.seqs[n] for n in message.aborts if n in book.seqs])
+
+        def in_step(state=message.state) -> None:
+            mine = (book.count, *state_of(llm.snapshot()))
+            if mine != state:
+                raise ParallelError(f"rank {dist.get_rank()} is out of step with rank 0 (adds, steps, running, "
+                                    f"waiting: {list(mine)} here, {list(state)} on rank 0): a bug in sluice")
+        llm.step(before=in_step)
         book.prune()

@@ -3,15 +3,16 @@
     app.py          routes, error handlers          serving.py     OpenAI request <-> engine events, SSE
     protocol.py     pydantic wire models            errors.py      OpenAI's error object, statuses
     guard.py        API key and body size           metrics.py     Prometheus text
-    engine.py       the ServingEngine interface, which one of these implements:
-    batch_engine.py   the LLM's continuous-batching scheduler (the default)
-    llm_engine.py     one request at a time, for an LLM on the static path (speculative decoding, compile)
-    tp_engine.py      rank 0 of `sluice serve --tp N`: the batch engine, its steps replayed by the followers
+    engine.py       the ServingEngine interface (submit, abort, stats, drain) and its events
+    inbox.py        the bounded queue of accepted requests, the server's state, the worker thread
+    batch_engine.py   the ServingEngine: one object holding the LLM, an inbox and one worker that drives
+                      LLM.requests / add_request / step / abort; under `sluice serve --tp N` it drives a
+                      parallel.lockstep.Leader over the LLM instead (composed, not a subclass); every
+                      LLM option (speculative decoding, compile, the fused head) runs in its batch
 """
 
 from .app import create_app
 from .engine import GenerationRequest, RequestHandle, ServingEngine
 from .batch_engine import BatchServingEngine
-from .llm_engine import LLMEngine
 
-__all__ = ["create_app", "BatchServingEngine", "GenerationRequest", "LLMEngine", "RequestHandle", "ServingEngine"]
+__all__ = ["create_app", "BatchServingEngine", "GenerationRequest", "RequestHandle", "ServingEngine"]

@@ -1,13 +1,20 @@
-"""BatchServingEngine: the ServingEngine interface over the LLM's continuous-batching scheduler.
+"""BatchServingEngine: the ServingEngine interface over an LLM's continuous batching.
 
-One worker thread owns the scheduler (engine/scheduler.py): it takes submitted requests in, turns
-each into its n sequences (one per choice; equal prompts share their prefix blocks), runs one
-scheduler step, and routes each sequence's update to its request's handle as events. Requests join
-and leave the batch at every step, so a long prompt does not hold the others up for more than one
-chunk of its prefill.
+One object holds the LLM, a bounded queue of submitted requests and one worker thread. The worker
+builds the LLM (so /health can say 503 while that takes), then loops: it takes the queued requests
+in, checks each at the LLM's door (LLM.requests) and adds its n choices (one sequence each; equal
+prompts share their prefix blocks), aborts what its clients left, runs one step, and routes each
+sequence's update to its request's handle as events. Requests join and leave the batch at every
+step, so a long prompt does not hold the others up for more than one chunk of its prefill.
 
-Abort (a client gone, the drain deadline): a request still in the inbox fails at once; a running one
-has its sequences aborted, and the scheduler frees their blocks at the start of its next step.
+Tensor parallelism plugs in as a composed object, not a subclass: on rank 0 of `sluice serve --tp N`
+the worker drives a parallel.lockstep.Leader instead of the LLM itself (the same add_request, abort
+and step, with each step's calls broadcast to the followers first). Then the idle worker sends
+heartbeats, and a failed step is fatal: the ranks cannot be trusted to agree after it, so the
+requests in flight end with GroupFailed, new ones and /health get 503, and on_fatal tells the CLI.
+
+Abort (a client gone, the drain deadline): a request still in the queue fails at once; a running one
+has its sequences aborted by the worker, which frees their blocks at once.
 
 A request whose logits go non-finite ends with finish_reason "error", and the message names where the
 NaN or inf started: its tokens are run once more through the model with the observatory's probes
@@ -18,16 +25,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from ..engine.requests import token_ids
-from ..errors import SluiceError
-from .engine import Aborted, Delta, Done, Failed, Finished, RequestHandle, HeldEvents, Started
-from .llm_engine import LLMEngine
-from .metrics import Snapshot
+from ..errors import RequestError, SluiceError
+from .engine import Aborted, Delta, Done, Draining, Failed, Finished, HeldEvents, RequestHandle, Started
+from .inbox import Inbox
 
 log = logging.getLogger("sluice.server")
+
+
+class GroupFailed(Draining):
+    """The tensor-parallel group broke: the server is going away (its clients get a 503)."""
 
 
 def nonfinite_origin(model, ids: list[int]) -> str:
@@ -46,6 +56,19 @@ def nonfinite_origin(model, ids: list[int]) -> str:
             f"(the observatory's first non-finite value)")
 
 
+def prompt_ids(llm, request) -> list[int]:
+    """A request's prompt as token ids: chat messages rendered, text tokenized (ids are checked at the door)."""
+    if request.messages is not None:
+        return llm.chat_prompt(request.messages)  # refuses a conversation that cannot fit, unrendered
+    if isinstance(request.prompt, str):
+        ids = llm.tokenizer.encode(request.prompt, max_tokens=llm.max_model_len)
+    else:
+        ids = list(request.prompt)
+    if not ids:
+        raise RequestError("the prompt is empty: at least one token is needed to condition on")
+    return ids
+
+
 @dataclass
 class _Live:
     handle: RequestHandle
@@ -54,64 +77,95 @@ class _Live:
     open: set = field(default_factory=set)  # indices of choices still generating
 
 
-class BatchServingEngine(LLMEngine):
-    """Same interface and construction as LLMEngine; the LLM must not be on its static path."""
-
-    def __init__(self, *args, **kwargs):
+class BatchServingEngine:
+    def __init__(self, make_llm: Callable[[], object], model_name: str, max_queue: int = 64,
+                 on_fatal: Callable[[Exception], None] | None = None,
+                 lockstep: Callable[[object], object] | None = None):
+        """make_llm builds the LLM; it runs on the worker thread, which owns the LLM from then on.
+        lockstep(llm): under tensor parallelism, what the worker drives instead of the LLM (a
+        parallel.lockstep.Leader). on_fatal(error) is called (on that thread) when the engine cannot
+        serve: the load failed (load_error), or it broke later (fatal_error: a tensor-parallel rank died)."""
+        self.model_name, self.max_model_len = model_name, 0
+        self.inbox = Inbox(max_queue, self._queued_beyond_inbox)
+        self.metrics = self.inbox.metrics
+        self._make_llm, self._make_lockstep, self._on_fatal = make_llm, lockstep, on_fatal
+        self._llm = self._engine = self._group = None  # the LLM; what the worker drives; the Leader, if any
         self._live: dict[int, _Live] = {}
         self._owner: dict[int, tuple[_Live, int]] = {}  # sequence id -> its request and choice index
-        self._batch = None
-        super().__init__(*args, **kwargs)
-
-    def _loaded(self) -> None:
-        llm = self._llm
-        if llm.static_path:
-            raise SluiceError("BatchServingEngine needs an LLM on the continuous-batching path "
-                              "(speculative decoding runs on LLMEngine)")
-        self._batch = llm.batch_engine()  # sizes the KV pool now: a budget too small fails the load
-        self._batch.scheduler.nonfinite_origin = lambda ids: nonfinite_origin(llm.model, ids)
+        self.inbox.start_worker(self._work)
 
     # ------------------------------------------------------------------ the interface
-    def _queued(self) -> int:
-        started = {s.id for s in self._batch.scheduler.running} if self._batch else set()
-        queued = sum(1 for e in list(self._live.values()) if not any(s.id in started or s.first_token_at
-                                                                     for s in e.seqs))
-        return len(self._waiting) + queued
+    max_queue = property(lambda self: self.inbox.max_queue)
+    ready = property(lambda self: self.inbox.ready)
+    draining = property(lambda self: self.inbox.draining)
+    load_error = property(lambda self: self.inbox.load_error)
+    fatal_error = property(lambda self: self.inbox.fatal_error)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self.inbox.wait_ready(timeout)
+
+    def submit(self, request) -> RequestHandle:
+        return self.inbox.submit(request)
+
+    def begin_drain(self) -> None:
+        self.inbox.begin_drain()
+
+    def abort(self, handle: RequestHandle, reason: Exception | None = None) -> None:
+        self.inbox.abort(handle, reason)  # a waiting one fails now; a live one is seen by the worker
 
     def abort_all(self, reason: Exception) -> None:
-        with self._cond:
-            handles = [*self._waiting, *(e.handle for e in self._live.values())]
+        with self.inbox.cond:
+            handles = [*self.inbox.waiting, *(e.handle for e in self._live.values())]
         for h in handles:
             self.abort(h, reason)
 
-    def abort(self, handle: RequestHandle, reason: Exception | None = None) -> None:
-        super().abort(handle, reason)  # a waiting one fails now; a live one is seen by the worker
-        with self._cond:
-            self._cond.notify()
+    def _queued_beyond_inbox(self) -> int:
+        """Requests taken in by the worker whose sequences have not started (what --max-queue bounds too)."""
+        if self._llm is None:
+            return 0
+        running = self._llm.snapshot().running
+        return sum(1 for e in list(self._live.values())
+                   if not any(s.id in running or s.first_token_at for s in e.seqs))
 
-    def stats(self) -> Snapshot:
-        with self._cond:
-            waiting = self._queued()
-            running = len(self._live) - (waiting - len(self._waiting))
-            pool = self._batch.pool.stats() if self._batch else None
-            preemptions = self._batch.scheduler.preemptions if self._batch else 0
-        return self.metrics.snapshot(ready=self.ready, draining=self._draining, running=running, waiting=waiting,
-                                     max_queue=self.max_queue, kv=pool, preemptions=preemptions)
+    def stats(self):
+        with self.inbox.cond:
+            waiting = self.inbox.queued()
+            running = len(self._live) - (waiting - len(self.inbox.waiting))
+            snap = self._llm.snapshot() if self._llm is not None else None
+        return self.metrics.snapshot(ready=self.ready, draining=self.draining, running=running, waiting=waiting,
+                                     max_queue=self.max_queue, kv=snap and snap.kv,
+                                     preemptions=snap.preemptions if snap else 0)
 
     def close(self, timeout: float | None = None) -> None:
-        with self._cond:
+        with self.inbox.cond:
             for e in self._live.values():
                 e.handle.abort(e.handle.abort_reason or Aborted("the server closed"))
-        super().close(timeout)
+        self.inbox.close(timeout)
 
     # ------------------------------------------------------------------ the worker
-    idle_wait_s: float | None = None  # an idle worker wakes this often to call _idle() (None: only when told)
+    def _load(self) -> bool:
+        """Build the LLM on this (the worker's) thread; on failure keep the error and say so."""
+        try:
+            llm = self._make_llm()
+            self.max_model_len = llm.max_model_len
+            llm.snapshot()  # sizes the KV pool now: a budget too small fails the load
+            self._group = self._make_lockstep(llm) if self._make_lockstep else None
+            self._llm, self._engine = llm, self._group or llm
+        except BaseException as e:  # noqa: BLE001 -- reported to the CLI, which exits with it
+            self.inbox.load_failed(e)
+            if self._on_fatal:
+                self._on_fatal(e)
+            return False
+        self.inbox.set_ready()
+        return True
 
     def _work(self) -> None:
         if not self._load():
             return
+        llm = self._llm
         held = HeldEvents()  # this thread's events, delivered before each forward and when work runs out
-        self._batch.scheduler.before_forward = held.deliver
+        origin = self._group.nonfinite_origin if self._group else (lambda ids: nonfinite_origin(llm.model, ids))
+        llm.on_step(before_forward=held.deliver, nonfinite_origin=origin)
         with held.holding():
             try:
                 self._rounds(held)
@@ -119,90 +173,60 @@ class BatchServingEngine(LLMEngine):
                 held.deliver()
 
     def _rounds(self, held: HeldEvents) -> None:
+        idle_wait = self._group.idle_wait_s if self._group else None  # an idle leader wakes to heartbeat
         while True:
-            if not self._batch.scheduler.has_work:
+            if not self._llm.has_work:
                 held.deliver()  # no forward comes to deliver them
-            with self._cond:
-                if not self._waiting and not self._live and not self._closed:
-                    self._cond.wait(self.idle_wait_s)
-                if self._closed:
-                    break
-                new = list(self._waiting)
-                self._waiting.clear()
+            new = self.inbox.take(bool(self._live), idle_wait)
+            if new is None:  # closed
+                break
             if not new and not self._live:
-                if not self._idle():
+                if self._group is not None and not self._heartbeat():
                     return
                 continue
             for handle in new:
                 self._admit(handle)
             for e in list(self._live.values()):
                 if e.handle.aborted:
-                    for s in e.seqs:
-                        if not s.finished:
-                            self._abort_seq(s)
+                    self._route_all(self._engine.abort([s for s in e.seqs if not s.finished]))
             try:
-                updates = self._step()
-            except Exception as e:  # noqa: BLE001 -- handled (and logged) by _step_failed
-                if not self._step_failed(e):
-                    return
+                updates = self._engine.step()
+            except Exception as e:  # noqa: BLE001 -- a bug in one step must not kill the server
+                if self._group is not None:
+                    return self._broken(e)
+                log.exception("internal error in a scheduler step", exc_info=e)
+                self._fail_all(e)
                 continue
-            for u in updates:
-                self._route(u)
-        self._wind_down()
-
-    # What a tensor-parallel rank 0 (server/tp_engine.py) extends: each call that changes the
-    # scheduler's state, the step, the idle wake-up, a failed step and the end.
-    def _add(self, ids: list[int], params):
-        return self._batch.add(ids, params)
-
-    def _abort_seq(self, seq) -> None:
-        self._batch.scheduler.abort(seq)
-
-    def _step(self) -> list:
-        return self._batch.step()
-
-    def _idle(self) -> bool:
-        """Nothing to do (woken by a timeout or an abort); False ends the worker."""
-        return True
-
-    def _step_failed(self, error: Exception) -> bool:
-        """A step raised: fail the requests in flight and carry on (a bug in one step must not kill the
-        server); False ends the worker."""
-        log.exception("internal error in a scheduler step", exc_info=error)
-        self._fail_all(error)
-        return True
-
-    def _wind_down(self) -> None:
-        """Closed: end what is left."""
-        sched = self._batch.scheduler
-        for e in list(self._live.values()):
-            for s in e.seqs:
-                sched.abort(s)
-        for u in sched.apply_aborts():
-            self._route(u)
+            self._route_all(updates)
+        self._fail_all(None)  # closed: end what is left
+        if self._group is not None:
+            try:
+                self._group.stop()
+            except SluiceError as e:
+                log.warning("could not tell the other ranks to stop: %s", e)
 
     def _admit(self, handle: RequestHandle) -> None:
         if handle.aborted:
             self.metrics.record("aborted")
             handle.emit(Failed(handle.abort_reason or Aborted("aborted while waiting")))
             return
-        llm = self._llm
+        request, n = handle.request, len(handle.request.params)
         try:
-            ids = self._prompt_ids(handle.request)
-            if not isinstance(handle.request.prompt, str) and handle.request.messages is None:
-                ids = token_ids(0, ids, llm.config.vocab_size, llm.max_model_len)  # ids given: check them
-            params = self._resolve(handle.request, len(ids))
-            for p in params:
-                p.validate(llm.config.vocab_size)
-                self._batch.scheduler.check_fits(len(ids), p.max_tokens)
+            ids = prompt_ids(self._llm, request)
+            requests = self._llm.requests([ids] * n, request.params, labels=["this request"] * n,
+                                          fit_max_tokens=not request.max_tokens_given)
         except SluiceError as e:
             self.metrics.record("invalid")
             handle.emit(Failed(e))
             return
-        seqs = [self._add(ids, p) for p in params]
+        seqs = [self._engine.add_request(r) for r in requests]
         entry = self._live[handle.number] = _Live(handle, seqs, len(ids), set(range(len(seqs))))
         self._owner.update((s.id, (entry, i)) for i, s in enumerate(seqs))
         handle.emit(Started(len(ids)))
+
+    def _route_all(self, updates) -> None:
+        for u in updates:
+            self._route(u)
 
     def _route(self, u) -> None:
         seq = u.seq
@@ -228,11 +252,43 @@ class BatchServingEngine(LLMEngine):
             del self._live[handle.number]
             handle.emit(Failed(handle.abort_reason) if handle.abort_reason else Done())
 
-    def _fail_all(self, error: Exception) -> None:
-        sched = self._batch.scheduler
+    def _fail_all(self, error: Exception | None) -> None:
+        """End every request in flight (telling its client `error`, if any). The LLM alone, not the
+        leader: after a failed step or at the end, the followers are not told."""
+        seqs = []
         for e in list(self._live.values()):
-            for s in e.seqs:
-                sched.abort(s)
-            e.handle.abort(error)
-        for u in sched.apply_aborts():
-            self._route(u)
+            seqs += [s for s in e.seqs if not s.finished]
+            if error is not None:
+                e.handle.abort(error)
+        self._route_all(self._llm.abort(seqs))
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def _heartbeat(self) -> bool:
+        try:
+            self._group.heartbeat()
+        except Exception as e:  # noqa: BLE001 -- any failure here ends the group
+            self._broken(e)
+            return False
+        return True
+
+    def _broken(self, error: Exception) -> None:
+        """A collective failed (a follower died or hung) or a step raised: the ranks are out of step
+        for good, so fail what is in flight and stop serving."""
+        from ..parallel.group import ParallelError
+        if isinstance(error, ParallelError):
+            why = f"the tensor-parallel group failed ({error})"
+            log.error("%s; failing the requests in flight and shutting down", why)
+        else:  # a bug on rank 0, perhaps between two collectives: the ranks cannot be trusted to agree
+            why = f"internal error in a tensor-parallel step ({type(error).__name__}: {error})"
+            log.error("%s; shutting down", why, exc_info=error)
+        failed = GroupFailed(f"{why}; the server is shutting down")
+        try:
+            self._fail_all(failed)
+        except Exception:  # noqa: BLE001 -- the engine may be half-way through a step; fail the handles anyway
+            log.exception("ending the requests in flight")
+            for e in list(self._live.values()):
+                e.handle.abort(failed)
+                e.handle.emit(Failed(failed))
+        self.inbox.die(failed)
+        if self._on_fatal:
+            self._on_fatal(failed)

@@ -1,10 +1,9 @@
 """The narrow interface between the HTTP layer and whatever generates: `ServingEngine`.
 
-The server only ever calls submit(), abort(), stats(), ready / draining and model_name, whichever
-implementation runs behind it: batch_engine.BatchServingEngine (the default: requests join and leave
-the LLM's continuous batch at every step), llm_engine.LLMEngine (one request at a time, for an LLM on
-the static path: speculative decoding, --compile) or tp_engine.ParallelServingEngine (rank 0 of a
-tensor-parallel group, whose followers replay its steps).
+The server only ever calls submit(), abort(), stats(), ready / draining and model_name of the
+implementation behind it: batch_engine.BatchServingEngine (requests join and leave the LLM's
+continuous batch at every step; on rank 0 of a tensor-parallel group too, its steps followed by the
+other ranks), or a test's stand-in.
 
 A submitted request comes back as a RequestHandle: an async iterator of events, in order,
     Started(prompt_tokens)  then, per choice, Delta(index, text)... Finished(index, reason, tokens),

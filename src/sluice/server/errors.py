@@ -10,7 +10,7 @@ import re
 from pydantic import ValidationError
 
 from ..engine.sampling_params import SamplingParams
-from ..errors import NumericsError, RequestError, SluiceError, TemplateError
+from ..errors import ContextExceeded, NumericsError, RequestError, SluiceError, TemplateError
 from .protocol import FIELD_NAMES, ErrorDetail, ErrorResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -57,6 +57,8 @@ _TOO_LONG = re.compile(r"fit the context|more than the context|leaves no room")
 
 def from_sluice(err: SluiceError, prompt_field: str, aliases: dict[str, str] | None = None) -> ServerError:
     """A sluice error raised for a request -> the ServerError naming the request parameter."""
+    if isinstance(err, ContextExceeded):  # the door's refusal, in OpenAI's words
+        err = ContextOverflow(err.prompt_tokens, err.max_tokens, err.limit)
     message = str(err)
     if isinstance(err, ContextOverflow):
         return ServerError(400, message, param=prompt_field, code="context_length_exceeded")

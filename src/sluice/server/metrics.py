@@ -48,7 +48,7 @@ class Snapshot:
     finished: dict[str, int]  # requests by outcome: stop, length, error, aborted, rejected
     ttft: Histogram
     tpot: Histogram
-    kv: object = None  # engine.paged_cache.PoolStats of the continuous-batching engine; None on LLMEngine
+    kv: object = None  # engine.paged_cache.PoolStats of the continuous-batching engine; None before it is built
     preemptions: int = 0
 
 
