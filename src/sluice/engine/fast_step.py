@@ -7,16 +7,23 @@ forward of a (B, T) chunk in one OpenMP parallel region over the model's own ten
 and writes keys and values straight into the engine's KV cache (bench/fast_step.py has the numbers):
 the static (L, B, K, S, D) cache, or a paged pool of blocks read through a block table (below).
 
-Which models: the pre-norm RMSNorm decoders (Llama, Qwen2, Qwen3, Mistral): optional per-head
-qk-norm, GQA, RoPE from the model's own inv_freq (so scaled variants and partial rotary come out
-right), SwiGLU, optional biases, tied or untied head, sliding windows, fp32 or bf16 linear weights
-with fp32 activations and an fp32 cache (the fp32 model, and engine/mixed.py's bf16-weight mode).
-`unsupported(model)` names the first thing outside that, and then the caller keeps the torch path.
-Forward hooks are such a thing: the observatory relies on them firing, and this step calls no module.
+Which models: every family sluice loads, each variation a flag or a tensor of the one kernel (house rule 2):
+RMSNorm ((1 + w) as Gemma) or LayerNorm with bias; pre, sandwich (Gemma 2/3) or post (OLMo 2) norms;
+per-head or full-width qk-norm; GQA; RoPE from the model's own inv_freq (scaled variants and NeoX's
+partial rotary come out right) and a second table for Gemma 3's sliding layers, or GPT-2's learned
+positions; attention and final soft-caps, embedding scale; NeoX's parallel residual; SwiGLU, GeGLU or
+an ungated MLP with SiLU or GELU (erf or tanh); optional biases, tied or untied head, sliding windows;
+fp32 or bf16 linear weights with fp32 activations and an fp32 cache (the fp32 model, and
+engine/mixed.py's bf16-weight mode). Numerics are the torch path's in fp32, so the cast orders of the
+families' norms are moot here. `unsupported(model)` names the first thing outside that (quantized linears,
+bf16 activations, a module class or activation layers.py does not have, norms that mix kinds or eps),
+and then the caller keeps the torch path. Forward hooks are such a thing: the observatory relies on them
+firing, and this step calls no module.
 
 The step holds references to the tensors it was built over: build it after the model has its final
-form (dtype mode, fast linears), and again after anything replaces a parameter object. unsupported()
-is cheap (a walk over the modules), so callers re-check it per request, when hooks may have come.
+form (dtype mode, fast linears). unsupported() and FastStep.current() are cheap (walks over the modules),
+so callers (native_check) re-check them per request, when hooks may have come or surgery may have replaced
+a norm or set a soft-cap: a step that no longer matches its model is built again.
 """
 
 from __future__ import annotations

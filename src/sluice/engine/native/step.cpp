@@ -2,12 +2,18 @@
 //
 // Why: a small model's eager decode step is ~500 ATen calls whose fixed costs (dispatch, allocation,
 // thread pool wake-ups) outweigh the arithmetic; the bundled 6.8 M-parameter model spent 13 ms per
-// token there. This file runs the whole forward (embedding, pre-norm blocks with GQA attention over
-// the KV cache, SwiGLU MLP, final norm, LM head) in ONE OpenMP parallel region: each phase is an
+// token there. This file runs the whole forward (embedding, blocks with GQA attention over the KV cache
+// and an MLP, final norm, LM head) in ONE OpenMP parallel region: each phase is an
 // `omp for` over output rows, phases are separated by barriers. It reads the model's own weight
 // tensors in place (fp32 or bf16, widened in registers, fp32 accumulation), writes the new keys and
 // values into the engine's cache tensors exactly where layers.py writes them, and returns fp32
 // logits (or final-normed hidden states). fast_step.py decides which models may take this path.
+//
+// Every family runs this one code: where they differ (RMSNorm or LayerNorm, where the norms sit, qk-norm
+// per head or over the whole width, soft-caps, embedding scale, learned positions or one or two RoPE
+// tables, parallel residual, the MLP's gate and activation, biases) is a flag or an absent tensor of Step,
+// never a family name. A pre-norm RMSNorm model (Llama, Qwen) takes exactly the arithmetic it took before
+// the other families came: each addition is a branch on one of those flags, off for it.
 //
 // The cache is either the static one, (L, B, K, S, D), or a paged pool (L, NB, K, bs, D) read through
 // a block table (B, nb) for the continuous-batching scheduler: slot s of row b lives in block
