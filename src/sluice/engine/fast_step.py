@@ -44,6 +44,8 @@ _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 MAX_CHUNK = 64  # tokens per row per kernel call; a longer chunk runs as pieces of this many (small scratch)
 # config.hidden_act -> step.cpp's Act: gelu_new and torch's "tanh" GELU are one formula, equal in fp32 to an ulp
 _ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "gelu_new": 2}
+# step.cpp's Phase, in order: what FastStep's counters time (named as observatory/costs.py's components)
+PHASES = ("embedding", "norms", "qkv_proj", "attention", "o_proj", "mlp", "final_norm", "lm_head")
 
 
 def kernel():
@@ -104,8 +106,8 @@ def _module_reason(model: Transformer) -> str | None:
     for name, emb in (("embedding", model.embed), ("position embedding", model.pos_embed)):
         if emb is not None and type(emb) not in (nn.Embedding, UpcastEmbedding):
             return f"the {name} is a {type(emb).__name__}"
-    found = [_tensor_reason("embed.weight", model.embed.weight, _WEIGHT_DTYPES), _tensor_reason("inv_freq", model.inv_freq),
-             _tensor_reason("inv_freq_local", model.inv_freq_local, optional=True)]
+    found = [_tensor_reason("embed.weight", model.embed.weight, _WEIGHT_DTYPES),
+             _tensor_reason("inv_freq", model.inv_freq), _tensor_reason("inv_freq_local", model.inv_freq_local, optional=True)]
     if model.pos_embed is not None:
         found.append(_tensor_reason("pos_embed.weight", model.pos_embed.weight, _WEIGHT_DTYPES))
     norms = [("final_norm", model.final_norm)]
@@ -122,7 +124,8 @@ def _module_reason(model: Transformer) -> str | None:
         norms += [(f"layers.{i}.{n}", getattr(blk, n)) for n in _NORMS]
         norms += [(f"layers.{i}.attn.{n}", getattr(a, n)) for n in ("q_norm", "k_norm")]
         linears += [(f"layers.{i}.attn.{n}", getattr(a, n)) for n in ("q", "k", "v", "o")]
-        linears += [(f"layers.{i}.mlp.{n}", getattr(mlp, n)) for n in ("gate", "up", "down") if getattr(mlp, n) is not None]
+        linears += [(f"layers.{i}.mlp.{n}", getattr(mlp, n)) for n in ("gate", "up", "down")
+                    if getattr(mlp, n) is not None]
         same["scale"].add(float(a.scale))
         same["act"].add(_act_kind(mlp.act))
         same["qk"].add(a.full_width_qk_norm if a.q_norm is not None else None)
@@ -176,7 +179,8 @@ def _sources(model: Transformer):
     local = model.inv_freq_local is not None
     per_layer = ([cfg.sliding_window if s else 0 for s in model.sliding],
                  [float(blk.attn.softcap or 0.0) for blk in layers], [bool(s and local) for s in model.sliding])
-    final = [None, None] if model.final_norm is None else [model.final_norm.weight, getattr(model.final_norm, "bias", None)]
+    fn = model.final_norm
+    final = [None, None] if fn is None else [fn.weight, getattr(fn, "bias", None)]
     # GPT-2's learned positions take the place of RoPE: no table, so step.cpp rotates nothing.
     rope = model.pos_embed is None
     pos = None if rope else model.pos_embed.weight
@@ -191,7 +195,7 @@ def _signature(sources) -> tuple:
 
 
 class FastStep:
-    """`step(tokens (B, T), positions (B, T), k, v, hidden=False, block_table=None)` -> fp32 logits
+    """`step(tokens (B, T), positions (B, T), k, v, hidden=False, block_table=None, counters=None)` -> fp32 logits
     (B, T, V), or the final-normed hidden states (B, T, C) with hidden=True; writes the chunk's keys and
     values into the cache tensors k, v at `positions`, as the torch forward does. Token t of a row
     sees the slots <= its position (Transformer.attention_mask), so a chunk is causal within itself.
@@ -226,16 +230,24 @@ class FastStep:
         return _signature(self.built_from) == _signature(_sources(self.model))
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 hidden: bool = False, block_table: torch.Tensor | None = None) -> torch.Tensor:
+                 hidden: bool = False, block_table: torch.Tensor | None = None,
+                 counters: torch.Tensor | None = None) -> torch.Tensor:
         T = tokens.shape[-1]
         if T <= MAX_CHUNK:
-            return self._step.run(tokens, positions, k, v, hidden, block_table)
+            return self._step.run(tokens, positions, k, v, hidden, block_table, counters)
         # A long chunk (a prompt's prefill) runs as pieces of MAX_CHUNK tokens, in order. That gives bit for
         # bit what one call would: step.cpp computes each token's products alone, in an order that does not
         # depend on how many rows share the call, and its attention reads the keys and values the earlier
         # pieces wrote. So a prompt's numbers never depend on how the scheduler cut it into chunks.
         return torch.cat([self._step.run(tokens[:, t0:t0 + MAX_CHUNK], positions[:, t0:t0 + MAX_CHUNK], k, v,
-                                         hidden, block_table) for t0 in range(0, T, MAX_CHUNK)], 1)
+                                         hidden, block_table, counters) for t0 in range(0, T, MAX_CHUNK)], 1)
+
+    @staticmethod
+    def counters() -> torch.Tensor:
+        """Zeroed phase counters for __call__(counters=...): each call adds the seconds of each phase (PHASES,
+        the profile's component names; qkv_proj includes the qk-norms, RoPE and the cache writes). Without
+        them the step times nothing."""
+        return torch.zeros(len(PHASES), dtype=torch.float64)
 
 
 def native_check(model: nn.Module, fast: FastStep | None) -> tuple[str | None, FastStep | None]:

@@ -651,6 +651,9 @@ struct Layer {
   bool local_rope = false;  // RoPE from the second table, inv_freq_local (Gemma 3's sliding layers)
 };
 
+// The phases `counters` times (fast_step.PHASES names them, in this order, as the profile's components).
+enum Phase { kEmbedding, kNorms, kQkv, kAttention, kO, kMlp, kFinalNorm, kHead, kPhases };
+
 class Step {
  public:
   // tensors: per layer, in this order, an empty tensor for an absent one (see fast_step.py).
@@ -729,7 +732,7 @@ class Step {
   }
 
   torch::Tensor run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, bool hidden,
-                    c10::optional<torch::Tensor> block_table);
+                    c10::optional<torch::Tensor> block_table, c10::optional<torch::Tensor> counters);
 
  private:
   std::vector<torch::Tensor> keep_;  // holds the model's tensors alive; the pointers below point into them
@@ -745,7 +748,8 @@ class Step {
 };
 
 torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc,
-                        bool hidden, c10::optional<torch::Tensor> block_table) {
+                        bool hidden, c10::optional<torch::Tensor> block_table,
+                        c10::optional<torch::Tensor> counters) {
   TORCH_CHECK(tokens.dim() == 2 && positions.sizes() == tokens.sizes(), "step: tokens and positions (B, T)");
   const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, L = layers_.size();
   const bool paged = block_table.has_value() && block_table->defined();
@@ -815,6 +819,16 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
   const float* p32 = pos_embed_.numel() && !pos16 ? pos_embed_.data_ptr<float>() : nullptr;
   const bf16* p16 = pos16 ? pos_embed_.data_ptr<bf16>() : nullptr;
   const NormKind& norm = norm_;
+  // Phase timing (`sluice profile`): thread 0 adds the time since its last mark to a phase at each boundary.
+  // Most phases end at a barrier, so that is the phase's wall time; without counters each mark is one branch.
+  double* ct = nullptr;
+  if (counters.has_value() && counters->defined()) {
+    const torch::Tensor& c = *counters;
+    TORCH_CHECK(c.scalar_type() == torch::kFloat64 && c.is_contiguous() && c.numel() == kPhases && c.device().is_cpu(),
+                "step: counters must be a contiguous CPU float64 tensor of ", kPhases);
+    ct = counters->data_ptr<double>();
+  }
+  double marked = ct ? omp_get_wtime() : 0.0;  // thread 0's last mark
 
 #pragma omp parallel num_threads(nth)
   {
@@ -824,6 +838,14 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
     // barrier before each product (a barrier costs a time slice when the other core is busy).
     float* hn = h.data() + omp_get_thread_num() * M * C_;
     auto norm_rows = [&](const Norm& N) { norm(N, x.data(), C_, C_, M, hn, C_); };
+    const bool marks = ct && omp_get_thread_num() == 0;
+    auto mark = [&](Phase phase) {
+      if (marks) {
+        const double now = omp_get_wtime();
+        ct[phase] += now - marked;
+        marked = now;
+      }
+    };
     // A branch's output y (ao or mo) after its post-norm goes into the residual: x + y, or with NeoX's
     // parallel residual x + (mlp + attn), torch's order of additions. 16 rows per item, as rms_norm_rows sums.
     auto add_branch = [&](const Norm& post, float* y, bool both) {
@@ -851,10 +873,12 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
           cs[(t * M + m) * 2 * half + half + i] = std::sin(a);
         }
     }
+    mark(kEmbedding);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& Ly = layers_[l];
       const float* cst = cs.data() + (Ly.local_rope ? M * 2 * half : 0);  // row m's cos at cst + m * 2 * half
       norm_rows(Ly.attn_norm);
+      mark(kNorms);
       // q, k and v one head at a time: item j < H is query head j, then the K key heads, then the K value
       // heads. The thread that computes a head's D outputs also norms and rotates them (qk-norm, RoPE) and
       // stores new keys and values in their cache slot, so no barrier is needed between the two. Dynamic:
@@ -889,10 +913,12 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
             float* xh = hh < H_ ? qm + hh * D_ : km + (hh - H_) * D_;
             rope(xh, &cst[m * 2 * half], &cst[m * 2 * half + half], half);
             if (hh >= H_)
-              std::copy(xh, xh + D_, kp + l * sL + table[m / T * nb + p / bs] * sBlock + (hh - H_) * sK + (p % bs) * sS);
+              std::copy(xh, xh + D_,
+                        kp + l * sL + table[m / T * nb + p / bs] * sBlock + (hh - H_) * sK + (p % bs) * sS);
           }
         }
       }
+      mark(kQkv);  // with the qk-norms, RoPE and the cache writes
       // Attention of each token's query heads over its row's slots <= position (and inside the window), one
       // item per KV head and its group of G query heads. Rows differ in length: items are dealt round-robin
       // so each thread gets a share of every row (and, with two threads and an even number of KV heads,
@@ -906,22 +932,27 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
         attend(&q[m * HD + g * G * D_], G, kh, vh, &table[b * nb], bs, sBlock, sS, D_, lo, p, scale_, Ly.softcap,
                sc, span, &att[m * HD + g * G * D_]);
       }
+      mark(kAttention);
       // A pre-norm branch adds straight into x; one with a post-norm, or NeoX's parallel pair, goes to its own
       // buffer first.
       const bool attn_apart = parallel_ || Ly.attn_post.w, mlp_apart = parallel_ || Ly.mlp_post.w;
       linear(Ly.o, att.data(), M, attn_apart ? ao.data() : x.data(), C_, !attn_apart);  // x + o(attn)
 #pragma omp barrier
+      mark(kO);
       if (attn_apart && !parallel_) add_branch(Ly.attn_post, ao.data(), false);
       else if (Ly.attn_post.w) {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m) norm(Ly.attn_post, &ao[m * C_], C_, C_, 1, &ao[m * C_], C_);
       }
       norm_rows(Ly.mlp_norm);  // parallel: x is still the block's input
+      mark(kNorms);
       mlp_act(Ly.gate, Ly.up, act_, hn, M, act.data(), tmp);
 #pragma omp barrier
       linear(Ly.down, act.data(), M, mlp_apart ? mo.data() : x.data(), C_, !mlp_apart);  // x + down(act)
 #pragma omp barrier
+      mark(kMlp);
       if (mlp_apart) add_branch(Ly.mlp_post, mo.data(), parallel_);
+      mark(kNorms);
     }
     if (hidden) {
 #pragma omp for schedule(static)
@@ -929,8 +960,10 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
         float* dst = out.data_ptr<float>() + m0 * C_;
         norm(final_, &x[m0 * C_], C_, C_, std::min<int64_t>(16, M - m0), dst, C_);
       }
+      mark(kFinalNorm);
     } else {
       norm_rows(final_);
+      mark(kFinalNorm);
       linear(head_, hn, M, out.data_ptr<float>(), V_);
       if (final_cap_ != 0.f) {
         float* o = out.data_ptr<float>();
@@ -939,7 +972,8 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
         for (int64_t i = 0; i < M * V_; ++i) o[i] = soft_cap(o[i], final_cap_);
       }
     }
-  }
+  }  // the region's end waits for every thread: the head's wall time
+  if (ct) ct[hidden ? kFinalNorm : kHead] += omp_get_wtime() - marked;
   return out;
 }
 
@@ -954,6 +988,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<bool>, int64_t, int64_t, int64_t, std::map<std::string, double>>())
       .def("run", &Step::run,
            "tokens (B, T), positions (B, T), k, v cache (L, B, K, S, D) or pool (L, NB, K, bs, D), hidden, "
-           "block_table (B, nb) or None -> (B, T, V|C)",
-           pybind11::call_guard<pybind11::gil_scoped_release>());
+           "block_table (B, nb) or None, counters (8,) float64 or None: seconds per phase added -> (B, T, V|C)",
+           pybind11::arg("tokens"), pybind11::arg("positions"), pybind11::arg("k"), pybind11::arg("v"),
+           pybind11::arg("hidden"), pybind11::arg("block_table") = pybind11::none(),
+           pybind11::arg("counters") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
 }
