@@ -252,9 +252,11 @@ class FastStep:
 
 def native_check(model: nn.Module, fast: FastStep | None) -> tuple[str | None, FastStep | None]:
     """For a caller about to run `model`: (why the native step cannot run it now, or None; the FastStep,
-    `fast` as given or built now, the first time it can). The Runner and the Scheduler ask per request
-    or busy period, since a hook may have been attached in between."""
+    `fast` as given, or built now: the first time it can, or again when the model is no longer the one
+    `fast` was built over). The Runner and the Scheduler ask per request or busy period, since a hook may
+    have been attached, or surgery done, in between."""
     why = unsupported(model)
-    if why is None and (fast is None or not fast.current()):
+    stale = isinstance(fast, FastStep) and not fast.current()  # (anything else is a caller's wrapper: kept)
+    if why is None and (fast is None or stale):
         fast = FastStep(model)
     return why, fast
