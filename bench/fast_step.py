@@ -106,8 +106,18 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seconds", type=float, default=0.3, help="minimum time per repeat")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--model", type=Path, action="append", default=[],
+                    help="another checkpoint directory (any family, e.g. a random Gemma-2-shaped one): decode "
+                         "at B=1 and 4 and a verify chunk of 4, fp32 and bf16 weights; with it the bundled model "
+                         "is skipped")
     a = ap.parse_args()
     result = {"environment": environment(), "prompt_tokens_in_cache": PROMPT, "models": {}}
+    for path in a.model:
+        for weights in ("float32", "bfloat16"):
+            result["models"][f"{path.name}/{weights}"] = bench_model(path, weights, (1, 4), (4,), a.repeats, a.seconds)
+            save_json(a.out, result)
+    if a.model:
+        return
     for weights in ("float32", "bfloat16"):
         result["models"][f"bundled/{weights}"] = bench_model(None, weights, (1, 2, 4, 8, 16), (1, 2, 4, 8, 16),
                                                              a.repeats, a.seconds)

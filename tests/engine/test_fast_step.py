@@ -2,7 +2,7 @@
 which test_parity checks against transformers. After a prefill of rows of different lengths, a
 chunk of T tokens per row must give the same logits (and hidden states), write the same keys and
 values into the cache, and greedy decoding must pick the same tokens. Models outside what step.cpp
-implements must be refused with a reason naming the feature."""
+implements must be refused with a reason naming the feature. The other families: test_fast_step_families.py."""
 
 import os
 import subprocess
@@ -15,7 +15,7 @@ import torch
 import sluice
 from ckpt import build
 from sluice.engine import fast_step, mixed
-from sluice.engine.fast_step import FastStep, unsupported
+from sluice.engine.fast_step import FastStep, native_check, unsupported
 from sluice.engine.kv_cache import KVCache
 from sluice.engine.native import cpu_flags
 from sluice.engine.runner import Runner
@@ -73,7 +73,9 @@ def chunk(r, T: int, seed: int = 0):
     return tokens, r.pos[:, None] + torch.arange(T)  # (B, T) each
 
 
-def check_chunk(model, T: int, rtol: float = 1e-4):
+def check_chunk(model, T: int, rtol: float = 1e-4, cache_atol: float = 1e-5):
+    """cache_atol: the keys' and values' bound, absolute; a model with large weights (their ulps are larger
+    than 1e-5) passes one relative to its cache's scale."""
     r = prefilled(model, max(SLOTS, 16 + T))
     tokens, positions = chunk(r, T)
     k, v = r.cache.k.clone(), r.cache.v.clone()
@@ -86,7 +88,7 @@ def check_chunk(model, T: int, rtol: float = 1e-4):
     scale = want.abs().max()
     assert (got - want).abs().max() <= rtol * scale, f"logits differ by {(got - want).abs().max() / scale:.2e}"
     assert torch.allclose(got_h, want_h, atol=rtol * want_h.abs().max())
-    assert torch.allclose(k, r.cache.k, atol=1e-5) and torch.allclose(v, r.cache.v, atol=1e-5)
+    assert torch.allclose(k, r.cache.k, atol=cache_atol) and torch.allclose(v, r.cache.v, atol=cache_atol)
     assert (k[:, :, :, positions.max() + 1:] == 0).all()  # nothing written past the chunk
 
 
@@ -219,16 +221,6 @@ def test_a_chunk_is_causal_within_itself(ckpt_dirs):
                                                 r.cache.v.clone()), atol=1e-3)
 
 
-@pytest.mark.parametrize("arch, words", [("gemma2", "norm_placement"), ("gpt2", "norm_kind"),
-                                         ("neox", "norm_kind"), ("olmo2", "norm_placement")])
-def test_other_families_are_refused_with_the_reason(tmp_path, arch, words):
-    build(tmp_path, arch)
-    model = sluice.load(tmp_path)
-    assert words in unsupported(model)
-    with pytest.raises(ConfigError, match=words):
-        FastStep(model)
-
-
 def test_hooks_quantized_linears_and_bf16_activations_are_refused(ckpt_dirs):
     model = load(ckpt_dirs["qwen3"])
     handle = model.layers[1].mlp.register_forward_hook(lambda *a: None)
@@ -240,8 +232,9 @@ def test_hooks_quantized_linears_and_bf16_activations_are_refused(ckpt_dirs):
     assert unsupported(model) is None
     assert "Int8Linear" in unsupported(sluice.load(ckpt_dirs["qwen3"], quantize="int8"))
     assert "activations are torch.bfloat16" in unsupported(sluice.load(ckpt_dirs["qwen3"], dtype="bfloat16"))
+    fast = FastStep(model)
     model.final_softcap = 30.0  # surgery sets these attributes live; the config alone is not enough
-    assert unsupported(model) is not None
+    assert unsupported(model) is None and not fast.current() and native_check(model, fast)[1] is not fast
 
 
 def test_bad_inputs_give_clear_errors(ckpt_dirs):

@@ -56,12 +56,15 @@ def cmd_profile(args) -> int:
     from ..engine.sampling import SamplingParams
     from ..model import load
     from ..observatory.analysis import to_json
-    from ..observatory.profile import profile
+    from ..observatory.profile import PATHS, profile
+    from ..observatory.profile_native import native_reason
     from ..observatory.profile_report import prepare_out_dir, save
     from ..observatory.profile_tables import print_profile
     contexts = parse_contexts(args.contexts)  # everything checked before the (slow) load
     parse_dtype(args.dtype)
     reps = _positive_int(args.reps, "--reps")
+    if args.path not in ("auto", *PATHS):
+        raise ObservatoryError(f"--path must be one of auto, {', '.join(PATHS)}, got {args.path!r}")
     params = SamplingParams(temperature=_float(args.temperature, "--temperature"),
                             top_k=None if args.top_k is None else int(_float(args.top_k, "--top-k")),
                             top_p=_float(args.top_p, "--top-p"), seed=0).with_defaults({"temperature": 1.0})
@@ -69,12 +72,20 @@ def cmd_profile(args) -> int:
     err = Console(stderr=True, highlight=False)
     with err.status(f"loading {args.model or 'the bundled model'} ({DTYPES[args.dtype]})..."):
         model = load(args.model, dtype=DTYPES[args.dtype])
+    path = args.path
+    if path != "torch" and (why := native_reason(model)) is not None:
+        if path == "native":
+            raise ObservatoryError(f"--path native: the native step cannot run this model ({why})")
+        err.print(f"note: profiling the torch path: the native step cannot run this model ({why})")
+        path = "torch"
+    elif path == "auto":
+        path = "native"
 
     def progress(row):
         err.print(f"context {row['context']:,}: {row['step_ms']:.2f} ms/step, components sum "
                   f"{100 * row['sum_vs_step']:+.1f}% ({row['seconds']:.0f} s)")
     with err.status("measuring (median of round-robin passes; see docs/profile.md)..."):
-        data = profile(model, contexts, reps=reps, params=params, progress=progress)
+        data = profile(model, contexts, reps=reps, params=params, progress=progress, path=path)
     if out is not None:
         paths = save(data, out)
     if args.json:
@@ -139,9 +150,10 @@ def _output_args(p) -> None:
 def add_profile_parser(sub) -> None:
     p = sub.add_parser("profile", help="where one decode step's time goes, by component, against the KV-cache "
                                        "length; bytes read and achieved bandwidth",
-                       description="Times one decode step (batch 1, eager) by component with forward hooks, at "
-                                   "each context length, and compares the bytes it reads with this machine's "
-                                   "measured bandwidth and the roofline bound (docs/profile.md).",
+                       description="Times one decode step (batch 1) by component at each context length: the "
+                                   "native step by its phase timers, or the torch modules with forward hooks; and "
+                                   "compares the bytes it reads with this machine's measured bandwidth and the "
+                                   "roofline bound (docs/profile.md).",
                        epilog="exit status: 0 ok, 2 bad input (the message names it)")
     p.add_argument("--model", default=None, help="local checkpoint directory or cached Hugging Face repo id "
                                                  "(default: the bundled model)")
@@ -150,6 +162,10 @@ def add_profile_parser(sub) -> None:
                    help=f"comma-separated KV-cache lengths (default {DEFAULT_CONTEXTS}); clamped to the "
                         "model's max_position_embeddings")
     p.add_argument("--reps", default="15", help="round-robin rounds per context (default 15)")
+    p.add_argument("--path", default="auto",
+                   help="native: the native step's own phase timers (what the engine runs); torch: the eager "
+                        "torch modules timed with forward hooks; auto (default): native where the model can "
+                        "take it (fp32 activations), else torch, saying why")
     p.add_argument("--temperature", default=None, help="sampler temperature (default 1; 0 = greedy argmax)")
     p.add_argument("--top-k", default=None, help="sampler top-k (default off; any filter adds a vocabulary sort)")
     p.add_argument("--top-p", default=None, help="sampler top-p (default off)")

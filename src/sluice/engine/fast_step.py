@@ -7,16 +7,23 @@ forward of a (B, T) chunk in one OpenMP parallel region over the model's own ten
 and writes keys and values straight into the engine's KV cache (bench/fast_step.py has the numbers):
 the static (L, B, K, S, D) cache, or a paged pool of blocks read through a block table (below).
 
-Which models: the pre-norm RMSNorm decoders (Llama, Qwen2, Qwen3, Mistral): optional per-head
-qk-norm, GQA, RoPE from the model's own inv_freq (so scaled variants and partial rotary come out
-right), SwiGLU, optional biases, tied or untied head, sliding windows, fp32 or bf16 linear weights
-with fp32 activations and an fp32 cache (the fp32 model, and engine/mixed.py's bf16-weight mode).
-`unsupported(model)` names the first thing outside that, and then the caller keeps the torch path.
-Forward hooks are such a thing: the observatory relies on them firing, and this step calls no module.
+Which models: every family sluice loads, each variation a flag or a tensor of the one kernel (house rule 2):
+RMSNorm ((1 + w) as Gemma) or LayerNorm with bias; pre, sandwich (Gemma 2/3) or post (OLMo 2) norms;
+per-head or full-width qk-norm; GQA; RoPE from the model's own inv_freq (scaled variants and NeoX's
+partial rotary come out right) and a second table for Gemma 3's sliding layers, or GPT-2's learned
+positions; attention and final soft-caps, embedding scale; NeoX's parallel residual; SwiGLU, GeGLU or
+an ungated MLP with SiLU or GELU (erf or tanh); optional biases, tied or untied head, sliding windows;
+fp32 or bf16 linear weights with fp32 activations and an fp32 cache (the fp32 model, and
+engine/mixed.py's bf16-weight mode). Numerics are the torch path's in fp32, so the cast orders of the
+families' norms are moot here. `unsupported(model)` names the first thing outside that (quantized linears,
+bf16 activations, a module class or activation layers.py does not have, norms that mix kinds or eps),
+and then the caller keeps the torch path. Forward hooks are such a thing: the observatory relies on them
+firing, and this step calls no module.
 
 The step holds references to the tensors it was built over: build it after the model has its final
-form (dtype mode, fast linears), and again after anything replaces a parameter object. unsupported()
-is cheap (a walk over the modules), so callers re-check it per request, when hooks may have come.
+form (dtype mode, fast linears). unsupported() and FastStep.current() are cheap (walks over the modules),
+so callers (native_check) re-check them per request, when hooks may have come or surgery may have replaced
+a norm or set a soft-cap: a step that no longer matches its model is built again.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from ..model.layers import MLP, Attention, Block, RMSNorm, Transformer
+from ..model.layers import ACTIVATION_FUNCTIONS, MLP, Attention, Block, LayerNorm, RMSNorm, Transformer
 from .gemv import FastLinear
 from .mixed import Bf16WeightLinear, UpcastEmbedding, activation_dtype
 from .native import NATIVE_DIR, NativeExtension
@@ -35,6 +42,10 @@ _EXT = NativeExtension(NATIVE_DIR / "step.cpp", "whole-step CPU kernel")
 _LINEARS = (nn.Linear, FastLinear, Bf16WeightLinear)  # same parameters, forward differs only in speed
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 MAX_CHUNK = 64  # tokens per row per kernel call; a longer chunk runs as pieces of this many (small scratch)
+# config.hidden_act -> step.cpp's Act: gelu_new and torch's "tanh" GELU are one formula, equal in fp32 to an ulp
+_ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "gelu_new": 2}
+# step.cpp's Phase, in order: what FastStep's counters time (named as observatory/costs.py's components)
+PHASES = ("embedding", "norms", "qkv_proj", "attention", "o_proj", "mlp", "final_norm", "lm_head")
 
 
 def kernel():
@@ -47,21 +58,11 @@ def why_unavailable() -> str | None:
 
 
 def config_reason(cfg) -> str | None:
-    """Every ModelConfig field that changes numerics and step.cpp does not implement."""
-    checks = (
-        (cfg.norm_kind != "rms", f"norm_kind={cfg.norm_kind!r} (step.cpp has RMSNorm only)"),
-        (cfg.norm_placement != "pre", f"norm_placement={cfg.norm_placement!r} (pre-norm only)"),
-        (cfg.parallel_residual, "parallel_residual (NeoX's parallel attention + MLP)"),
-        (cfg.qk_norm not in (None, "head"), f"qk_norm={cfg.qk_norm!r} (per-head qk-norm only)"),
-        (not cfg.mlp_gated, "an ungated MLP (SwiGLU only)"),
-        (cfg.hidden_act != "silu", f"hidden_act={cfg.hidden_act!r} (SiLU only)"),
-        (cfg.pos_embedding != "rope", f"pos_embedding={cfg.pos_embedding!r} (RoPE only)"),
-        (cfg.embed_scale is not None, f"embed_scale={cfg.embed_scale}"),
-        (cfg.attn_softcap is not None, f"attn_softcap={cfg.attn_softcap}"),
-        (cfg.final_softcap is not None, f"final_softcap={cfg.final_softcap}"),
-        (cfg.rope_theta_local is not None, f"rope_theta_local={cfg.rope_theta_local} (a second RoPE base)"),
-    )
-    return next((why for bad, why in checks if bad), None)
+    """Every ModelConfig field that changes numerics and step.cpp does not implement (none today but an
+    activation outside its table, which a new ModelConfig activation would be until step.cpp has it)."""
+    if cfg.hidden_act not in _ACT_KINDS:
+        return f"hidden_act={cfg.hidden_act!r} (step.cpp has {', '.join(_ACT_KINDS)})"
+    return None
 
 
 def _hook_reason(model: nn.Module) -> str | None:
@@ -86,47 +87,66 @@ def _tensor_reason(name: str, t: torch.Tensor | None, dtypes=(torch.float32,), o
     return None
 
 
+def _act_kind(fn) -> int | None:
+    return next((_ACT_KINDS[name] for name, f in ACTIVATION_FUNCTIONS.items() if f is fn), None)
+
+
+def _norm_consts(n: nn.Module) -> tuple[float, float]:
+    # The offset only takes part with gain_in_fp32 (RMSNorm.forward); in fp32 the cast order is moot.
+    return float(n.eps), float(n.offset) if getattr(n, "gain_in_fp32", False) else 0.0
+
+
+_NORMS = ("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm")
+
+
 def _module_reason(model: Transformer) -> str | None:
     """Module classes and tensors: only what step.cpp reads, in the dtypes it reads."""
     if activation_dtype(model) != torch.float32:
         return f"activations are {activation_dtype(model)} (the native step computes and caches in fp32)"
-    if type(model.embed) not in (nn.Embedding, UpcastEmbedding) or model.pos_embed is not None:
-        return f"the embedding is a {type(model.embed).__name__}"
-    if model.final_softcap is not None:  # an attribute surgery may set, like each layer's attn.softcap
-        return f"final_softcap={model.final_softcap}"
-    norms = [model.final_norm] if model.final_norm is not None else []
+    for name, emb in (("embedding", model.embed), ("position embedding", model.pos_embed)):
+        if emb is not None and type(emb) not in (nn.Embedding, UpcastEmbedding):
+            return f"the {name} is a {type(emb).__name__}"
     found = [_tensor_reason("embed.weight", model.embed.weight, _WEIGHT_DTYPES),
-             _tensor_reason("inv_freq", model.inv_freq), model.inv_freq_local is not None and "a local RoPE table"]
+             _tensor_reason("inv_freq", model.inv_freq), _tensor_reason("inv_freq_local", model.inv_freq_local, optional=True)]
+    if model.pos_embed is not None:
+        found.append(_tensor_reason("pos_embed.weight", model.pos_embed.weight, _WEIGHT_DTYPES))
+    norms = [("final_norm", model.final_norm)]
     linears = [("lm_head", model.lm_head)]
-    scales = set()
+    same = {"scale": set(), "act": set(), "qk": set()}  # what step.cpp takes once for the whole model
     for i, blk in enumerate(model.layers):
         a, mlp = blk.attn, blk.mlp
         if (type(blk), type(a), type(mlp)) != (Block, Attention, MLP):
             return f"layer {i} has a {type(blk).__name__}/{type(a).__name__}/{type(mlp).__name__}"
-        if blk.parallel or blk.attn_post_norm is not None or blk.mlp_post_norm is not None:
-            return f"layer {i} has post-norms or a parallel residual"
-        if a.softcap is not None or a.full_width_qk_norm or mlp.act is not F.silu or mlp.gate is None:
-            return f"layer {i} has an attention soft-cap, full-width qk-norm or a non-SwiGLU MLP"
-        norms += [blk.attn_norm, blk.mlp_norm] + ([a.q_norm, a.k_norm] if a.q_norm is not None else [])
+        if blk.parallel and (blk.attn_post_norm is not None or blk.mlp_post_norm is not None):
+            return f"layer {i} has post-norms and a parallel residual"
+        if _act_kind(mlp.act) is None:
+            return f"layer {i}'s MLP activation is {getattr(mlp.act, '__name__', mlp.act)!r}, not one of layers.py's"
+        norms += [(f"layers.{i}.{n}", getattr(blk, n)) for n in _NORMS]
+        norms += [(f"layers.{i}.attn.{n}", getattr(a, n)) for n in ("q_norm", "k_norm")]
         linears += [(f"layers.{i}.attn.{n}", getattr(a, n)) for n in ("q", "k", "v", "o")]
-        linears += [(f"layers.{i}.mlp.{n}", getattr(mlp, n)) for n in ("gate", "up", "down")]
-        scales.add(float(a.scale))
+        linears += [(f"layers.{i}.mlp.{n}", getattr(mlp, n)) for n in ("gate", "up", "down")
+                    if getattr(mlp, n) is not None]
+        same["scale"].add(float(a.scale))
+        same["act"].add(_act_kind(mlp.act))
+        same["qk"].add(a.full_width_qk_norm if a.q_norm is not None else None)
     for name, lin in linears:
         if type(lin) not in _LINEARS:
             return f"{name} is a {type(lin).__name__} (quantized or custom linears stay on the torch path)"
         found += [_tensor_reason(f"{name}.weight", lin.weight, _WEIGHT_DTYPES),
-                  _tensor_reason(f"{name}.bias", lin.bias, optional=True)]
-    if any(type(n) is not RMSNorm for n in norms):
-        return "a norm is not an RMSNorm"
-    found += [_tensor_reason("a norm weight", n.weight) for n in norms]
-    if len({_norm_consts(n) for n in norms}) > 1 or len(scales) > 1:
+                  _tensor_reason(f"{name}.bias", lin.bias, _WEIGHT_DTYPES, optional=True)]
+    norms = [(name, n) for name, n in norms if n is not None]
+    for name, n in norms:
+        if type(n) not in (RMSNorm, LayerNorm):
+            return f"{name} is a {type(n).__name__} from {type(n).__module__}, not layers.py's RMSNorm or LayerNorm"
+        found += [_tensor_reason(f"{name}.weight", n.weight), _tensor_reason(f"{name}.bias", getattr(n, "bias", None),
+                                                                            optional=True)]
+    if len({type(n) for _, n in norms}) > 1:
+        return "the model mixes RMSNorm and LayerNorm (step.cpp takes one kind for all norms)"
+    if len({_norm_consts(n) for _, n in norms}) > 1 or len(same["scale"]) > 1:
         return "the norms' eps/offset or the layers' attention scales differ"
+    if len(same["act"]) > 1 or len(same["qk"] - {None}) > 1:
+        return "the layers' MLP activations or qk-norm widths differ"
     return next((why for why in found if why), None)
-
-
-def _norm_consts(n: RMSNorm) -> tuple[float, float]:
-    # The offset only takes part with gain_in_fp32 (RMSNorm.forward); in fp32 the cast order is moot.
-    return float(n.eps), float(n.offset) if n.gain_in_fp32 else 0.0
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -136,8 +156,46 @@ def unsupported(model: nn.Module) -> str | None:
     return config_reason(model.config) or _hook_reason(model) or _module_reason(model) or why_unavailable()
 
 
+def _sources(model: Transformer):
+    """What step.cpp's Step is built from, in its order (None for an absent tensor): per layer the 26 tensors
+    of its norms and linears, the embeddings, final norm, head, RoPE tables, per-layer lists, options."""
+    tensors = []
+    for blk in model.layers:
+        a, mlp = blk.attn, blk.mlp
+        parts = [blk.attn_norm, a.q, a.k, a.v, a.o, a.q_norm, a.k_norm, blk.attn_post_norm, blk.mlp_norm,
+                 mlp.gate, mlp.up, mlp.down, blk.mlp_post_norm]
+        for m in parts:
+            tensors += [None, None] if m is None else [m.weight, getattr(m, "bias", None)]
+    cfg, layers = model.config, model.layers
+    first = next((n for blk in layers for n in (blk.attn_norm, blk.attn_post_norm)
+                  if n is not None), model.final_norm)
+    eps, offset = _norm_consts(first) if first is not None else (1e-6, 0.0)
+    opts = {"eps": eps, "norm_offset": offset, "layer_norm": float(isinstance(first, LayerNorm)),
+            "scale": float(layers[0].attn.scale) if len(layers) else 1.0,
+            "act": float(_act_kind(layers[0].mlp.act)) if len(layers) else 0.0,
+            "qk_full_width": float(any(blk.attn.full_width_qk_norm and blk.attn.q_norm is not None for blk in layers)),
+            "parallel_residual": float(any(blk.parallel for blk in layers)),
+            "embed_scale": float(cfg.embed_scale or 0.0), "final_softcap": float(model.final_softcap or 0.0)}
+    local = model.inv_freq_local is not None
+    per_layer = ([cfg.sliding_window if s else 0 for s in model.sliding],
+                 [float(blk.attn.softcap or 0.0) for blk in layers], [bool(s and local) for s in model.sliding])
+    fn = model.final_norm
+    final = [None, None] if fn is None else [fn.weight, getattr(fn, "bias", None)]
+    # GPT-2's learned positions take the place of RoPE: no table, so step.cpp rotates nothing.
+    rope = model.pos_embed is None
+    pos = None if rope else model.pos_embed.weight
+    return (tensors, model.embed.weight, pos, final, model.lm_head.weight, model.inv_freq if rope else None,
+            model.inv_freq_local if rope else None, per_layer, opts)
+
+
+def _signature(sources) -> tuple:
+    tensors, embed, pos, final, head, inv, inv_local, per_layer, opts = sources
+    ids = tuple(None if t is None else id(t) for t in [*tensors, embed, pos, *final, head, inv, inv_local])
+    return ids, tuple(map(tuple, per_layer)), tuple(sorted(opts.items()))
+
+
 class FastStep:
-    """`step(tokens (B, T), positions (B, T), k, v, hidden=False, block_table=None)` -> fp32 logits
+    """`step(tokens (B, T), positions (B, T), k, v, hidden=False, block_table=None, counters=None)` -> fp32 logits
     (B, T, V), or the final-normed hidden states (B, T, C) with hidden=True; writes the chunk's keys and
     values into the cache tensors k, v at `positions`, as the torch forward does. Token t of a row
     sees the slots <= its position (Transformer.attention_mask), so a chunk is causal within itself.
@@ -155,41 +213,50 @@ class FastStep:
         why = unsupported(model)
         if why is not None:
             raise ConfigError(f"the native step cannot run this model: {why}")
-        cfg, none = model.config, torch.empty(0)
-        tensors = []
-        for blk in model.layers:
-            a, mlp = blk.attn, blk.mlp
-            qn, kn = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (none, none)
-            for t in (blk.attn_norm.weight, a.q.weight, a.q.bias, a.k.weight, a.k.bias, a.v.weight, a.v.bias,
-                      a.o.weight, a.o.bias, qn, kn, blk.mlp_norm.weight, mlp.gate.weight, mlp.gate.bias,
-                      mlp.up.weight, mlp.up.bias, mlp.down.weight, mlp.down.bias):
-                tensors.append(none if t is None else t.detach())
-        windows = [cfg.sliding_window if s else 0 for s in model.sliding]
-        eps, offset = _norm_consts(model.layers[0].attn_norm) if len(model.layers) else (1e-6, 0.0)
-        final = model.final_norm.weight.detach() if model.final_norm is not None else None
-        self.model = model
-        self._step = kernel().Step(tensors, model.embed.weight.detach(), final, model.lm_head.weight.detach(),
-                                   model.inv_freq, windows, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   eps, offset, float(model.layers[0].attn.scale) if len(model.layers) else 1.0)
+        self.model, cfg = model, model.config
+        self.built_from = _sources(model)  # held, so no id in it can be reused while this step lives
+        tensors, embed, pos, final, head, inv, inv_local, per_layer, opts = self.built_from
+        # bf16 biases (mixed.py leaves a linear's bias in its dtype) widen exactly to the fp32 step.cpp reads.
+        kept = [torch.empty(0) if t is None else t.detach().float() if t.dim() == 1 else t.detach() for t in tensors]
+        none = torch.empty(0)
+        self._step = kernel().Step(kept, embed.detach(), none if pos is None else pos.detach(),
+                                   [none if t is None else t.detach() for t in final], head.detach(),
+                                   none if inv is None else inv, none if inv_local is None else inv_local, *per_layer,
+                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, opts)
+
+    def current(self) -> bool:
+        """Whether the model still has the tensors and settings this step was built over (surgery may
+        replace a norm or set a soft-cap; a caller then builds a new step)."""
+        return _signature(self.built_from) == _signature(_sources(self.model))
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 hidden: bool = False, block_table: torch.Tensor | None = None) -> torch.Tensor:
+                 hidden: bool = False, block_table: torch.Tensor | None = None,
+                 counters: torch.Tensor | None = None) -> torch.Tensor:
         T = tokens.shape[-1]
         if T <= MAX_CHUNK:
-            return self._step.run(tokens, positions, k, v, hidden, block_table)
+            return self._step.run(tokens, positions, k, v, hidden, block_table, counters)
         # A long chunk (a prompt's prefill) runs as pieces of MAX_CHUNK tokens, in order. That gives bit for
         # bit what one call would: step.cpp computes each token's products alone, in an order that does not
         # depend on how many rows share the call, and its attention reads the keys and values the earlier
         # pieces wrote. So a prompt's numbers never depend on how the scheduler cut it into chunks.
         return torch.cat([self._step.run(tokens[:, t0:t0 + MAX_CHUNK], positions[:, t0:t0 + MAX_CHUNK], k, v,
-                                         hidden, block_table) for t0 in range(0, T, MAX_CHUNK)], 1)
+                                         hidden, block_table, counters) for t0 in range(0, T, MAX_CHUNK)], 1)
+
+    @staticmethod
+    def counters() -> torch.Tensor:
+        """Zeroed phase counters for __call__(counters=...): each call adds the seconds of each phase (PHASES,
+        the profile's component names; qkv_proj includes the qk-norms, RoPE and the cache writes). Without
+        them the step times nothing."""
+        return torch.zeros(len(PHASES), dtype=torch.float64)
 
 
 def native_check(model: nn.Module, fast: FastStep | None) -> tuple[str | None, FastStep | None]:
     """For a caller about to run `model`: (why the native step cannot run it now, or None; the FastStep,
-    `fast` as given or built now, the first time it can). The Runner and the Scheduler ask per request
-    or busy period, since a hook may have been attached in between."""
+    `fast` as given, or built now: the first time it can, or again when the model is no longer the one
+    `fast` was built over). The Runner and the Scheduler ask per request or busy period, since a hook may
+    have been attached, or surgery done, in between."""
     why = unsupported(model)
-    if why is None and fast is None:
+    stale = isinstance(fast, FastStep) and not fast.current()  # (anything else is a caller's wrapper: kept)
+    if why is None and (fast is None or stale):
         fast = FastStep(model)
     return why, fast

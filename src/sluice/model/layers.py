@@ -209,7 +209,9 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
-_ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu_new": gelu_new}
+# config.hidden_act -> the function MLP applies (public: the native step reads which one a layer has)
+ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                        "gelu_new": gelu_new}
 
 
 class MLP(nn.Module):
@@ -221,7 +223,7 @@ class MLP(nn.Module):
         self.gate = nn.Linear(C, I, bias=cfg.mlp_bias) if cfg.mlp_gated else None
         self.up = nn.Linear(C, I, bias=cfg.mlp_bias)
         self.down = nn.Linear(I, C, bias=cfg.mlp_bias)
-        self.act = _ACT[cfg.hidden_act]
+        self.act = ACTIVATION_FUNCTIONS[cfg.hidden_act]
 
     def forward(self, x):
         if self.gate is None:

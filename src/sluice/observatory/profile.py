@@ -1,6 +1,7 @@
 """`sluice profile`: where one decode step's time goes, by component, with the bytes it must read.
 
-The step is the engine's own: Runner.step (eager) for one new token at batch 1 against a KVCache of
+path="native" (profile_native.py) times the native step the engine ships with its own phase counters;
+the default, path="torch", is described here. The step is the engine's own: Runner.step (eager) for one new token at batch 1 against a KVCache of
 exactly `context` slots (filled with random keys and values: the cost of a step does not depend on
 what the cache holds), then the Sampler on its logits. Every context length is measured alone.
 
@@ -41,6 +42,7 @@ from ..engine.sampling import Sampler, SamplingParams
 from ..errors import ObservatoryError
 from . import machine
 from .costs import COMPONENTS, kv_cache_bytes, step_costs, totals
+from .profile_native import measure_native, native_reason
 from .roofline import predict
 
 PASSES = ("step", "top", "block", "attn")
@@ -192,9 +194,18 @@ def measure_context(model, context: int, reps: int, params: SamplingParams, min_
             "step_s": statistics.median(step_s), "step_s_samples": step_s}
 
 
+PATHS = ("torch", "native")
+
+
 def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams | None = None,
-            min_sample_s: float = 0.05, hardware: dict | None = None, progress=None) -> dict:
-    """The decode-step breakdown of `model` at each context length (see the module docstring)."""
+            min_sample_s: float = 0.05, hardware: dict | None = None, progress=None, path: str = "torch") -> dict:
+    """The decode-step breakdown of `model` at each context length (see the module docstring). path="native":
+    the native step the engine runs, timed by its own phase counters (profile_native.py)."""
+    if path not in PATHS:
+        raise ObservatoryError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+    if path == "native" and (why := native_reason(model)) is not None:
+        raise ObservatoryError(f"the native step cannot run this model ({why}); profile the torch path")
+    measure = measure_native if path == "native" else measure_context
     cfg = model.config
     dtype = model.embed.weight.dtype
     if not (isinstance(reps, int) and not isinstance(reps, bool) and reps >= 1):
@@ -210,7 +221,7 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
     rows = []
     for c in contexts:
         t0 = time.perf_counter()
-        m = measure_context(model, c, reps, params, min_sample_s)
+        m = measure(model, c, reps, params, min_sample_s)
         costs = step_costs(cfg, 1, c, dtype)
         tot = totals(costs)
         comp_s, step_s = m["components"], m["step_s"]
@@ -251,6 +262,7 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
         "settings": {"contexts": contexts, "reps": reps, "min_sample_s": min_sample_s, "batch": 1,
                      "sampling": {"temperature": params.temperature, "top_k": params.top_k,
                                   "top_p": params.top_p, "min_p": params.min_p},
-                     "threads": torch.get_num_threads(), "mode": "eager", "loadavg_at_start": load_start},
+                     "threads": torch.get_num_threads(), "mode": "native" if path == "native" else "eager",
+                     "path": path, "loadavg_at_start": load_start},
         "machine": hw, "notes": notes, "rows": rows,
     }

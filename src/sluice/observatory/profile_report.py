@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .analysis import to_json
 from .profile_plots import write_all
-from .profile_tables import (LEGEND, component_bytes_rows, component_time_rows, profile_header, roofline_header,
+from .profile_tables import (LEGEND, component_bytes_rows, legend, component_time_rows, profile_header, roofline_header,
                              roofline_rows, roofline_summary, summary_rows, collective_rows, tp_rows)
 from .report import CSS, prepare_out_dir
 
@@ -23,6 +23,14 @@ PROFILE_HOW = (
     "a step must stream from memory (every weight matrix, one embedding row, the whole KV cache); the "
     "achieved bandwidth is those bytes over the step time, against this machine's stream-copy rate. The "
     "roofline columns are `sluice roofline --hardware cpu-this-machine` for the same step.")
+NATIVE_HOW = (
+    "One decode step of the native step the engine runs (engine/fast_step.py over step.cpp, batch 1) against "
+    "a KV cache holding exactly the context length, then the sampler. The step calls no module, so it times "
+    "itself: its first thread adds the time since its last mark to a phase at each phase boundary (most are "
+    "barriers: a phase's wall time). 'q/k/v proj' includes the qk-norms, RoPE and the KV-cache write; "
+    "'attention' is attention over every slot; 'other' is the rest of the call (Python, checks, scratch), so "
+    "the components add up to the step by construction. Bytes read and the roofline columns as for the torch "
+    "path (`sluice profile --path torch`).")
 ROOFLINE_HOW = (
     "Predicted from config.json alone: bytes every decode step must read and FLOPs it must do, by component, "
     "and the bound time = max(bytes / peak bandwidth, FLOPs / peak FLOP/s). A real step is slower: kernels "
@@ -52,13 +60,15 @@ def _page(title: str, sections: list[tuple[str, str]]) -> str:
 
 
 def render_profile(d: dict, pngs: dict[str, Path]) -> str:
-    intro = f'<p class="meta">{escape(profile_header(d))}</p><p class="how">{escape(PROFILE_HOW)}</p>'
+    native = d["settings"].get("path") == "native"
+    how = NATIVE_HOW if native else PROFILE_HOW
+    intro = f'<p class="meta">{escape(profile_header(d))}</p><p class="how">{escape(how)}</p>'
     intro += "".join(f'<p class="skipped">{escape(n)}</p>' for n in d["notes"])
     last = d["rows"][-1]
     sections = [("intro", intro),
                 ("Summary per context length", _table(*summary_rows(d))),
                 ("Share of the step by component", _img(pngs["shares"], "component shares")
-                 + _table(*component_time_rows(d)) + f"<p>{escape(LEGEND)}</p>"),
+                 + _table(*component_time_rows(d)) + f"<p>{escape(legend(d))}</p>"),
                 ("Time per component", _img(pngs["times"], "time per component")),
                 ("Bytes and bandwidth", _img(pngs["traffic"], "bytes read and bandwidth")
                  + f"<h3>Per component at context {last['context']:,}</h3>" + _table(*component_bytes_rows(last))),

@@ -16,6 +16,14 @@ from .costs import COMPONENTS, LABELS
 LEGEND = ("norms: every norm in the blocks (input, post, q/k); attention (KV): RoPE, the KV-cache write and "
           "attention over every cache slot; softmax+sampling: the sampler over the fp32 logits; other: residual "
           "adds, RoPE tables, the mask, glue between modules.")
+NATIVE_LEGEND = ("norms: every norm (input, post, final); q/k/v proj: with the q/k norms, RoPE and the KV-cache "
+                 "write; attention (KV): attention over every cache slot; other: the rest of the native call "
+                 "(Python, argument checks, scratch). Phases are timed by the step's first thread, so on a busy "
+                 "machine a wait for the other threads may land in a neighbouring phase.")
+
+
+def legend(d: dict) -> str:
+    return NATIVE_LEGEND if d["settings"].get("path") == "native" else LEGEND
 
 
 def ms(x: float) -> str:
@@ -34,11 +42,15 @@ def mb(x: float) -> str:
     return f"{x / 1e6:,.2f}"
 
 
+def _path(d: dict) -> str:
+    return "the native step" if d["settings"].get("path") == "native" else "eager torch modules"
+
+
 def profile_header(d: dict) -> str:
     m, hw = d["model"], d["machine"]
     return (f"{m['name']}: {m['architecture']}, {m['num_params'] / 1e6:,.1f}M parameters "
             f"({m['param_bytes'] / 1e6:,.1f} MB in {m['dtype']}), {m['num_layers']} layers, vocab "
-            f"{m['vocab_size']:,}; KV cache {m['kv_bytes_per_token'] / 1e3:,.1f} kB/token. Batch 1, eager, "
+            f"{m['vocab_size']:,}; KV cache {m['kv_bytes_per_token'] / 1e3:,.1f} kB/token. Batch 1, {_path(d)}, "
             f"{d['settings']['threads']} threads, median of {d['settings']['reps']} rounds, 1-min load average "
             f"{d['settings']['loadavg_at_start']:.2f} at the start. This machine: "
             f"stream copy {hw['stream_copy']['GB_s']:.1f} GB/s, matmul {hw['matmul']['GFLOP_s']:.1f} GFLOP/s "
@@ -62,7 +74,8 @@ def component_time_rows(d: dict) -> tuple[list[str], list[list[str]]]:
     rows = [[LABELS[k]] + [f"{ms(r['components'][k]['ms'])} ({pct(r['components'][k]['share'])})" for r in d["rows"]]
             for k in COMPONENTS]
     rows.append(["sum of components"] + [f"{r['components_sum_ms']:.3f}" for r in d["rows"]])
-    rows.append(["whole step, no hooks"] + [f"{r['step_ms']:.3f}" for r in d["rows"]])
+    whole = "whole step, no hooks" if d["settings"].get("path") != "native" else "whole step (the same calls)"
+    rows.append([whole] + [f"{r['step_ms']:.3f}" for r in d["rows"]])
     return head, rows
 
 
@@ -177,7 +190,7 @@ def print_profile(d: dict, console: Console | None = None) -> None:
     last = d["rows"][-1]
     con.print(_table(f"bytes, FLOPs and bandwidth per component at context {last['context']:,}",
                      *component_bytes_rows(last)))
-    con.print(escape(LEGEND), highlight=False)
+    con.print(escape(legend(d)), highlight=False)
 
 
 def print_roofline(d: dict, console: Console | None = None) -> None:

@@ -2,12 +2,18 @@
 //
 // Why: a small model's eager decode step is ~500 ATen calls whose fixed costs (dispatch, allocation,
 // thread pool wake-ups) outweigh the arithmetic; the bundled 6.8 M-parameter model spent 13 ms per
-// token there. This file runs the whole forward (embedding, pre-norm blocks with GQA attention over
-// the KV cache, SwiGLU MLP, final norm, LM head) in ONE OpenMP parallel region: each phase is an
+// token there. This file runs the whole forward (embedding, blocks with GQA attention over the KV cache
+// and an MLP, final norm, LM head) in ONE OpenMP parallel region: each phase is an
 // `omp for` over output rows, phases are separated by barriers. It reads the model's own weight
 // tensors in place (fp32 or bf16, widened in registers, fp32 accumulation), writes the new keys and
 // values into the engine's cache tensors exactly where layers.py writes them, and returns fp32
 // logits (or final-normed hidden states). fast_step.py decides which models may take this path.
+//
+// Every family runs this one code: where they differ (RMSNorm or LayerNorm, where the norms sit, qk-norm
+// per head or over the whole width, soft-caps, embedding scale, learned positions or one or two RoPE
+// tables, parallel residual, the MLP's gate and activation, biases) is a flag or an absent tensor of Step,
+// never a family name. A pre-norm RMSNorm model (Llama, Qwen) takes exactly the arithmetic it took before
+// the other families came: each addition is a branch on one of those flags, off for it.
 //
 // The cache is either the static one, (L, B, K, S, D), or a paged pool (L, NB, K, bs, D) read through
 // a block table (B, nb) for the continuous-batching scheduler: slot s of row b lives in block
@@ -26,6 +32,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "simd.h"
@@ -187,6 +196,20 @@ inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
+// The MLP's activation, as fast_step.py names it from the model's: SiLU, GELU (erf), GELU's tanh form.
+enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
+
+// act(g) in fp32 as layers.py applies it: torch's exact GELU is x / 2 (1 + erf(x / sqrt 2)); GPT-2's
+// gelu_new and torch's fused "tanh" GELU are one formula, which in fp32 differ by an ulp at most.
+inline float activate(int64_t act, float g) {
+  if (act == kGelu) return 0.5f * g * (1.f + std::erf(g * 0.70710678118654752f));
+  if (act == kGeluTanh) return 0.5f * g * (1.f + std::tanh(0.79788456080286536f * (g + 0.044715f * g * g * g)));
+  return g / (1.f + std::exp(-g));
+}
+
+// cap * tanh(s / cap), Gemma 2's soft-cap on attention scores and on logits, in the order torch computes it.
+inline float soft_cap(float s, float cap) { return std::tanh(s / cap) * cap; }
+
 struct Linear {  // an nn.Linear's tensors: weight (N, K) fp32 or bf16, bias (N,) fp32 or absent
   const void* w = nullptr;
   bool is_bf16 = false;
@@ -222,7 +245,7 @@ constexpr int64_t kBlock = 16;  // weight rows per work item: 16 rows x K stay i
 
 // y[m, n - n0] (+)= x[m] . W[n] + b[n] for m < M and weight rows n0 <= n < n1. accumulate: the
 // residual add, x + f(x), in the order torch adds (the bias before the residual). after: the weight rows
-// (same K and type) this thread reads next, when they are not the rows after n1 (swiglu's gate, then up):
+// (same K and type) this thread reads next, when they are not the rows after n1 (mlp_act's gate, then up):
 // the last tiles prefetch those instead.
 template <typename W>
 void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
@@ -356,13 +379,20 @@ void linear(const Linear& L, const float* x, int64_t M, float* y, int64_t ldy, b
     block(L, x, M, n0, std::min(L.n, n0 + kBlock), y + n0, ldy, accumulate);
 }
 
-// act (M, I) = silu(x gate^T + bg) * (x up^T + bu): both products of a block of rows into the
-// thread's scratch `tmp` (2 * M * kBlock), then combined, so the MLP needs no barrier in between.
-void swiglu(const Linear& gate, const Linear& up, const float* x, int64_t M, float* act, float* tmp) {
+// act (M, I) = act(x gate^T + bg) * (x up^T + bu), or act(x up^T + bu) for an ungated MLP (GPT-2, NeoX):
+// both products of a block of rows into the thread's scratch `tmp` (2 * M * kBlock), then combined, so the
+// MLP needs no barrier in between.
+void mlp_act(const Linear& gate, const Linear& up, int64_t kind, const float* x, int64_t M, float* act, float* tmp) {
   float* u = tmp + M * kBlock;
 #pragma omp for schedule(guided) nowait
   for (int64_t n0 = 0; n0 < up.n; n0 += kBlock) {
     const int64_t n1 = std::min(up.n, n0 + kBlock);
+    if (!gate.w) {
+      block(up, x, M, n0, n1, act + n0, up.n, false);
+      for (int64_t m = 0; m < M; ++m)
+        for (float* a = act + m * up.n + n0; a < act + m * up.n + n1; ++a) *a = activate(kind, *a);
+      continue;
+    }
     // While the gate's last rows run, the up rows of this block are prefetched, and vice versa the gate's
     // next rows (usually this thread's next block: guided schedule).
     const auto row = [](const Linear& L, int64_t n) -> const void* {
@@ -370,7 +400,12 @@ void swiglu(const Linear& gate, const Linear& up, const float* x, int64_t M, flo
     };
     block(gate, x, M, n0, n1, tmp, kBlock, false, row(up, n0));
     block(up, x, M, n0, n1, u, kBlock, false, row(gate, n1));
-    for (int64_t m = 0; m < M; ++m) silu_mul(tmp + m * kBlock, u + m * kBlock, n1 - n0, act + m * up.n + n0);
+    for (int64_t m = 0; m < M; ++m) {
+      const float *g = tmp + m * kBlock, *um = u + m * kBlock;
+      float* a = act + m * up.n + n0;
+      if (kind == kSilu) silu_mul(g, um, n1 - n0, a);
+      else for (int64_t i = 0; i < n1 - n0; ++i) a[i] = activate(kind, g[i]) * um[i];
+    }
   }
 }
 
@@ -429,6 +464,41 @@ inline void rms_norm_rows(const float* x, int64_t ldx, const float* w, float off
 #endif
   for (; m0 < n; ++m0) rms_norm(x + m0 * ldx, w, offset, eps, C, out + m0 * ldo);
 }
+
+// LayerNorm as F.layer_norm computes it in fp32: (x - mean) / sqrt(var + eps) * w + b, the biased
+// variance. The moments are summed in double, so they are as exact as torch's (Welford) ones or better.
+inline void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t C, float* out) {
+  double s = 0.0, ss = 0.0;
+  for (int64_t c = 0; c < C; ++c) s += x[c];
+  const double mean = s / static_cast<double>(C);
+  for (int64_t c = 0; c < C; ++c) ss += (x[c] - mean) * (x[c] - mean);
+  const float mu = static_cast<float>(mean);
+  const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(C) + eps));
+  for (int64_t c = 0; c < C; ++c) out[c] = (x[c] - mu) * inv * w[c] + (b ? b[c] : 0.f);
+}
+
+// A norm's tensors: gain w (absent: no norm there, the rows pass unchanged) and LayerNorm's bias b.
+struct Norm {
+  const float *w = nullptr, *b = nullptr;
+};
+
+// What a model's norms share (fast_step.py checks they do): RMSNorm or LayerNorm, eps, RMSNorm's gain offset.
+struct NormKind {
+  bool layer = false;
+  float eps = 1e-6f, offset = 0.f;
+
+  // out rows = norm(x rows), n rows of C channels, x + m * ldx into out + m * ldo (in place is fine).
+  void operator()(const Norm& N, const float* x, int64_t ldx, int64_t C, int64_t n, float* out, int64_t ldo) const {
+    if (!N.w) {
+      if (out != x)
+        for (int64_t m = 0; m < n; ++m) std::copy(x + m * ldx, x + m * ldx + C, out + m * ldo);
+    } else if (layer) {
+      for (int64_t m = 0; m < n; ++m) layer_norm(x + m * ldx, N.w, N.b, eps, C, out + m * ldo);
+    } else {
+      rms_norm_rows(x, ldx, N.w, offset, eps, C, n, out, ldo);
+    }
+  }
+};
 
 // RoPE on the first R channels of one head, halves layout: the pair (x[i], x[i + R/2]) turns by the
 // position's angle i (cos/sin precomputed per token, R/2 each); channels R.. pass unrotated.
@@ -507,11 +577,11 @@ inline void softmax(float* s, int64_t n) {
 #endif
 
 // The G query heads q[h] = qh + h * D that share one KV head (kh, vh: for_slots's `head`), over its slots
-// lo..p: softmax of the scaled scores q.k (sc: scratch, G rows of `span` floats indexed by slot), then
+// lo..p: softmax of the scaled scores q.k, soft-capped if cap > 0 (sc: scratch, G rows of `span` floats indexed by slot), then
 // o[h] = o + h * D (D floats) = the weighted sum of the values. One pass over the keys and values serves
 // all G heads: the cache is read once per KV head, not once per query head.
 inline void attend(const float* qh, int64_t G, const float* kh, const float* vh, const int64_t* blocks, int64_t bs,
-                   int64_t sBlock, int64_t sS, int64_t D, int64_t lo, int64_t p, float scale, float* sc,
+                   int64_t sBlock, int64_t sS, int64_t D, int64_t lo, int64_t p, float scale, float cap, float* sc,
                    int64_t span, float* o) {
 #ifdef SLUICE_AVX512
   // Scores 16 slots at a time: 16 dot products share each load of q, and one reduce16 sums them; the
@@ -539,6 +609,9 @@ inline void attend(const float* qh, int64_t G, const float* kh, const float* vh,
     if (cnt == 16) scores16();
   });
   if (cnt) scores16();
+  if (cap > 0.f)
+    for (int64_t h = 0; h < G; ++h)
+      for (float* t = sc + h * span + lo; t <= sc + h * span + p; ++t) *t = soft_cap(*t, cap);
   for (int64_t h = 0; h < G; ++h) softmax(sc + h * span + lo, p + 1 - lo);
   for (int64_t h0 = 0; h0 < G; h0 += 4) {
     const float* w = sc + h0 * span;
@@ -554,6 +627,7 @@ inline void attend(const float* qh, int64_t G, const float* kh, const float* vh,
     float mx = -INFINITY;
     for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const float* ks) {
       sc[s] = dot(ks, qh, D) * scale;
+      if (cap > 0.f) sc[s] = soft_cap(sc[s], cap);
       mx = std::max(mx, sc[s]);
     });
     float sum = 0.f;
@@ -568,43 +642,86 @@ inline void attend(const float* qh, int64_t G, const float* kh, const float* vh,
 }
 
 struct Layer {
-  Linear q, k, v, o, gate, up, down;
-  const float *attn_norm = nullptr, *mlp_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+  Linear q, k, v, o, gate, up, down;  // gate.w null: an ungated MLP, act(up(x))
+  // Absent norms have w null. Pre: attn_norm, mlp_norm; after each branch: attn_post, mlp_post (sandwich:
+  // all four, Gemma 2/3; post: only these two, OLMo 2). q/k norms per head, or over the whole width.
+  Norm attn_norm, q_norm, k_norm, attn_post, mlp_norm, mlp_post;
   int64_t window = 0;  // sliding window in slots; 0 = all slots up to the position
+  float softcap = 0.f;  // the attention-score soft-cap; 0 = none
+  bool local_rope = false;  // RoPE from the second table, inv_freq_local (Gemma 3's sliding layers)
 };
+
+// The phases `counters` times (fast_step.PHASES names them, in this order, as the profile's components).
+enum Phase { kEmbedding, kNorms, kQkv, kAttention, kO, kMlp, kFinalNorm, kHead, kPhases };
 
 class Step {
  public:
   // tensors: per layer, in this order, an empty tensor for an absent one (see fast_step.py).
-  static constexpr int kPerLayer = 18;
+  static constexpr int kPerLayer = 26;
+  // opts: the model-wide numbers and switches, each key required (a misspelt one is an error, not a default).
+  static constexpr const char* kOpts[] = {"eps", "norm_offset", "layer_norm", "scale", "act", "qk_full_width",
+                                          "parallel_residual", "embed_scale", "final_softcap"};
 
-  Step(std::vector<torch::Tensor> tensors, torch::Tensor embed, c10::optional<torch::Tensor> final_norm,
-       torch::Tensor head, torch::Tensor inv_freq, std::vector<int64_t> windows, int64_t heads,
-       int64_t kv_heads, int64_t head_dim, double eps, double norm_offset, double scale)
-      : keep_(std::move(tensors)), embed_(embed), head_t_(head), inv_freq_(inv_freq.contiguous()),
-        H_(heads), K_(kv_heads), D_(head_dim), eps_(eps), offset_(norm_offset), scale_(scale) {
-    TORCH_CHECK(keep_.size() == windows.size() * kPerLayer, "Step: tensors per layer");
+  Step(std::vector<torch::Tensor> tensors, torch::Tensor embed, torch::Tensor pos_embed,
+       std::vector<torch::Tensor> final_norm, torch::Tensor head, torch::Tensor inv_freq, torch::Tensor inv_freq_local,
+       std::vector<int64_t> windows, std::vector<double> softcaps, std::vector<bool> local_rope, int64_t heads,
+       int64_t kv_heads, int64_t head_dim, std::map<std::string, double> opts)
+      : keep_(std::move(tensors)), embed_(embed), pos_embed_(pos_embed), head_t_(head),
+        inv_freq_(inv_freq.contiguous()), inv_freq_local_(inv_freq_local.contiguous()), H_(heads), K_(kv_heads),
+        D_(head_dim) {
+    const size_t L = windows.size();
+    TORCH_CHECK(keep_.size() == L * kPerLayer && softcaps.size() == L && local_rope.size() == L,
+                "Step: tensors, windows, soft-caps and RoPE tables per layer");
+    TORCH_CHECK(final_norm.size() == 2, "Step: final_norm is [weight, bias]");
+    TORCH_CHECK(opts.size() == std::size(kOpts), "Step: options must be exactly ", std::size(kOpts), " keys");
+    auto opt = [&](const char* key) {
+      auto it = opts.find(key);
+      TORCH_CHECK(it != opts.end(), "Step: option ", key, " is missing");
+      return it->second;
+    };
+    norm_.eps = static_cast<float>(opt("eps"));
+    norm_.offset = static_cast<float>(opt("norm_offset"));
+    norm_.layer = opt("layer_norm") != 0.0;
+    scale_ = static_cast<float>(opt("scale"));
+    act_ = static_cast<int64_t>(opt("act"));
+    TORCH_CHECK(act_ == kSilu || act_ == kGelu || act_ == kGeluTanh, "Step: act must be 0, 1 or 2");
+    qk_full_ = opt("qk_full_width") != 0.0;
+    parallel_ = opt("parallel_residual") != 0.0;
+    embed_scale_ = static_cast<float>(opt("embed_scale"));
+    final_cap_ = static_cast<float>(opt("final_softcap"));
+    TORCH_CHECK(!inv_freq_local_.numel() || inv_freq_local_.numel() == inv_freq_.numel(),
+                "Step: the two RoPE tables must rotate the same channels");
     C_ = embed.size(1);
     V_ = head.size(0);
-    if (final_norm.has_value() && final_norm->defined()) { final_norm_t_ = *final_norm; final_norm_ = final_norm_t_.data_ptr<float>(); }
-    for (size_t l = 0; l < windows.size(); ++l) {
+    TORCH_CHECK(!pos_embed_.numel() || (pos_embed_.dim() == 2 && pos_embed_.size(1) == C_),
+                "Step: pos_embed must be (positions, ", C_, ")");
+    keep_.insert(keep_.end(), final_norm.begin(), final_norm.end());
+    auto f = [&](size_t i) -> const float* { return keep_[i].numel() ? keep_[i].data_ptr<float>() : nullptr; };
+    final_ = Norm{f(L * kPerLayer), f(L * kPerLayer + 1)};
+    for (size_t l = 0; l < L; ++l) {
       auto t = [&](int i) -> const torch::Tensor& { return keep_[l * kPerLayer + i]; };
-      auto f = [&](int i) -> const float* { return t(i).numel() ? t(i).data_ptr<float>() : nullptr; };
       auto lin = [&](int iw, int ib) {
-        Linear L;
-        L.w = t(iw).data_ptr();
-        L.is_bf16 = t(iw).scalar_type() == torch::kBFloat16;
-        L.b = f(ib);
-        L.n = t(iw).size(0);
-        L.k = t(iw).size(1);
-        return L;
+        Linear Li;
+        if (!t(iw).numel()) return Li;  // absent: w null
+        Li.w = t(iw).data_ptr();
+        Li.is_bf16 = t(iw).scalar_type() == torch::kBFloat16;
+        Li.b = f(l * kPerLayer + ib);
+        Li.n = t(iw).size(0);
+        Li.k = t(iw).size(1);
+        return Li;
       };
+      auto nrm = [&](int iw) { return Norm{f(l * kPerLayer + iw), f(l * kPerLayer + iw + 1)}; };
       Layer Ly;
-      Ly.attn_norm = f(0);
-      Ly.q = lin(1, 2); Ly.k = lin(3, 4); Ly.v = lin(5, 6); Ly.o = lin(7, 8);
-      Ly.q_norm = f(9); Ly.k_norm = f(10); Ly.mlp_norm = f(11);
-      Ly.gate = lin(12, 13); Ly.up = lin(14, 15); Ly.down = lin(16, 17);
+      Ly.attn_norm = nrm(0);
+      Ly.q = lin(2, 3); Ly.k = lin(4, 5); Ly.v = lin(6, 7); Ly.o = lin(8, 9);
+      Ly.q_norm = nrm(10); Ly.k_norm = nrm(12); Ly.attn_post = nrm(14); Ly.mlp_norm = nrm(16);
+      Ly.gate = lin(18, 19); Ly.up = lin(20, 21); Ly.down = lin(22, 23);
+      Ly.mlp_post = nrm(24);
       Ly.window = windows[l];
+      Ly.softcap = static_cast<float>(softcaps[l]);
+      Ly.local_rope = local_rope[l];
+      TORCH_CHECK(!Ly.local_rope || inv_freq_local_.numel(), "Step: layer ", l, " asks for a local RoPE table");
+      split_ = split_ || parallel_ || Ly.attn_post.w || Ly.mlp_post.w;
       layers_.push_back(Ly);
     }
     I_ = layers_.empty() ? 0 : layers_[0].up.n;
@@ -615,20 +732,24 @@ class Step {
   }
 
   torch::Tensor run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, bool hidden,
-                    c10::optional<torch::Tensor> block_table);
+                    c10::optional<torch::Tensor> block_table, c10::optional<torch::Tensor> counters);
 
  private:
   std::vector<torch::Tensor> keep_;  // holds the model's tensors alive; the pointers below point into them
-  torch::Tensor embed_, head_t_, inv_freq_, final_norm_t_;
+  torch::Tensor embed_, pos_embed_, head_t_, inv_freq_, inv_freq_local_;
   std::vector<Layer> layers_;
   Linear head_;
-  const float* final_norm_ = nullptr;
-  int64_t H_, K_, D_, C_ = 0, V_ = 0, I_ = 0;
-  float eps_, offset_, scale_;
+  Norm final_;
+  NormKind norm_;
+  int64_t H_, K_, D_, C_ = 0, V_ = 0, I_ = 0, act_ = kSilu;
+  float scale_ = 1.f, embed_scale_ = 0.f, final_cap_ = 0.f;  // 0: no embedding scale, no logit soft-cap
+  bool qk_full_ = false, parallel_ = false;
+  bool split_ = false;  // some branch output is normed or added later, so it needs its own buffer
 };
 
 torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc,
-                        bool hidden, c10::optional<torch::Tensor> block_table) {
+                        bool hidden, c10::optional<torch::Tensor> block_table,
+                        c10::optional<torch::Tensor> counters) {
   TORCH_CHECK(tokens.dim() == 2 && positions.sizes() == tokens.sizes(), "step: tokens and positions (B, T)");
   const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, L = layers_.size();
   const bool paged = block_table.has_value() && block_table->defined();
@@ -667,6 +788,8 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
       TORCH_CHECK(0 <= pp[m] && pp[m] < bs, "step: position ", pp[m], " outside the cache's ", bs, " slots");
     }
     TORCH_CHECK(0 <= tp[m] && tp[m] < embed_.size(0), "step: token id ", tp[m], " outside the vocabulary");
+    TORCH_CHECK(!pos_embed_.numel() || pp[m] < pos_embed_.size(0), "step: position ", pp[m], " is past the model's ",
+                pos_embed_.size(0), " learned positions");
     last[m / T] = std::max(last[m / T], pp[m]);
   }
   // Only the entries a row reaches are block ids: those past its last position are never read, so a
@@ -679,15 +802,33 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
   if (M == 0) return out;
   const int64_t span = *std::max_element(last.begin(), last.end()) + 1;  // attention scores per query, at most
   const int nth = std::max(1, at::get_num_threads());
-  // Scratch, fp32: residual x, normed h (one copy per thread), q, k|v, attention out, SwiGLU act, cos|sin, scores per thread.
+  // Scratch, fp32: residual x, normed h (one copy per thread), q, k|v, attention out, the MLP's act, cos|sin
+  // (a second table after the first for local RoPE), scores per thread, and the branches' outputs where a
+  // branch is normed or added later.
+  const int64_t tables = inv_freq_local_.numel() ? 2 : 1;
   std::vector<float> x(M * C_), h(nth * M * C_), q(M * HD), kv(M * 2 * KD), att(M * HD), act(M * I_),
-      glu(nth * 2 * M * kBlock), cs(M * 2 * half), scores(nth * G * span);
+      glu(nth * 2 * M * kBlock), cs(tables * M * 2 * half), scores(nth * G * span), ao(split_ ? M * C_ : 0),
+      mo(split_ ? M * C_ : 0);
   float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const int64_t sL = kc.stride(0), sBlock = kc.stride(1), sK = kc.stride(2), sS = kc.stride(3);
-  const float* inv = inv_freq_.data_ptr<float>();
+  const float* invs[2] = {inv_freq_.data_ptr<float>(), tables == 2 ? inv_freq_local_.data_ptr<float>() : nullptr};
   const bool emb16 = embed_.scalar_type() == torch::kBFloat16;
   const float* e32 = emb16 ? nullptr : embed_.data_ptr<float>();
   const bf16* e16 = emb16 ? embed_.data_ptr<bf16>() : nullptr;
+  const bool pos16 = pos_embed_.numel() && pos_embed_.scalar_type() == torch::kBFloat16;
+  const float* p32 = pos_embed_.numel() && !pos16 ? pos_embed_.data_ptr<float>() : nullptr;
+  const bf16* p16 = pos16 ? pos_embed_.data_ptr<bf16>() : nullptr;
+  const NormKind& norm = norm_;
+  // Phase timing (`sluice profile`): thread 0 adds the time since its last mark to a phase at each boundary.
+  // Most phases end at a barrier, so that is the phase's wall time; without counters each mark is one branch.
+  double* ct = nullptr;
+  if (counters.has_value() && counters->defined()) {
+    const torch::Tensor& c = *counters;
+    TORCH_CHECK(c.scalar_type() == torch::kFloat64 && c.is_contiguous() && c.numel() == kPhases && c.device().is_cpu(),
+                "step: counters must be a contiguous CPU float64 tensor of ", kPhases);
+    ct = counters->data_ptr<double>();
+  }
+  double marked = ct ? omp_get_wtime() : 0.0;  // thread 0's last mark
 
 #pragma omp parallel num_threads(nth)
   {
@@ -696,45 +837,88 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
     // Each thread norms every row into its own copy of h: a few us of redundant work instead of a
     // barrier before each product (a barrier costs a time slice when the other core is busy).
     float* hn = h.data() + omp_get_thread_num() * M * C_;
-    auto norm_rows = [&](const float* gain) {
-      rms_norm_rows(x.data(), C_, gain, offset_, eps_, C_, M, hn, C_);
+    auto norm_rows = [&](const Norm& N) { norm(N, x.data(), C_, C_, M, hn, C_); };
+    const bool marks = ct && omp_get_thread_num() == 0;
+    auto mark = [&](Phase phase) {
+      if (marks) {
+        const double now = omp_get_wtime();
+        ct[phase] += now - marked;
+        marked = now;
+      }
+    };
+    // A branch's output y (ao or mo) after its post-norm goes into the residual: x + y, or with NeoX's
+    // parallel residual x + (mlp + attn), torch's order of additions. 16 rows per item, as rms_norm_rows sums.
+    auto add_branch = [&](const Norm& post, float* y, bool both) {
+#pragma omp for schedule(static)
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const int64_t n = std::min<int64_t>(16, M - m0);
+        norm(post, &y[m0 * C_], C_, C_, n, &y[m0 * C_], C_);
+        for (int64_t i = m0 * C_; i < (m0 + n) * C_; ++i) x[i] += both ? y[i] + ao[i] : y[i];
+      }
     };
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) {
       const int64_t row = tp[m] * C_;
       for (int64_t c = 0; c < C_; ++c)
         x[m * C_ + c] = emb16 ? widen(e16[row + c]) : e32[row + c];
+      if (embed_scale_ != 0.f)  // Gemma: the scale rounded to fp32, as torch multiplies it
+        for (int64_t c = 0; c < C_; ++c) x[m * C_ + c] *= embed_scale_;
+      if (p32 || p16)  // learned positions (GPT-2): x + pos_embed[position]
+        for (int64_t c = 0; c < C_; ++c) x[m * C_ + c] += p16 ? widen(p16[pp[m] * C_ + c]) : p32[pp[m] * C_ + c];
       const float p = static_cast<float>(pp[m]);  // the angle in fp32, as rope_tables computes it
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = p * inv[i];
-        cs[m * 2 * half + i] = std::cos(a);
-        cs[m * 2 * half + half + i] = std::sin(a);
-      }
+      for (int64_t t = 0; t < tables; ++t)
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = p * invs[t][i];
+          cs[(t * M + m) * 2 * half + i] = std::cos(a);
+          cs[(t * M + m) * 2 * half + half + i] = std::sin(a);
+        }
     }
+    mark(kEmbedding);
     for (int64_t l = 0; l < L; ++l) {
       const Layer& Ly = layers_[l];
+      const float* cst = cs.data() + (Ly.local_rope ? M * 2 * half : 0);  // row m's cos at cst + m * 2 * half
       norm_rows(Ly.attn_norm);
+      mark(kNorms);
       // q, k and v one head at a time: item j < H is query head j, then the K key heads, then the K value
       // heads. The thread that computes a head's D outputs also norms and rotates them (qk-norm, RoPE) and
       // stores new keys and values in their cache slot, so no barrier is needed between the two. Dynamic:
       // the items are few and unequal (v heads have no norm or RoPE), and a core may be slowed (see linear).
+      // A full-width qk-norm (OLMo 2) needs every head of the row first: those rows are finished below.
 #pragma omp for schedule(dynamic)
       for (int64_t j = 0; j < H_ + 2 * K_; ++j) {
         const bool is_q = j < H_, is_k = !is_q && j < H_ + K_;
         const int64_t hh = is_q ? j : is_k ? j - H_ : j - H_ - K_, ld = is_q ? HD : 2 * KD;
         float* y = is_q ? &q[hh * D_] : &kv[(is_k ? 0 : KD) + hh * D_];  // row m's head at y + m * ld
         block(is_q ? Ly.q : is_k ? Ly.k : Ly.v, hn, M, hh * D_, (hh + 1) * D_, y, ld, false);
-        const float* gain = is_q ? Ly.q_norm : is_k ? Ly.k_norm : nullptr;
-        if (gain) rms_norm_rows(y, ld, gain, offset_, eps_, D_, M, y, ld);
+        if (qk_full_ && (is_q || is_k)) continue;
+        const Norm* qk = is_q ? &Ly.q_norm : is_k ? &Ly.k_norm : nullptr;
+        if (qk && qk->w) norm(*qk, y, ld, D_, M, y, ld);
         for (int64_t m = 0; m < M; ++m) {
           float* xh = y + m * ld;
           const int64_t p = pp[m];
-          if (is_q || is_k) rope(xh, &cs[m * 2 * half], &cs[m * 2 * half + half], half);
+          if (is_q || is_k) rope(xh, &cst[m * 2 * half], &cst[m * 2 * half + half], half);
           if (!is_q)
             std::copy(xh, xh + D_, (is_k ? kp : vp) + l * sL + table[m / T * nb + p / bs] * sBlock + hh * sK +
                                        (p % bs) * sS);
         }
       }
+      if (qk_full_) {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+          float *qm = &q[m * HD], *km = &kv[m * 2 * KD];
+          const int64_t p = pp[m];
+          norm(Ly.q_norm, qm, HD, HD, 1, qm, HD);
+          norm(Ly.k_norm, km, KD, KD, 1, km, KD);
+          for (int64_t hh = 0; hh < H_ + K_; ++hh) {
+            float* xh = hh < H_ ? qm + hh * D_ : km + (hh - H_) * D_;
+            rope(xh, &cst[m * 2 * half], &cst[m * 2 * half + half], half);
+            if (hh >= H_)
+              std::copy(xh, xh + D_,
+                        kp + l * sL + table[m / T * nb + p / bs] * sBlock + (hh - H_) * sK + (p % bs) * sS);
+          }
+        }
+      }
+      mark(kQkv);  // with the qk-norms, RoPE and the cache writes
       // Attention of each token's query heads over its row's slots <= position (and inside the window), one
       // item per KV head and its group of G query heads. Rows differ in length: items are dealt round-robin
       // so each thread gets a share of every row (and, with two threads and an even number of KV heads,
@@ -745,31 +929,51 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
         const int64_t lo = Ly.window ? std::max<int64_t>(0, p - Ly.window + 1) : 0;
         const float* kh = kp + l * sL + g * sK;  // this KV head's keys in block 0; blocks add their offset
         const float* vh = vp + l * sL + g * sK;
-        attend(&q[m * HD + g * G * D_], G, kh, vh, &table[b * nb], bs, sBlock, sS, D_, lo, p, scale_, sc, span,
-               &att[m * HD + g * G * D_]);
+        attend(&q[m * HD + g * G * D_], G, kh, vh, &table[b * nb], bs, sBlock, sS, D_, lo, p, scale_, Ly.softcap,
+               sc, span, &att[m * HD + g * G * D_]);
       }
-      linear(Ly.o, att.data(), M, x.data(), C_, true);  // x + o(attn)
+      mark(kAttention);
+      // A pre-norm branch adds straight into x; one with a post-norm, or NeoX's parallel pair, goes to its own
+      // buffer first.
+      const bool attn_apart = parallel_ || Ly.attn_post.w, mlp_apart = parallel_ || Ly.mlp_post.w;
+      linear(Ly.o, att.data(), M, attn_apart ? ao.data() : x.data(), C_, !attn_apart);  // x + o(attn)
 #pragma omp barrier
-      norm_rows(Ly.mlp_norm);
-      swiglu(Ly.gate, Ly.up, hn, M, act.data(), tmp);
+      mark(kO);
+      if (attn_apart && !parallel_) add_branch(Ly.attn_post, ao.data(), false);
+      else if (Ly.attn_post.w) {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) norm(Ly.attn_post, &ao[m * C_], C_, C_, 1, &ao[m * C_], C_);
+      }
+      norm_rows(Ly.mlp_norm);  // parallel: x is still the block's input
+      mark(kNorms);
+      mlp_act(Ly.gate, Ly.up, act_, hn, M, act.data(), tmp);
 #pragma omp barrier
-      linear(Ly.down, act.data(), M, x.data(), C_, true);  // x + down(act)
+      linear(Ly.down, act.data(), M, mlp_apart ? mo.data() : x.data(), C_, !mlp_apart);  // x + down(act)
 #pragma omp barrier
+      mark(kMlp);
+      if (mlp_apart) add_branch(Ly.mlp_post, mo.data(), parallel_);
+      mark(kNorms);
     }
     if (hidden) {
 #pragma omp for schedule(static)
       for (int64_t m0 = 0; m0 < M; m0 += 16) {  // 16 rows per item: rms_norm_rows sums 16 at once
         float* dst = out.data_ptr<float>() + m0 * C_;
-        const int64_t n = std::min<int64_t>(16, M - m0);
-        if (final_norm_) rms_norm_rows(&x[m0 * C_], C_, final_norm_, offset_, eps_, C_, n, dst, C_);
-        else std::copy(&x[m0 * C_], &x[(m0 + n) * C_], dst);
+        norm(final_, &x[m0 * C_], C_, C_, std::min<int64_t>(16, M - m0), dst, C_);
       }
+      mark(kFinalNorm);
     } else {
-      if (final_norm_) norm_rows(final_norm_);
-      else std::copy(x.begin(), x.end(), hn);
+      norm_rows(final_);
+      mark(kFinalNorm);
       linear(head_, hn, M, out.data_ptr<float>(), V_);
+      if (final_cap_ != 0.f) {
+        float* o = out.data_ptr<float>();
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * V_; ++i) o[i] = soft_cap(o[i], final_cap_);
+      }
     }
-  }
+  }  // the region's end waits for every thread: the head's wall time
+  if (ct) ct[hidden ? kFinalNorm : kHead] += omp_get_wtime() - marked;
   return out;
 }
 
@@ -779,10 +983,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &has_avx2, "whether this build has the AVX2 + FMA paths");
   m.def("has_avx512", &has_avx512, "whether this build's products run on the AVX-512 tiles");
   pybind11::class_<Step>(m, "Step")
-      .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
-                          torch::Tensor, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double, double>())
+      .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, std::vector<torch::Tensor>,
+                          torch::Tensor, torch::Tensor, torch::Tensor, std::vector<int64_t>, std::vector<double>,
+                          std::vector<bool>, int64_t, int64_t, int64_t, std::map<std::string, double>>())
       .def("run", &Step::run,
            "tokens (B, T), positions (B, T), k, v cache (L, B, K, S, D) or pool (L, NB, K, bs, D), hidden, "
-           "block_table (B, nb) or None -> (B, T, V|C)",
-           pybind11::call_guard<pybind11::gil_scoped_release>());
+           "block_table (B, nb) or None, counters (8,) float64 or None: seconds per phase added -> (B, T, V|C)",
+           pybind11::arg("tokens"), pybind11::arg("positions"), pybind11::arg("k"), pybind11::arg("v"),
+           pybind11::arg("hidden"), pybind11::arg("block_table") = pybind11::none(),
+           pybind11::arg("counters") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
 }
