@@ -43,7 +43,7 @@ def test_a_bad_option_is_named_as_keyword_or_flag(options, keyword, flag):
     (dict(compute="fp16"), "compute must be one of auto, float32, bfloat16"),
     (dict(tensor_parallel=0), "tensor_parallel must be an integer >= 1, got 0"),
     (dict(tensor_parallel=2, fused_head=True), "fused_head=True is not available with tensor parallelism"),
-    (dict(tensor_parallel=2, batching=False), "batching=False is not available with tensor parallelism"),
+    (dict(tensor_parallel=2, compile=True), "compile=True is not available with tensor parallelism"),
 ])
 def test_every_option_is_checked(options, says):
     with pytest.raises(ConfigError, match="^" + says):

@@ -85,6 +85,33 @@ def test_eight_concurrent_streams_each_equal_the_request_alone(live):
     assert _metric(server.url, "kv_blocks_free") == _metric(server.url, "kv_blocks_total")
 
 
+def _stream(client, i):
+    chunks = client.completions.create(stream=True, **_request(i))
+    return "".join(ch.text for c in chunks for ch in c.choices)
+
+
+@pytest.mark.parametrize("spec", [dict(draft_model="SELF"), dict(speculative="prompt-lookup")], ids=["draft", "lookup"])
+def test_speculative_server_batches_with_the_plain_servers_greedy_output(live, tiny_dir, spec):
+    """Speculative decoding in the batch (sluice serve --draft-model / --prompt-lookup): eight streams
+    at once, each as it is alone; the greedy ones as the plain server gives them."""
+    plain_server, _ = live
+    kwargs = {k: (str(tiny_dir) if v == "SELF" else v) for k, v in spec.items()}
+    engine, llm = _engine(tiny_dir, max_num_seqs=8, **kwargs)
+    server = LiveServer(engine)
+    try:
+        client = server.client()
+        alone = [_stream(client, i) for i in range(8)]
+        with cf.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda i: _stream(client, i), range(8)))
+        assert together == alone
+        plain = [_stream(plain_server.client(), i) for i in range(0, 8, 2)]
+        assert alone[0::2] == plain
+        assert llm.batch_engine().scheduler.speculation is not None and _metric(server.url, "kv_blocks_used") == 0
+    finally:
+        server.stop()
+        engine.close(10)
+
+
 def test_n_choices_share_the_prompt_blocks_and_report_logprobs(live):
     server, llm = live
     client = server.client()

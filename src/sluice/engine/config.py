@@ -27,7 +27,6 @@ _TP_FORWARD = "tensor parallelism runs the continuous-batching engine's plain to
 _TP_REFUSED = (  # (option, the value that is refused, or a test of it; why)
     ("compile", True, _TP_FORWARD),
     ("quantize", lambda v: v is not None, _TP_FORWARD),
-    ("batching", False, _TP_FORWARD),
     ("fused_head", True, "the fused head samples from one process's whole vocabulary"),
     ("kernels", True, "it is single-process code"),
     ("compute", "float32", "it needs sluice's single-process CPU kernel"),

@@ -1,7 +1,8 @@
-"""The static path's model runner (static_path.py: speculative decoding, compile=True, the fused head,
-batching=False): one batched prefill of a fixed batch, then its decode steps. The continuous-batching
-engine runs the model through batch_forward.py instead; both hand a decode step to the native kernel
-(fast_step.py) where it applies. The observatory's profile times Runner.step as the engine's step.
+"""A fixed-batch model runner over a static KV cache: one batched prefill, then decode steps. Generation
+no longer runs here (every request runs on the continuous-batching scheduler, batch_forward.py); it
+stays as a measuring harness with fixed shapes: `sluice profile --path torch` times Runner.step,
+bench/ and the norm-share benchmark run it, and tests compare the native step's static-cache layout
+against it.
 
 The decode step has fixed shapes for a given batch: tokens (B, 1), positions (B, 1), a cache of
 (B, S) slots. Rows that have finished keep stepping (their output is ignored) so shapes never
