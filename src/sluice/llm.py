@@ -116,7 +116,8 @@ class LLM:
             eos = self.config.eos_token_id
             self.eos_token_ids |= {eos} if isinstance(eos, int) else set(eos or [])
         self._door = Door(self.tokenizer, self.config.vocab_size, self.max_model_len, self.generation_config)
-        self._native = kernels is not False
+        # Under tensor parallelism the forward asks, and fast_step.unsupported says why not (by name).
+        self._native = kernels is not False or self.tp is not None
         self.draft_model = self._load_draft(cfg.draft_model, kernels) if cfg.draft_model is not None else None
         self.last_stats = Stats()
         self._batch: BatchEngine | None = None  # built at the first request that uses it

@@ -46,13 +46,17 @@ def test_abort_ends_a_sequence_and_frees_its_blocks(tiny_llm):
     assert tiny_llm.snapshot().kv.used == 0 and not tiny_llm.has_work
 
 
-def test_add_request_takes_only_checked_requests(tiny_llm, static_llm):
+def test_add_request_takes_only_checked_requests(tiny_dir, tiny_llm):
     with pytest.raises(RequestError, match="add_request takes a Request"):
         tiny_llm.add_request([5, 6, 7])
-    request = tiny_llm.requests([[5]], SamplingParams(max_tokens=2))[0]
-    with pytest.raises(RequestError, match="needs the continuous-batching engine"):
-        static_llm.add_request(request)
+    request = tiny_llm.requests([[5]], SamplingParams(max_tokens=2, temperature=0))[0]
     assert isinstance(request, Request)
+    # every configuration takes the step API now: a speculating LLM too
+    spec = sluice.LLM(str(tiny_dir), speculative="prompt-lookup")
+    seq = spec.add_request(spec.requests([[5]], SamplingParams(max_tokens=2, temperature=0))[0])
+    while not seq.finished:
+        spec.step()
+    assert seq.token_ids == tiny_llm.generate([[5]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
 
 
 def test_fit_max_tokens_cuts_the_default_to_the_context(tiny_llm):

@@ -49,7 +49,14 @@ def _outputs(llm):
 
 def _generate(ranks, dirs):
     import sluice
-    return {fam: _outputs(sluice.LLM(d, tensor_parallel=ranks.world)) for fam, d in dirs.items()}
+    out = {}
+    for fam, d in dirs.items():
+        llm = sluice.LLM(d, tensor_parallel=ranks.world)
+        out[fam] = _outputs(llm)
+        # the native step is refused by name: a rank's part needs an all-reduce inside the step
+        reason = llm.batch_engine().scheduler.forward.native_reason
+        assert "one rank's part under tensor parallelism" in reason, reason
+    return out
 
 
 @pytest.fixture(scope="module")

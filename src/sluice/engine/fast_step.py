@@ -153,6 +153,9 @@ def unsupported(model: nn.Module) -> str | None:
     """Why `model` cannot take the native step (a sentence), or None when it can."""
     if not isinstance(model, Transformer):
         return f"a {type(model).__name__} is not a sluice Transformer"
+    if hasattr(model, "full_config"):  # parallel/sharding.py's rank part
+        return ("the model is one rank's part under tensor parallelism (the native step runs the whole model in "
+                "one call; a rank's part needs an all-reduce after the attention output and the MLP inside it)")
     return config_reason(model.config) or _hook_reason(model) or _module_reason(model) or why_unavailable()
 
 
