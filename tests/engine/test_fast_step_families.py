@@ -15,7 +15,7 @@ from sluice import SamplingParams
 from sluice.engine import fast_step
 from sluice.engine.fast_step import FastStep, native_check, unsupported
 from sluice.engine.kv_cache import KVCache
-from test_fast_step import check_chunk, load, random_model
+from test_fast_step import check_chunk, load, prefilled, random_model
 from test_fast_step_paged import check_paged_equals_static, run, scrambled_pool, static_cache
 
 pytestmark = pytest.mark.skipif(fast_step.kernel() is None, reason="needs sluice's whole-step CPU kernel")
@@ -97,8 +97,7 @@ def test_a_prefill_sized_chunk_equals_the_torch_path(ckpt_dirs, name):
 
 
 def scale_of_cache(model) -> float:
-    """The largest key or value the torch path writes for a prefill of test_fast_step's prompts."""
-    from test_fast_step import prefilled
+    """The largest key the torch path writes for a prefill of test_fast_step's prompts."""
     return float(prefilled(model).cache.k.abs().max())
 
 

@@ -180,6 +180,14 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(q, n);
 }
 inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+// tanh in 16 lanes as 1 - 2 / (e^2x + 1), with exp16 (which clamps, so the ends come out as +-1 exactly).
+// Within ~1e-7 of std::tanh absolutely; near 0, where tanh(x) ~ x, that is not a relative bound, which is
+// fine where it is used: a soft-cap multiplies it by the cap (scores and logits, then a softmax), GELU by x.
+inline __m512 tanh16(__m512 x) {
+  const __m512 e = exp16(_mm512_add_ps(x, x)), one = _mm512_set1_ps(1.f);
+  return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+}
 #endif
 
 // out[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u for i < n, as F.silu(gate) * up.
@@ -209,6 +217,35 @@ inline float activate(int64_t act, float g) {
 
 // cap * tanh(s / cap), Gemma 2's soft-cap on attention scores and on logits, in the order torch computes it.
 inline float soft_cap(float s, float cap) { return std::tanh(s / cap) * cap; }
+
+// soft_cap over s[0:n] in place, 16 lanes at a time where it can. Which form a value takes depends only on
+// its index (a slot, a vocabulary entry), so a token's numbers never depend on its batch or chunk.
+inline void soft_cap_n(float* s, int64_t n, float cap) {
+  int64_t i = 0;
+#ifdef SLUICE_AVX512
+  const __m512 c = _mm512_set1_ps(cap);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(s + i, _mm512_mul_ps(tanh16(_mm512_div_ps(_mm512_loadu_ps(s + i), c)), c));
+#endif
+  for (; i < n; ++i) s[i] = soft_cap(s[i], cap);
+}
+
+// out[i] = gelu_tanh(g[i]) * u[i] (u null: * 1) for i < n, activate's kGeluTanh, 16 lanes at a time where it can.
+inline void gelu_tanh_mul(const float* g, const float* u, int64_t n, float* out) {
+  int64_t i = 0;
+#ifdef SLUICE_AVX512
+  const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.f), k = _mm512_set1_ps(0.79788456080286536f),
+               c = _mm512_set1_ps(0.044715f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 inner = _mm512_mul_ps(k, _mm512_add_ps(x, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(c, x), x), x)));
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, tanh16(inner)));
+    if (u) y = _mm512_mul_ps(y, _mm512_loadu_ps(u + i));
+    _mm512_storeu_ps(out + i, y);
+  }
+#endif
+  for (; i < n; ++i) out[i] = activate(kGeluTanh, g[i]) * (u ? u[i] : 1.f);
+}
 
 struct Linear {  // an nn.Linear's tensors: weight (N, K) fp32 or bf16, bias (N,) fp32 or absent
   const void* w = nullptr;
@@ -389,8 +426,11 @@ void mlp_act(const Linear& gate, const Linear& up, int64_t kind, const float* x,
     const int64_t n1 = std::min(up.n, n0 + kBlock);
     if (!gate.w) {
       block(up, x, M, n0, n1, act + n0, up.n, false);
-      for (int64_t m = 0; m < M; ++m)
-        for (float* a = act + m * up.n + n0; a < act + m * up.n + n1; ++a) *a = activate(kind, *a);
+      for (int64_t m = 0; m < M; ++m) {
+        float* a = act + m * up.n + n0;
+        if (kind == kGeluTanh) gelu_tanh_mul(a, nullptr, n1 - n0, a);
+        else for (float* e = a; e < a + n1 - n0; ++e) *e = activate(kind, *e);
+      }
       continue;
     }
     // While the gate's last rows run, the up rows of this block are prefetched, and vice versa the gate's
@@ -404,6 +444,7 @@ void mlp_act(const Linear& gate, const Linear& up, int64_t kind, const float* x,
       const float *g = tmp + m * kBlock, *um = u + m * kBlock;
       float* a = act + m * up.n + n0;
       if (kind == kSilu) silu_mul(g, um, n1 - n0, a);
+      else if (kind == kGeluTanh) gelu_tanh_mul(g, um, n1 - n0, a);
       else for (int64_t i = 0; i < n1 - n0; ++i) a[i] = activate(kind, g[i]) * um[i];
     }
   }
@@ -611,7 +652,7 @@ inline void attend(const float* qh, int64_t G, const float* kh, const float* vh,
   if (cnt) scores16();
   if (cap > 0.f)
     for (int64_t h = 0; h < G; ++h)
-      for (float* t = sc + h * span + lo; t <= sc + h * span + p; ++t) *t = soft_cap(*t, cap);
+      soft_cap_n(sc + h * span + lo, p + 1 - lo, cap);
   for (int64_t h = 0; h < G; ++h) softmax(sc + h * span + lo, p + 1 - lo);
   for (int64_t h0 = 0; h0 < G; h0 += 4) {
     const float* w = sc + h0 * span;
@@ -968,8 +1009,13 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
       if (final_cap_ != 0.f) {
         float* o = out.data_ptr<float>();
 #pragma omp barrier
+        constexpr int64_t kPiece = 4096;  // a multiple of 16: a logit's form depends on its vocabulary index only
+        const int64_t pieces = (V_ + kPiece - 1) / kPiece;
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < M * V_; ++i) o[i] = soft_cap(o[i], final_cap_);
+        for (int64_t i = 0; i < M * pieces; ++i) {
+          const int64_t v0 = i % pieces * kPiece;
+          soft_cap_n(o + i / pieces * V_ + v0, std::min(kPiece, V_ - v0), final_cap_);
+        }
       }
     }
   }  // the region's end waits for every thread: the head's wall time
