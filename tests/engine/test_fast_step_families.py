@@ -14,9 +14,8 @@ from ckpt import build, build_with_tokenizer
 from sluice import SamplingParams
 from sluice.engine import fast_step
 from sluice.engine.fast_step import FastStep, native_check, unsupported
-from sluice.engine.kv_cache import KVCache
 from test_fast_step import check_chunk, load, prefilled, random_model
-from test_fast_step_paged import check_paged_equals_static, run, scrambled_pool, static_cache
+from test_fast_step_paged import check_paged_equals_static, check_paged_matches_torch
 
 pytestmark = pytest.mark.skipif(fast_step.kernel() is None, reason="needs sluice's whole-step CPU kernel")
 
@@ -107,15 +106,7 @@ def test_paged_pool_matches_the_torch_forward_and_the_static_cache(ckpt_dirs, na
     blocks, against the torch forward on a static cache; and bit for bit the native step's static run."""
     model = load(ckpt_dirs[name])
     check_paged_equals_static(model, 5)
-    step, vocab = FastStep(model), model.config.vocab_size
-    cache = KVCache.wrap(*static_cache(model))
-    kp, vp, table = scrambled_pool(model, 5)
-    with torch.inference_mode():
-        want = run(lambda t, p: model(t, p, cache), vocab)
-        got = run(lambda t, p: step(t, p, kp, vp, block_table=table), vocab, tokens_from=want)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        scale = w.abs().max()
-        assert (g - w).abs().max() <= 1e-4 * scale, f"call {i}: {(g - w).abs().max() / scale:.2e} of the scale"
+    check_paged_matches_torch(model, 5)
 
 
 @pytest.mark.parametrize("name", ["gpt2-tied", "neox-parallel-rotary-half", "gemma2-untied-no-caps-biases",
