@@ -235,7 +235,8 @@ def make_random_draft(target: Path, out: Path) -> Path:
     torch.manual_seed(0)
     Qwen3ForCausalLM(cfg).save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(target / f, out / f)
+        if (target / f).is_file():  # ensure_q06's checkpoint has a tokenizer.json only
+            shutil.copy(target / f, out / f)
     return out
 
 
@@ -277,7 +278,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--q06", default="/tmp/sluice-speed-q06", help="random Qwen3-0.6B-shape checkpoint ('' skips)")
+    ap.add_argument("--q06", default="/tmp/sluice-speed-q06",
+                    help="random Qwen3-0.6B-shape checkpoint, made if missing ('' skips)")
     ap.add_argument("--q06-draft", default="/tmp/sluice-speed-q06-draft")
     ap.add_argument("--q06-new", type=int, default=32)
     ap.add_argument("--only", default=None, help="comma list of parts: bundled,bundled-cost,q06 (default all)")
@@ -326,9 +328,8 @@ def main() -> None:
             save()
         del llms
     if "q06" in parts and a.q06:
-        if not (Path(a.q06) / "config.json").is_file():
-            raise SystemExit(f"no checkpoint at --q06 {a.q06}: make one with bench/random_checkpoint.py qwen3-0.6b "
-                             f"--out {a.q06}, or pass --q06 '' to skip that part")
+        from serve_servers import ensure_q06  # bench/: the checkpoint serve_load.py uses, made if missing
+        ensure_q06(Path(a.q06))
         draft = make_random_draft(Path(a.q06), Path(a.q06_draft))
         q_sets = {"code": (CODE_PROMPTS[:1], a.q06_new)}
         q_configs = [("off", None), ("draft", 2), ("draft", 4)]
