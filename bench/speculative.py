@@ -155,7 +155,9 @@ def bench_target(llms: dict[str, LLM], sets: dict, configs: list, temps: dict, r
                "tok_s": statistics.median(r["tokens"] / r["seconds"] for r in rs),
                "tok_s_samples": [round(r["tokens"] / r["seconds"], 2) for r in rs],
                "acceptance_rate": last["accepted"] / last["proposed"] if last["proposed"] else None,
-               "tokens_per_forward": last["tokens"] / last["row_forwards"] if last["row_forwards"] else None}
+               "tokens_per_forward": last["tokens"] / last["row_forwards"] if last["row_forwards"] else None,
+               # at most k: the guess count the configuration set (fewer where max_tokens or a lookup ends them)
+               "guesses_per_forward": last["proposed"] / last["row_forwards"] if mode != "off" else None}
         row["speedup"] = row["tok_s"] / statistics.median(r["tokens"] / r["seconds"] for r in plain)
         if tname == "greedy":
             row["greedy_identical_to_plain"] = all(r["outputs"] == plain[0]["outputs"] for r in rs)
