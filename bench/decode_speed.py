@@ -224,7 +224,8 @@ def print_table(r: dict) -> None:
     print("|---|---|---|---:|---:|---:|---:|---:|")
     ratio = lambda x: f"{x:.2f}x" if x is not None else "-"  # noqa: E731
     for row in r["rows"]:
-        print(f"| {row['engine']} | {row['dtype']} | {row.get('forward') or '-'} | {row['prefill_tok_s']:.1f} | {row['decode_tok_s']:.2f} "
+        print(f"| {row['engine']} | {row['dtype']} | {row.get('forward') or '-'} "
+              f"| {row['prefill_tok_s']:.1f} | {row['decode_tok_s']:.2f} "
               f"| {ratio(row['prefill_vs_transformers'])} | {ratio(row['decode_vs_transformers'])} "
               f"| {100 * row['decode_bound_fraction']:.0f}% |")
     print("\nBandwidth bound (weight bytes per token / memcpy rate): " + ", ".join(

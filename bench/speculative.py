@@ -157,7 +157,8 @@ def bench_target(llms: dict[str, LLM], sets: dict, configs: list, temps: dict, r
                "acceptance_rate": last["accepted"] / last["proposed"] if last["proposed"] else None,
                "tokens_per_forward": last["tokens"] / last["row_forwards"] if last["row_forwards"] else None,
                # at most k: the guess count the configuration set (fewer where max_tokens or a lookup ends them)
-               "guesses_per_forward": last["proposed"] / last["row_forwards"] if mode != "off" else None}
+               "guesses_per_forward": (last["proposed"] / last["row_forwards"]
+                                       if mode != "off" and last["row_forwards"] else None)}
         row["speedup"] = row["tok_s"] / statistics.median(r["tokens"] / r["seconds"] for r in plain)
         if tname == "greedy":
             row["greedy_identical_to_plain"] = all(r["outputs"] == plain[0]["outputs"] for r in rs)
