@@ -12,7 +12,6 @@ bf16 rows are measured and printed as they are: on a CPU without AVX-512/AMX the
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 from pathlib import Path
@@ -79,6 +78,12 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
+def forward_path(llm) -> str:
+    """Which forward the engine's last busy period ran: the native step, or torch's and why."""
+    fwd = llm.batch_engine().scheduler.forward
+    return "native step" if fwd.use_fast else f"torch forward: {fwd.native_reason}"
+
+
 def sluice_run(llm, prompt: list[int], new: int):
     import sluice
     out = llm.generate([prompt], sluice.SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))[0]
@@ -134,7 +139,6 @@ def main(argv=None) -> dict:
     import transformers as T
 
     import sluice
-    from sluice.engine.runner import Runner
 
     t0 = time.perf_counter()
     model_dir = build_checkpoint(args.workdir, shape, name)
@@ -145,18 +149,20 @@ def main(argv=None) -> dict:
     max_len = args.prompt_tokens + args.new_tokens
 
     # (engine, dtype) -> a callable returning (prefill tok/s, decode tok/s, token ids).
-    engines = {}
+    engines, llms = {}, {}
     bound, wbytes, errors = {}, {}, {}
     for dtype in args.dtypes.split(","):
         llm = sluice.LLM(model_dir, dtype=dtype, max_model_len=max_len)
         wbytes[dtype] = weight_bytes_per_token(llm.model)
         bound[dtype] = bandwidth / wbytes[dtype]
         engines[("sluice", dtype)] = lambda m=llm: sluice_run(m, prompt, args.new_tokens)
+        llms[("sluice", dtype)] = llm
         if not args.no_compile:
-            # Same weights, second runner: a shallow copy shares the model instead of loading twice.
-            compiled = copy.copy(llm)
-            compiled.runner = Runner(llm.model, compile=True)
+            # compile is an option of the engine's step, fixed when the LLM is made: a second LLM, a
+            # second copy of the weights (the compiled torch forward replaces the native step there).
+            compiled = sluice.LLM(model_dir, dtype=dtype, max_model_len=max_len, compile=True)
             engines[("sluice compile", dtype)] = lambda m=compiled: sluice_run(m, prompt, args.new_tokens)
+            llms[("sluice compile", dtype)] = compiled
         hf = T.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
                                                 attn_implementation="sdpa").eval()
         engines[("transformers", dtype)] = lambda m=hf: hf_run(m, prompt, args.new_tokens)
@@ -182,7 +188,8 @@ def main(argv=None) -> dict:
 
     rows = []
     for (engine, dtype), (pre, dec) in samples.items():
-        rows.append({"engine": engine, "dtype": dtype,
+        path = forward_path(llms[(engine, dtype)]) if (engine, dtype) in llms else None
+        rows.append({"engine": engine, "dtype": dtype, "forward": path,
                      "prefill_tok_s": statistics.median(pre), "decode_tok_s": statistics.median(dec),
                      "prefill_samples": pre, "decode_samples": dec,
                      "decode_bound_fraction": statistics.median(dec) / bound[dtype]})
@@ -212,12 +219,13 @@ def print_table(r: dict) -> None:
     print(f"CPU: {cpu.get('model', '?')}, {cpu.get('torch_threads')} torch threads, "
           f"AVX-512 bf16: {cpu.get('avx512_bf16')}, AMX bf16: {cpu.get('amx_bf16')}; "
           f"memcpy {r['memcpy_GB_s']:.1f} GB/s (read + write)\n")
-    print("| engine | dtype | prefill tok/s | decode tok/s | prefill vs transformers "
+    print("| engine | dtype | sluice's forward | prefill tok/s | decode tok/s | prefill vs transformers "
           "| decode vs transformers | decode / bandwidth bound |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     ratio = lambda x: f"{x:.2f}x" if x is not None else "-"  # noqa: E731
     for row in r["rows"]:
-        print(f"| {row['engine']} | {row['dtype']} | {row['prefill_tok_s']:.1f} | {row['decode_tok_s']:.2f} "
+        print(f"| {row['engine']} | {row['dtype']} | {row.get('forward') or '-'} "
+              f"| {row['prefill_tok_s']:.1f} | {row['decode_tok_s']:.2f} "
               f"| {ratio(row['prefill_vs_transformers'])} | {ratio(row['decode_vs_transformers'])} "
               f"| {100 * row['decode_bound_fraction']:.0f}% |")
     print("\nBandwidth bound (weight bytes per token / memcpy rate): " + ", ".join(
@@ -226,7 +234,7 @@ def print_table(r: dict) -> None:
     by = {(x["engine"], x["dtype"]): x for x in r["rows"]}
     if ("sluice", "float32") in by and ("sluice", "bfloat16") in by:
         f32, b16 = by[("sluice", "float32")], by[("sluice", "bfloat16")]
-        print(f"bf16 / fp32 (sluice eager): prefill {b16['prefill_tok_s'] / f32['prefill_tok_s']:.2f}x, "
+        print(f"bf16 / fp32 (sluice): prefill {b16['prefill_tok_s'] / f32['prefill_tok_s']:.2f}x, "
               f"decode {b16['decode_tok_s'] / f32['decode_tok_s']:.2f}x")
     print("Greedy tokens identical to transformers for the first N: "
           + ", ".join(f"{d}: {n}/{r['new_tokens']}" for d, n in r["greedy_agreement_prefix"].items()))

@@ -3,8 +3,8 @@
 
 Same request mix as bench/serve_load.py (its make_specs / fit_prompts: prompts 16-256 tokens, 16-128
 output tokens, half greedy, half sampled at temperature 0.8 with top_k 40 / top_p 0.95 and a seed),
-the bundled model in fp32, `BatchEngine` stepped from this thread; C and 1 alternate for --rounds.
-Run it under the bench lock:
+the bundled model in fp32, stepped from this thread through LLM.add_request / step (the server's
+API); C and 1 alternate for --rounds. Run it under the bench lock:
 
     flock -x /tmp/sluice-bench.lock .venv/bin/python bench/engine_load.py [-n 48] [-c 8] [--rounds 2]
 

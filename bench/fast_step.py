@@ -2,13 +2,18 @@
 
 Per model and weight dtype: ms per decode step (batch 1 and a few batch sizes) and the cost of a
 verification chunk of T = 1, 2, 4, 8, 16 tokens in one call (what decides whether speculative
-decoding pays). The torch step is Runner._decode on the model as the engine runs it: fp32 with
+decoding pays). Both run as the continuous-batching scheduler calls them (batch_forward.py): on a
+paged KV pool read through each row's block table, the native step with block_table=, the torch
+step as the model's forward over a PagedView, on the model as the engine runs it: fp32 with
 gemv.use_fast_linears, or bf16 weights in mixed.py's fp32-compute mode. Both are timed on the same
-prefilled cache at the same positions; each number is the best and the median of several repeats
+prefilled pool at the same positions; each number is the best and the median of several repeats
 (the best is what a quiet machine gives; this 2-core box is shared). Run it under the bench lock:
 
     flock /tmp/sluice-bench.lock .venv/bin/python bench/fast_step.py [--q06 /tmp/sluice-speed-q06] \
         [--out docs/results/bench-fast-step.json]
+
+The results below were measured before the static path retired, on its static (B, S) cache, with
+the same kernels.
 
 Results (AMD EPYC, 2 cores, AVX2 + FMA + F16C, no AVX-512; torch 2 threads), docs/results/bench-fast-step.json.
 Measured 2026-11-30 17:13 and 18:05-18:16 under the lock, but with a load of 4-9 from unlocked test
@@ -39,7 +44,7 @@ import sluice
 from common import environment, save_json
 from sluice.engine import gemv, mixed
 from sluice.engine.fast_step import FastStep
-from sluice.engine.runner import Runner
+from sluice.engine.paged_cache import DEFAULT_BLOCK_SIZE, BlockPool, PagedView
 
 PROMPT = 64  # tokens already in the cache when the timed steps run
 
@@ -70,20 +75,28 @@ def timed(fn, repeats: int, min_seconds: float) -> tuple[float, float]:
 
 
 def measure(model, batch: int, T: int, repeats: int, min_seconds: float) -> dict:
-    r = Runner(model)
     vocab = model.config.vocab_size
-    r.prefill([[(7 * i + b) % vocab for i in range(PROMPT)] for b in range(batch)], Runner.slots_for(PROMPT + 32))
+    per_row = -(-(PROMPT + 32) // DEFAULT_BLOCK_SIZE)  # blocks for the prompt and the timed tokens
+    pool = BlockPool(model.config, batch * per_row, DEFAULT_BLOCK_SIZE, mixed.activation_dtype(model),
+                     model.embed.weight.device)
+    view = PagedView(pool, [[pool.take() for _ in range(per_row)] for _ in range(batch)])
     fast = FastStep(model)
+    prompts = torch.tensor([[(7 * i + b) % vocab for i in range(PROMPT)] for b in range(batch)])
     tokens = torch.randint(0, vocab, (batch, T))
-    positions = r.pos[:, None] + torch.arange(T)
-    k, v = r.cache.k, r.cache.v
+    positions = PROMPT + torch.arange(T).expand(batch, T)
+    k, v = pool.k, pool.v
     out = {}
     with torch.inference_mode():
-        for name, fn in (("fast", lambda: fast(tokens, positions, k, v)),
-                         ("torch", lambda: model(tokens, positions, r.cache))):
+        # the prompts' keys and values, as the scheduler's prefill chunks write them
+        fast(prompts, torch.arange(PROMPT).expand(batch, PROMPT), k, v, hidden=True, block_table=view.table)
+        for name, fn in (("fast", lambda: fast(tokens, positions, k, v, block_table=view.table)),
+                         ("torch", lambda: model(tokens, positions, view))):
             best, med = timed(fn, repeats, min_seconds)
             out[name] = {"ms_best": round(best * 1e3, 3), "ms_median": round(med * 1e3, 3),
                          "tok_per_s_best": round(batch * T / best, 1)}
+        # both read the same prefilled pool: their logits agree to the parity bounds of tests/engine
+        out["max_abs_logit_diff"] = float((fast(tokens, positions, k, v, block_table=view.table)
+                                           - model(tokens, positions, view)).abs().max())
     out["speedup_best"] = round(out["torch"]["ms_best"] / out["fast"]["ms_best"], 2)
     return out
 

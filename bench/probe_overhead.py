@@ -12,6 +12,11 @@ told to guard on hooks (torch._dynamo.config.skip_nnmodule_hook_guards=False); b
 not, and the compiled step would keep whichever hooks it was first traced with. With the guards it
 traces once with and once without the hooks and afterwards picks the matching graph.
 
+Which path: while a probe is attached the engine leaves the native step for the torch forward
+(docs/engine.md, note 5), so that forward is what a probe costs on. It is timed here through
+sluice.engine.Runner, the fixed-shape harness of the same torch modules over a static cache (the
+scheduler runs them over its paged pool, and compiles them with dynamic shapes).
+
 Each repetition prefills a fixed 128-token prompt with sluice.engine.Runner and times `--steps`
 greedy runner.step calls, for every variant in turn (A, B, A, B, ...); per run the median step,
 over runs the median. The script checks that the probe leaves prefill and decode logits

@@ -4,10 +4,12 @@ shapes with a random small draft (acceptance ~0), plus the cost model that says 
 
     flock /tmp/sluice-bench.lock timeout 900 .venv/bin/python bench/speculative.py \
         --json docs/results/bench-speculative.json
+    .venv/bin/python bench/speculative.py --quick --q06 '' --json /tmp/spec-quick.json   # a smoke run
 
-Method: one LLM per target holds the draft; each configuration (mode, k) is selected per request
-by setting the LLM's speculative / num_speculative_tokens fields (read when a request starts, so
-the same weights and caches serve every configuration). Configurations run interleaved, one
+Method: what ships, the continuous-batching scheduler's step with speculation as its option. One LLM
+per mode (plain, draft, each --draft NAME, prompt lookup), each loading its own copy of the target;
+each configuration's guess count is set on its LLM with batch_engine().scheduler.speculation.set_k(k)
+(read when a request is added). Each prompt runs alone (batch 1). Configurations run interleaved, one
 warm-up round then --reps timed rounds; each cell is the median over rounds of the set's decode
 tok/s (its decode tokens / its decode seconds), with acceptance and tokens per forward summed over
 the set. Greedy outputs of every configuration are compared with plain decoding's.
@@ -16,6 +18,9 @@ Cost model: with acceptance a and k guesses a round yields (1 - a^(k+1)) / (1 - 
 draft pass (a 2-token catch-up forward and k-1 steps, proposers.py) plus one target verify of k+1
 tokens; plain decoding yields 1 token per target step. Speculation pays when
 tokens(a) / (t_draft_round + t_verify(k)) > 1 / t_step; the break-even a is found by bisection.
+Its times are fixed-shape timings of the same native step (engine/runner.Runner over the draft-mode
+LLM's model and draft_model, batch 1, a static cache), not of the scheduler's paged step: they price
+the forwards alone, without the scheduler's per-step work.
 """
 
 from __future__ import annotations
@@ -96,13 +101,23 @@ def name_of(mode, k) -> str:
     return "plain" if mode == "off" else f"{mode} k={k}"
 
 
-DRAFTS: dict = {}  # "draft:NAME" modes -> the draft Runner they swap in (--draft NAME=DIR)
+def make_llms(model, dtype: str, modes: set[str], drafts: dict[str, object]) -> dict[str, LLM]:
+    """One LLM per mode: "off" plain, "prompt-lookup", and "draft" / "draft:NAME" with drafts[mode]."""
+    def make(mode: str) -> LLM:
+        if mode == "off":
+            return LLM(model, dtype=dtype)
+        if mode == "prompt-lookup":
+            return LLM(model, dtype=dtype, speculative="prompt-lookup")
+        return LLM(model, dtype=dtype, draft_model=drafts[mode])
+    return {mode: make(mode) for mode in sorted(modes)}
 
 
-def configure(llm: LLM, mode: str, k) -> None:
-    if mode.startswith("draft:"):  # one of several drafts, compared in the same rounds
-        llm.draft_runner = DRAFTS[mode]
-    llm.speculative, llm.num_speculative_tokens = mode.split(":")[0], (0 if mode == "off" else k)
+def configure(llms: dict[str, LLM], mode: str, k) -> LLM:
+    """The LLM of `mode`, its guess count set to k for the requests added from now on."""
+    llm = llms[mode]
+    if mode != "off":
+        llm.batch_engine().scheduler.speculation.set_k(k)
+    return llm
 
 
 def run_set(llm: LLM, prompts: list[str], new: int, temp: float) -> dict:
@@ -121,14 +136,13 @@ def run_set(llm: LLM, prompts: list[str], new: int, temp: float) -> dict:
     return {**tot, "outputs": outs}
 
 
-def bench_target(llm: LLM, sets: dict, configs: list, temps: dict, reps: int) -> list[dict]:
+def bench_target(llms: dict[str, LLM], sets: dict, configs: list, temps: dict, reps: int) -> list[dict]:
     cells = {}
     for rep in range(reps + 1):  # round 0 is the warm-up
         for set_name, (prompts, new) in sets.items():
             for tname, temp in temps.items():
                 for mode, k in configs:
-                    configure(llm, mode, k)
-                    r = run_set(llm, prompts, new, temp)
+                    r = run_set(configure(llms, mode, k), prompts, new, temp)
                     label = f"{set_name} {tname} {name_of(mode, k)}"
                     print(f"  round {rep}: {label}: {r['tokens'] / r['seconds']:.1f} tok/s", file=sys.stderr, flush=True)
                     if rep:
@@ -141,7 +155,10 @@ def bench_target(llm: LLM, sets: dict, configs: list, temps: dict, reps: int) ->
                "tok_s": statistics.median(r["tokens"] / r["seconds"] for r in rs),
                "tok_s_samples": [round(r["tokens"] / r["seconds"], 2) for r in rs],
                "acceptance_rate": last["accepted"] / last["proposed"] if last["proposed"] else None,
-               "tokens_per_forward": last["tokens"] / last["row_forwards"] if last["row_forwards"] else None}
+               "tokens_per_forward": last["tokens"] / last["row_forwards"] if last["row_forwards"] else None,
+               # at most k: the guess count the configuration set (fewer where max_tokens or a lookup ends them)
+               "guesses_per_forward": (last["proposed"] / last["row_forwards"]
+                                       if mode != "off" and last["row_forwards"] else None)}
         row["speedup"] = row["tok_s"] / statistics.median(r["tokens"] / r["seconds"] for r in plain)
         if tname == "greedy":
             row["greedy_identical_to_plain"] = all(r["outputs"] == plain[0]["outputs"] for r in rs)
@@ -159,9 +176,12 @@ def _time(fn, n: int) -> float:
 
 @torch.inference_mode()
 def cost_model(llm: LLM, ks=(1, 2, 4, 8), context: int = 64, n: int = 10) -> dict:
-    """Per-forward times at `context` tokens of cache, batch 1, through the engine's own runners."""
+    """Per-forward times at `context` tokens of cache, batch 1: Runners over a draft-mode LLM's model and
+    draft_model, on the native step where the engine runs it (a hooked or quantized model takes torch's)."""
     prompt = list(range(10, 10 + context))
-    target, draft = llm.runner, llm.draft_runner
+    # A request first: the engine settles its kernels and compute mode on the model at the first one.
+    llm.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0.0))
+    target, draft = Runner(llm.model, native=True), Runner(llm.draft_model, native=True)
     slots = Runner.slots_for(context + 64)
     target.prefill([prompt], slots)
     draft.prefill([prompt], slots)
@@ -174,7 +194,8 @@ def cost_model(llm: LLM, ks=(1, 2, 4, 8), context: int = 64, n: int = 10) -> dic
     t_step, t_draft = _time(lambda: step(target), n), _time(lambda: step(draft), n)
     t_draft2 = _time(lambda: draft.verify(torch.tensor([[11, 12]])), n)
     out = {"context": context, "t_step_ms": t_step * 1e3, "t_draft_step_ms": t_draft * 1e3,
-           "t_draft_catchup2_ms": t_draft2 * 1e3, "per_k": []}
+           "t_draft_catchup2_ms": t_draft2 * 1e3, "step": {"target": target.native_reason or "native",
+                                                          "draft": draft.native_reason or "native"}, "per_k": []}
     for k in ks:
         t_verify = _time(lambda: target.verify(torch.tensor([[11] * (k + 1)])), n)  # noqa: B023
         t_round = t_draft2 + (k - 1) * t_draft + t_verify
@@ -217,7 +238,8 @@ def make_random_draft(target: Path, out: Path) -> Path:
     torch.manual_seed(0)
     Qwen3ForCausalLM(cfg).save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(target / f, out / f)
+        if (target / f).is_file():  # ensure_q06's checkpoint has a tokenizer.json only
+            shutil.copy(target / f, out / f)
     return out
 
 
@@ -259,7 +281,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--q06", default="/tmp/sluice-speed-q06", help="random Qwen3-0.6B-shape checkpoint ('' skips)")
+    ap.add_argument("--q06", default="/tmp/sluice-speed-q06",
+                    help="random Qwen3-0.6B-shape checkpoint, made if missing ('' skips)")
     ap.add_argument("--q06-draft", default="/tmp/sluice-speed-q06-draft")
     ap.add_argument("--q06-new", type=int, default=32)
     ap.add_argument("--only", default=None, help="comma list of parts: bundled,bundled-cost,q06 (default all)")
@@ -284,35 +307,43 @@ def main() -> None:
             Path(a.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
 
     if parts & {"bundled", "bundled-cost"}:
-        llm = LLM(draft_model="bundled")
-        configs = CONFIGS
+        drafts, configs = {"draft": "bundled"}, CONFIGS
         if a.draft:
-            DRAFTS.clear()
+            drafts = {}
             for spec in a.draft:
-                name, _, path = spec.partition("=")
-                DRAFTS[f"draft:{name}"] = llm._load_draft(path, "float32", "cpu", "auto", "auto")
+                name, eq, path = spec.partition("=")
+                if not (name and eq and path):
+                    ap.error(f"--draft takes NAME=DIR, got {spec!r}")
+                drafts[f"draft:{name}"] = path
             configs = [(m, k) for m, k in CONFIGS if m != "draft"] + [
-                (d, k) for d in DRAFTS for m, k in CONFIGS if m == "draft"]
+                (d, k) for d in drafts for m, k in CONFIGS if m == "draft"]
             result["drafts"] = dict(spec.partition("=")[::2] for spec in a.draft)
+        # the cost model prices the shipped draft, or with --draft the first one named
+        cost_mode = next(iter(drafts))
+        modes = ({m for m, _ in configs} if "bundled" in parts else set()) | (
+            {cost_mode} if "bundled-cost" in parts else set())
+        llms = make_llms(None, "float32", modes, drafts)
         if "bundled" in parts:
-            result["bundled"] = bench_target(llm, sets, configs, TEMPS, reps)
+            result["bundled"] = bench_target(llms, sets, configs, TEMPS, reps)
             save()
         if "bundled-cost" in parts:
-            result["bundled_cost"] = cost_model(llm)
+            result["bundled_cost"] = {**cost_model(llms[cost_mode]), "draft": drafts[cost_mode]}
             save()
-        del llm
+        del llms
     if "q06" in parts and a.q06:
+        from serve_servers import ensure_q06  # bench/: the checkpoint serve_load.py uses, made if missing
+        ensure_q06(Path(a.q06))
         draft = make_random_draft(Path(a.q06), Path(a.q06_draft))
         q_sets = {"code": (CODE_PROMPTS[:1], a.q06_new)}
+        q_configs = [("off", None), ("draft", 2), ("draft", 4)]
         result["q06"] = {}
         for dtype in ("float32", "bfloat16"):
-            llm = LLM(a.q06, dtype=dtype, draft_model=draft)
+            llms = make_llms(a.q06, dtype, {"off", "draft"}, {"draft": draft})
             # requests first: the engine settles its kernels / compute mode at the first request
-            rows = bench_target(llm, q_sets, [("off", None), ("draft", 2), ("draft", 4)],
-                                {"greedy": 0.0}, 1 if a.quick else min(reps, 2))
-            result["q06"][dtype] = {"rows": rows, "cost": cost_model(llm, ks=(2, 4), n=5)}
+            rows = bench_target(llms, q_sets, q_configs, {"greedy": 0.0}, 1 if a.quick else min(reps, 2))
+            result["q06"][dtype] = {"rows": rows, "cost": cost_model(llms["draft"], ks=(2, 4), n=5)}
             save()
-            del llm
+            del llms
     save()
     print(markdown(result))
 

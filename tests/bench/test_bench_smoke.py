@@ -102,3 +102,25 @@ def test_fused_head_engine_quick(tmp_path):
     for x in r["rows"]:
         assert x["plain_tok_s"] > 0 and x["fused_tok_s"] > 0 and x["auto_tok_s"] > 0
         assert 0 <= x["fallback_fraction"] <= 1 and 0 <= x["auto_fused_fraction"] <= 1
+
+
+def test_speculative_quick(tmp_path):
+    out = tmp_path / "spec.json"
+    _run("speculative.py", "--q06", "", "--json", str(out))
+    r = json.loads(out.read_text())
+    rows = {(x["set"], x["temperature"], x["config"]): x for x in r["bundled"]}
+    configs = ("plain", "draft k=2", "draft k=4", "draft k=auto", "prompt-lookup k=4", "prompt-lookup k=auto")
+    assert set(rows) == {(s, t, c) for s in ("code", "edit") for t in (0.0, 0.8) for c in configs}
+    for (_, temp, config), x in rows.items():
+        assert x["tok_s"] > 0
+        if temp == 0.0:  # speculation keeps the target's greedy tokens, whatever was guessed
+            assert x["greedy_identical_to_plain"]
+        if config != "plain":
+            assert 0 <= x["acceptance_rate"] <= 1 and x["tokens_per_forward"] >= 1
+        if config.startswith("draft k=") and config != "draft k=auto":  # set_k reached each configuration
+            k = int(config.split("=")[1])
+            assert x["guesses_per_forward"] <= k
+            assert x["guesses_per_forward"] > (2 if k == 4 else 1)
+    cost = r["bundled_cost"]
+    assert cost["t_step_ms"] > 0 and [p["k"] for p in cost["per_k"]] == [1, 2, 4, 8]
+    assert all(0 <= p["break_even_acceptance"] <= 1 for p in cost["per_k"] if p["break_even_acceptance"] is not None)
