@@ -89,9 +89,13 @@ class BatchForward:
         return out
 
     def _rows(self, rows: list[Row], fed: list[list[int]], want: str | None):
+        return self.feed(rows, fed, [r.start for r in rows], want)
+
+    def feed(self, rows: list[Row], fed: list[list[int]], starts: list[int], want: str | None):
+        """run() for rows' sequences reading fed[i] (equal lengths) at positions starts[i].."""
         T = len(fed[0])
         tokens = torch.tensor(fed, device=self.device)
-        positions = torch.tensor([r.start for r in rows], device=self.device)[:, None] + torch.arange(T, device=self.device)
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
         return self.run([r.seq.blocks for r in rows], tokens, positions, want)
 
 

@@ -40,7 +40,7 @@ class DraftProposer:
 
     def prefill(self, rows: list[Row]) -> None:
         for r in rows:
-            self._run([r], [r.tokens], [r.start], None)
+            self.forward.feed([r], [r.tokens], [r.start], None)
             r.seq.spec.draft_valid = r.start + len(r.tokens)
 
     @torch.inference_mode()
@@ -51,13 +51,13 @@ class DraftProposer:
         logits = [None] * len(rows)
         pairs = [i for i, (r, s) in enumerate(zip(rows, starts, strict=True)) if len(r.seq.ids) - s == 2]
         if pairs:  # the usual round: every row reads two tokens
-            out = self._run([rows[i] for i in pairs], [rows[i].seq.ids[-2:] for i in pairs],
-                            [starts[i] for i in pairs], "last")
+            out = self.forward.feed([rows[i] for i in pairs], [rows[i].seq.ids[-2:] for i in pairs],
+                                    [starts[i] for i in pairs], "last")
             for j, i in enumerate(pairs):
                 logits[i] = out[j]
         for i, (r, s) in enumerate(zip(rows, starts, strict=True)):
             if logits[i] is None:  # more to catch up on (a draft state that fell behind): alone
-                logits[i] = self._run([r], [r.seq.ids[s:]], [s], "last")[0]
+                logits[i] = self.forward.feed([r], [r.seq.ids[s:]], [s], "last")[0]
         self._guess(rows, torch.stack(logits))
 
     def _guess(self, rows: list[Row], logits: torch.Tensor) -> None:
@@ -75,9 +75,8 @@ class DraftProposer:
                 alive = [i for i in alive if rows[i].cap > j]
                 if not alive:
                     break
-                prev = torch.tensor([[guesses[i][-1]] for i in alive])
                 pos = [len(rows[i].seq.ids) - 1 + j for i in alive]
-                logits[alive] = self._run([rows[i] for i in alive], prev.tolist(), pos, "last")
+                logits[alive] = self.forward.feed([rows[i] for i in alive], [[guesses[i][-1]] for i in alive], pos, "last")
             finite = (~nonfinite_rows(logits)).tolist()
             if greedy:
                 tokens, probs = logits.argmax(-1), None
@@ -97,13 +96,6 @@ class DraftProposer:
             r.q = torch.stack(qs[i]) if qs[i] else (None if greedy else logits.new_zeros(0, logits.shape[-1]))
             # The draft read every guess but the last: its slots hold the row's tokens up to there.
             r.seq.spec.draft_valid = len(r.seq.ids) + max(len(guesses[i]) - 1, 0)
-
-    def _run(self, rows: list[Row], fed: list[list[int]], starts: list[int], want):
-        dev = self.forward.device
-        T = len(fed[0])
-        tokens = torch.tensor(fed, device=dev)
-        positions = torch.tensor(starts, device=dev)[:, None] + torch.arange(T, device=dev)
-        return self.forward.run([r.seq.blocks for r in rows], tokens, positions, want)
 
 
 class PromptLookup:
