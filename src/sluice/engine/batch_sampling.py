@@ -115,13 +115,21 @@ class StepDraw:
         return out.tokens
 
     def _logprobs(self, plan: StepPlan, out: dict, runs: dict) -> dict[Row, list]:
-        """{row: TokenLogprob per token of its run} for the rows whose params ask for logprobs."""
-        found = {}
+        """{row: TokenLogprob per token of its run} for the rows whose params ask for logprobs: the rows
+        that drew one token together, in one call (one host sync), a speculating row's run on its own."""
+        found, rows, tokens = {}, [], []
         for r in plan.finals:
-            n = r.seq.params.logprobs
             run = [t for t in runs[r] if t != NONFINITE]
-            if n is None or not run:
+            if r.seq.params.logprobs is None or not run:
                 continue
-            logits = out[r] if r.guesses else out[r][None]
-            found[r] = self.head.logprobs(logits[: len(run)], torch.tensor(run), [n] * len(run), self.decode_one)
+            if r.guesses:
+                found[r] = self.head.logprobs(out[r][: len(run)], torch.tensor(run), [r.seq.params.logprobs] * len(run),
+                                              self.decode_one)
+            else:
+                rows.append(r)
+                tokens += run
+        if rows:
+            lps = self.head.logprobs(torch.stack([out[r] for r in rows]), torch.tensor(tokens),
+                                     [r.seq.params.logprobs for r in rows], self.decode_one)
+            found.update((r, [lp]) for r, lp in zip(rows, lps, strict=True))
         return found

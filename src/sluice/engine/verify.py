@@ -55,7 +55,8 @@ def penalty_state(rows: list[Row]) -> tuple[torch.Tensor | None, torch.Tensor | 
     seen = torch.cat([s.seen for s in samplers]) if any(s.uses_penalty for s in samplers) else None
     counts = None
     if any(s.counts is not None for s in samplers):
-        counts = torch.cat([s.counts if s.counts is not None else torch.zeros(s.seen.shape) for s in samplers])
+        counts = torch.cat([s.counts if s.counts is not None else torch.zeros_like(s.seen, dtype=torch.float32)
+                            for s in samplers])
     return seen, counts
 
 
