@@ -66,37 +66,59 @@ class BatchForward:
                          return_hidden=want != "last")
         return None if want is None else out[:, -1]
 
-    def __call__(self, plan: StepPlan) -> dict[Row, torch.Tensor]:
+    def __call__(self, plan: StepPlan) -> "StepOut":
         """Compute every row of the plan: {row: what its draw needs} for the final rows, as
         logits (V,), hidden states (C,) when plan.fused, or logits (1 + its guesses, V) for a
         row with guesses. Prompt chunks are run in plan order, so a sequence's chunks stay causal."""
-        out: dict[Row, torch.Tensor] = {}
+        out = StepOut()
         want = "hidden" if plan.fused else "last"
-        ones = [r for r in plan.rows if len(r.fed) == 1]
+        ones, guessing, chunks = [], [], []
+        for r in plan.rows:
+            (guessing if r.guesses else ones if len(r.tokens) == 1 else chunks).append(r)
         if ones:
-            res = self._rows(ones, [r.fed for r in ones], want if any(r.final for r in ones) else None)
-            out.update((r, res[i]) for i, r in enumerate(ones) if r.final)
-        guessing = [r for r in plan.rows if r.guesses]
+            finals = [r for r in ones if r.final]
+            res = self._rows(ones, [r.tokens for r in ones], want if finals else None)
+            if len(finals) == len(ones):  # the usual decode step: the draw takes the batch as it is
+                out.batch = (ones, res)
+            else:
+                out.update((r, res[i]) for i, r in enumerate(ones) if r.final)
         for T, group in _verify_groups(guessing).items():
             fed = [r.fed + [PAD_TOKEN] * (T - len(r.fed)) for r in group]
             res = self._rows(group, fed, "all")
             out.update((r, res[i, :len(r.fed)]) for i, r in enumerate(group))
-        for r in plan.rows:
-            if len(r.fed) > 1 and not r.guesses:
-                res = self._rows([r], [r.fed], want if r.final else None)
-                if r.final:
-                    out[r] = res[0]
+        for r in chunks:
+            res = self._rows([r], [r.tokens], want if r.final else None)
+            if r.final:
+                out[r] = res[0]
         return out
 
     def _rows(self, rows: list[Row], fed: list[list[int]], want: str | None):
         return self.feed(rows, fed, [r.start for r in rows], want)
 
-    def feed(self, rows: list[Row], fed: list[list[int]], starts: list[int], want: str | None):
-        """run() for rows' sequences reading fed[i] (equal lengths) at positions starts[i].."""
+    def feed(self, rows: list[Row], fed: list[list[int]] | torch.Tensor, starts: list[int], want: str | None):
+        """run() for rows' sequences reading fed[i] (equal lengths; a (B, T) tensor is taken as it is)
+        at positions starts[i].."""
         T = len(fed[0])
-        tokens = torch.tensor(fed, device=self.device)
-        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
-        return self.run([r.seq.blocks for r in rows], tokens, positions, want)
+        positions = [list(range(s, s + T)) for s in starts]
+        if isinstance(fed, torch.Tensor):
+            return self.run([r.seq.blocks for r in rows], fed, torch.tensor(positions, device=self.device), want)
+        # tokens and positions in one tensor (2, B, T): a step's host-to-tensor work is a few small calls
+        both = torch.tensor([fed, positions], device=self.device)
+        return self.run([r.seq.blocks for r in rows], both[0], both[1], want)
+
+
+class StepOut(dict):
+    """forward(plan)'s {row: tensor}. `batch` is (rows, their stacked tensor) when the step's one-token
+    rows were all final: the draw takes it without stacking again, and a row of it is indexed only
+    when asked for (out[row])."""
+    batch: tuple[list[Row], torch.Tensor] | None = None
+
+    def __missing__(self, row: Row) -> torch.Tensor:
+        if self.batch is not None:
+            for i, r in enumerate(self.batch[0]):
+                if r is row:
+                    return self.batch[1][i]
+        raise KeyError(row)
 
 
 def _verify_groups(rows: list[Row]) -> dict[int, list[Row]]:

@@ -83,13 +83,15 @@ class StepDraw:
 
     def __call__(self, plan: StepPlan, out: dict) -> tuple[dict[Row, list[int]], dict[Row, list]]:
         runs: dict[Row, list[int]] = {}
-        plain = [r for r in plan.finals if not r.guesses]
-        guessing = [r for r in plan.finals if r.guesses]
+        plain, guessing = [], []
+        for r in plan.finals:
+            (guessing if r.guesses else plain).append(r)
         if guessing or plan.fused:
             self.batch.forget()
         if plain:
             seqs = [r.seq for r in plain]
-            x = torch.stack([out[r] for r in plain])
+            batch = getattr(out, "batch", None)  # forward's stacked one-token rows (batch_forward.StepOut)
+            x = batch[1] if batch is not None and batch[0] == plain else torch.stack([out[r] for r in plain])
             tokens = (self._fused(seqs, x) if plan.fused else self.batch(seqs, x)).tolist()  # the step's host sync
             runs.update((r, [t]) for r, t in zip(plain, tokens, strict=True))
         if guessing:
@@ -119,8 +121,10 @@ class StepDraw:
         that drew one token together, in one call (one host sync), a speculating row's run on its own."""
         found, rows, tokens = {}, [], []
         for r in plan.finals:
+            if r.seq.params.logprobs is None:
+                continue
             run = [t for t in runs[r] if t != NONFINITE]
-            if r.seq.params.logprobs is None or not run:
+            if not run:
                 continue
             if r.guesses:
                 found[r] = self.head.logprobs(out[r][: len(run)], torch.tensor(run), [r.seq.params.logprobs] * len(run),

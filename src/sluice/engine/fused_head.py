@@ -57,13 +57,20 @@ def use_fused_head(model, fused_head: bool | str, params: list[SamplingParams]) 
     rows keep falling back (over a quarter of them after AUTO_PROBATION steps: a model too
     flat for the candidates to prove its cuts, paying for the LM head twice) returns to the
     plain path (scheduler.Scheduler._fused)."""
+    return params_want_fused(fused_head, params) and head_allows_fused(model)
+
+
+def params_want_fused(fused_head: bool | str, params: list[SamplingParams]) -> bool:
+    """use_fused_head's answer from the rows' params alone (fixed for a row's life: a scheduler keeps it)."""
+    return fused_head is True or (fused_head == "auto" and any(_has_filter(p) for p in params))
+
+
+def head_allows_fused(model) -> bool:
+    """use_fused_head's answer from the model alone: a float LM head, and no hooks that need the logits."""
     m = model
     if not isinstance(m.lm_head, torch.nn.Linear):  # a quantized head (model/quant.py) has no float weight
         return False
-    if fused_head is False or any(mod._forward_hooks or mod._forward_pre_hooks for mod in (m, m.lm_head)):
-        return False
-    return fused_head is True or any(
-        p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params)
+    return not any(mod._forward_hooks or mod._forward_pre_hooks for mod in (m, m.lm_head))
 
 
 @dataclass

@@ -23,8 +23,10 @@ class OutputStage:
 
     def __call__(self, seq: Seq, run: list[int], logprobs: list | None) -> Update:
         """seq's update for `run`, its tokens not yet in seq.ids; ends seq when a stop is reached."""
-        now, taken, reason, text = time.perf_counter(), [], None, ""
-        seq.first_token_at = seq.first_token_at or now
+        taken, reason, text = [], None, ""
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+        limit = seq.prompt_len + seq.params.max_tokens
         for tok in run:
             if tok == NONFINITE:
                 reason = "error"
@@ -38,7 +40,7 @@ class OutputStage:
             if seq.stream.stopped:
                 reason = "stop"
                 break
-            if len(seq.token_ids) >= seq.params.max_tokens:
+            if len(seq.ids) >= limit:
                 text, reason = text + seq.stream.finish(), "length"
                 break
         lps = logprobs[: len(taken)] if logprobs is not None else None

@@ -13,6 +13,7 @@ stage that fills it, so tensor parallelism can hand the same plan to every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -32,7 +33,7 @@ class Row:
     @property
     def fed(self) -> list[int]:
         """Every token the target reads this step: the row's tokens, then its guesses."""
-        return self.tokens + self.guesses
+        return self.tokens + self.guesses if self.guesses else self.tokens
 
 
 @dataclass
@@ -40,11 +41,11 @@ class StepPlan:
     rows: list[Row]
     fused: bool = False  # decoding rows without guesses go through the fused LM head
 
-    @property
+    @cached_property  # the rows and their tokens are fixed once scheduled (only guesses come later)
     def prefills(self) -> list[Row]:
         """Rows that read prompt tokens and are not drawn from yet."""
         return [r for r in self.rows if not r.final]
 
-    @property
+    @cached_property
     def finals(self) -> list[Row]:
         return [r for r in self.rows if r.final]

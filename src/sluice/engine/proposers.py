@@ -14,7 +14,7 @@ from ..model.layers import Transformer
 from .batch_forward import BatchForward
 from .paged_cache import BlockPool
 from .plan import Row
-from .sampling import filtered_probs, nonfinite_rows
+from .sampling import argmax_rows, filtered_probs, nonfinite_rows
 from .speculative import draw
 from .verify import grow, penalty_state
 
@@ -61,41 +61,52 @@ class DraftProposer:
         self._guess(rows, torch.stack(logits))
 
     def _guess(self, rows: list[Row], logits: torch.Tensor) -> None:
-        """Draw each row's guesses from the draft, one forward per guess after the first."""
+        """Draw each row's guesses from the draft, one forward per guess after the first. The guesses
+        stay in a tensor that feeds the next forward; the host reads them once, at the end (greedy
+        rows: a row whose draft went non-finite is cut there then; sampled rows stop drawing at once,
+        so their random streams advance only for the guesses they make)."""
         samplers = [r.seq.sampler for r in rows]
         greedy = all(s.plain_greedy for s in samplers)
         params = [s.params[0] for s in samplers]
         sampled = [i for i, p in enumerate(params) if p.temperature > 0]
         streams = [s.streams[0] for s in samplers]
         seen, counts = penalty_state(rows)  # grows with each guess, as the context does
-        K = max(r.cap for r in rows)
-        guesses, qs, alive = [[] for _ in rows], [[] for _ in rows], list(range(len(rows)))
+        B, K, V = len(rows), max(r.cap for r in rows), logits.shape[-1]
+        tokens = torch.zeros(B, K, dtype=torch.long, device=logits.device)
+        finite = torch.zeros(B, K, dtype=torch.bool, device=logits.device)
+        q = None if greedy else logits.new_zeros(B, K, V, dtype=torch.float32)
+        alive = list(range(B))
         for j in range(K):
             if j:
                 alive = [i for i in alive if rows[i].cap > j]
                 if not alive:
                     break
-                pos = [len(rows[i].seq.ids) - 1 + j for i in alive]
-                logits[alive] = self.forward.feed([rows[i] for i in alive], [[guesses[i][-1]] for i in alive], pos, "last")
-            finite = (~nonfinite_rows(logits)).tolist()
+                prev = tokens[:, j - 1:j] if len(alive) == B else tokens[alive, j - 1:j]
+                out = self.forward.feed([rows[i] for i in alive], prev,
+                                        [len(rows[i].seq.ids) - 1 + j for i in alive], "last")
+                if len(alive) == B:
+                    logits = out
+                else:
+                    logits[alive] = out
             if greedy:
-                tokens, probs = logits.argmax(-1), None
+                tokens[:, j], broken = argmax_rows(logits.float())
             else:
+                broken = nonfinite_rows(logits)
                 probs = filtered_probs(logits, params, seen, counts)
-                tokens = draw(probs, [i for i in sampled if i in alive], streams)
-                seen, counts = grow(seen, counts, tokens)
-            for i in list(alive):
-                if not finite[i]:  # a draft gone non-finite guesses nothing more (its q is no distribution)
-                    alive.remove(i)
-                    continue
-                guesses[i].append(int(tokens[i]))
-                if probs is not None:
-                    qs[i].append(probs[i])
+                tokens[:, j] = draw(probs, [i for i in sampled if i in alive], streams)
+                seen, counts = grow(seen, counts, tokens[:, j])
+                q[:, j] = probs
+                # a draft gone non-finite guesses nothing more (its q is no distribution)
+                alive = [i for i, bad in zip(alive, broken[alive].tolist(), strict=True) if not bad]
+            finite[:, j] = ~broken
+        kept = (finite.long().cumprod(-1).sum(-1)).tolist()
+        host = tokens.tolist()
         for i, r in enumerate(rows):
-            r.guesses = guesses[i]
-            r.q = torch.stack(qs[i]) if qs[i] else (None if greedy else logits.new_zeros(0, logits.shape[-1]))
+            n = min(kept[i], r.cap)
+            r.guesses = host[i][:n]
+            r.q = None if greedy else q[i, :n]
             # The draft read every guess but the last: its slots hold the row's tokens up to there.
-            r.seq.spec.draft_valid = len(r.seq.ids) + max(len(guesses[i]) - 1, 0)
+            r.seq.spec.draft_valid = len(r.seq.ids) + max(n - 1, 0)
 
 
 class PromptLookup:

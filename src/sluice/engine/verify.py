@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .plan import Row
-from .sampling import NONFINITE, filtered_probs, nonfinite_rows
+from .sampling import NONFINITE, argmax_rows, filtered_probs, nonfinite_rows
 from .sequence import SpecState
 from .speculative import AUTO_MAX_TOKENS, DEFAULT_SPECULATIVE_TOKENS, accept, accept_greedy
 
@@ -96,8 +96,11 @@ def verify(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]:
             x[i, : lg.shape[0]] = lg
     draft = torch.tensor([r.guesses + [0] * (K - len(r.guesses)) for r in rows], dtype=torch.long, device=dev)
     samplers = [r.seq.sampler for r in rows]
+    bad = None
     if all(s.plain_greedy for s in samplers):
-        n, final = accept_greedy(x.argmax(-1), draft, lengths)
+        top, bad = argmax_rows(x.reshape(B * (K + 1), V).float())  # one pass: the argmax and the finiteness
+        n, final = accept_greedy(top.view(B, K + 1), draft, lengths)
+        bad = bad.view(B, K + 1)
     else:
         seen, counts = stacks(*penalty_state(rows), draft)
         params = [s.params[0] for s in samplers for _ in range(K + 1)]
@@ -111,7 +114,7 @@ def verify(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]:
         sampled = [i for i, s in enumerate(samplers) if s.params[0].temperature > 0]
         n, final = accept(p, q, draft, lengths, sampled, [s.streams[0] for s in samplers])
     # A position whose logits hold NaN or inf ends the row's run with NONFINITE (the engine reports it).
-    bad = nonfinite_rows(x)  # (B, K+1)
+    bad = nonfinite_rows(x) if bad is None else bad  # (B, K+1)
     first_bad = torch.where(bad.any(-1), bad.long().argmax(-1), K + 1)
     final = torch.where(first_bad <= n, NONFINITE, final)
     n = torch.minimum(n, first_bad)

@@ -107,8 +107,8 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         if hasattr(ids, "tolist"):  # torch tensors and numpy arrays
             ids = ids.tolist()
-        ids = [ids] if isinstance(ids, int) else [int(i) for i in ids]
-        if skip_special_tokens:
+        ids = [ids] if isinstance(ids, int) else list(map(int, ids))
+        if skip_special_tokens and not self.all_special_ids.isdisjoint(ids):  # a streamed token: mostly none
             ids = [i for i in ids if i not in self.all_special_ids]
         text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_spaces(text) if self._clean_up else text
