@@ -34,7 +34,9 @@ def environment() -> dict:
     import sluice
     return {"cpu": cpu_info(), "versions": {"torch": torch.__version__,
                                             "transformers": transformers.__version__,
-                                            "sluice": sluice.__version__}}
+                                            "sluice": sluice.__version__},
+            # above the core count at the start (or the end, where a script records it): a contended run
+            "loadavg_at_start": list(os.getloadavg()), "cores": os.cpu_count()}
 
 
 def call_times(fn, repeats: int, warmup: int = 1) -> list[float]:

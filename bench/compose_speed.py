@@ -6,9 +6,9 @@ moved onto the continuous-batching scheduler, timed side by side in one run.
 
 --before names the src/ directory of the old checkout (e.g. a `git worktree` of the commit before).
 Each row runs in a fresh child process per side (PYTHONPATH picks the side's code; kernels build into
-their own cache directories), one warm-up request and then the timed one, alternating which side goes
-first from round to round; a cell is the median of the rounds' decode tok/s (LLM.last_stats: decode
-tokens / decode seconds, as each side measures its own). Greedy, so both sides must emit the same
+their own cache directories), one warm-up request and then --timed timed ones (the process reports
+their median), alternating which side goes first from round to round; a cell is the median of the
+rounds' decode tok/s (LLM.last_stats: decode tokens / decode seconds, as each side measures its own). Greedy, so both sides must emit the same
 tokens: a row whose outputs differ is marked.
 
 Rows: plain decoding on the bundled model and a random Qwen3-0.6B-shaped checkpoint, fp32 and bf16
@@ -45,9 +45,12 @@ llm = LLM(row["model"], **kw)
 p = SamplingParams(max_tokens=row["gen"], temperature=0, ignore_eos=True)
 prompts = row["prompts"]
 llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up: kernels, caches
-outs = llm.generate(prompts, p)
-s = llm.last_stats
-print(json.dumps({"decode_tok_s": s.decode_tok_s, "tokens": [o.token_ids for o in outs],
+speeds = []
+for _ in range(row["timed"]):
+    outs = llm.generate(prompts, p)
+    s = llm.last_stats
+    speeds.append(s.decode_tok_s)
+print(json.dumps({"decode_tok_s": sorted(speeds)[len(speeds) // 2], "tokens": [o.token_ids for o in outs],
                   "accepted": s.accepted, "proposed": s.proposed}))
 """
 
@@ -83,7 +86,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", required=True, help="src/ of the old checkout")
     ap.add_argument("--after", default=str(Path(__file__).parents[1] / "src"))
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2, help="processes per side and row")
+    ap.add_argument("--timed", type=int, default=3, help="timed generates per process (their median counts)")
     ap.add_argument("--workdir", default=str(Path.home() / ".cache" / "sluice-bench"))
     ap.add_argument("--quick", action="store_true", help="fewer tokens on the 0.6B shape")
     ap.add_argument("--only", default=None, help="rows whose name contains this")
@@ -95,6 +99,7 @@ def main() -> None:
     for row in rows(q06, args.quick):
         if args.only and args.only not in row["name"]:
             continue
+        row["timed"] = args.timed
         got = {"before": [], "after": []}
         for rep in range(args.reps):
             for side in (("before", "after") if rep % 2 == 0 else ("after", "before")):

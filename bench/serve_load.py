@@ -256,14 +256,19 @@ def measure(server: Server, kind: str, load: Load, count, timeout: float, settle
 
 def run_model(name: str, args, load: Load, sluice_model: str | None, dtype: str, gguf: Path | None) -> dict:
     result = {"dtype": dtype, "gguf": str(gguf) if gguf else None}
-    if "sluice" in args.engines:
-        srv = sluice_server(sluice_model, dtype, load.concurrency, args.sluice_arg)
+    # "sluice+draft": the same server speculating with the bundled draft (it serves the bundled model only)
+    variants = [("sluice", [])] + ([("sluice+draft", ["--draft-model", "bundled"])]
+                                   if "sluice+draft" in args.engines and sluice_model is None else [])
+    for engine, extra in variants:
+        if engine not in args.engines:
+            continue
+        srv = sluice_server(sluice_model, dtype, load.concurrency, [*args.sluice_arg, *extra])
         try:
             srv.wait_ready(args.load_timeout)
-            result["sluice"] = measure(srv, "sluice", load, sluice_counter(sluice_model), args.request_timeout)
+            result[engine] = measure(srv, "sluice", load, sluice_counter(sluice_model), args.request_timeout)
         finally:
-            result.setdefault("sluice", {})["exit"] = srv.stop(args.shutdown_timeout)
-        print(f"{name} sluice: {brief(result['sluice'], load)}", flush=True)
+            result.setdefault(engine, {})["exit"] = srv.stop(args.shutdown_timeout)
+        print(f"{name} {engine}: {brief(result[engine], load)}", flush=True)
     if "llama.cpp" in args.engines and gguf is not None:
         srv = llama_server(gguf, args.lcpp_python, args.threads, args.n_ctx)
         try:
@@ -276,6 +281,10 @@ def run_model(name: str, args, load: Load, sluice_model: str | None, dtype: str,
     if s.get("c1") and ll.get("c1"):
         c = f"c{load.concurrency}"
         result["sluice_over_llama"] = {k: s[k]["tok_s"] / ll[k]["tok_s"] for k in (c, "c1") if ll[k]["tok_s"]}
+    d = result.get("sluice+draft", {})
+    if s.get("c1") and d.get("c1"):
+        c = f"c{load.concurrency}"
+        result["draft_over_plain"] = {k: d[k]["tok_s"] / s[k]["tok_s"] for k in (c, "c1") if s[k]["tok_s"]}
     return result
 
 
@@ -296,7 +305,7 @@ def markdown(result: dict) -> str:
             "TTFT p50 / p99 ms | TPOT p50 / p99 ms | KV blocks used | running / waiting | exit |", "|" + "---|" * 13]
     ratios = []
     for model, r in result["models"].items():
-        for engine in ("sluice", "llama.cpp"):
+        for engine in ("sluice", "sluice+draft", "llama.cpp"):
             e = r.get(engine)
             if not e or "c1" not in e:
                 continue
@@ -313,6 +322,9 @@ def markdown(result: dict) -> str:
         if r.get("sluice_over_llama"):
             ratios.append(f"- {model}: sluice / llama.cpp output tok/s: " +
                           ", ".join(f"{k[1:]} client(s) {v:.2f}x" for k, v in r["sluice_over_llama"].items()))
+        if r.get("draft_over_plain"):
+            ratios.append(f"- {model}: sluice with the bundled draft / without, output tok/s: " +
+                          ", ".join(f"{k[1:]} client(s) {v:.2f}x" for k, v in r["draft_over_plain"].items()))
     return "\n".join(rows + [""] + ratios)
 
 
@@ -324,7 +336,8 @@ def parse_range(s: str) -> tuple[int, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="bundled,q06", help="comma list of bundled, q06")
-    ap.add_argument("--engines", default="sluice,llama.cpp")
+    ap.add_argument("--engines", default="sluice,llama.cpp",
+                    help="comma list of sluice, sluice+draft (bundled model: --draft-model bundled), llama.cpp")
     ap.add_argument("-c", "--concurrency", type=int, default=8)
     ap.add_argument("-r", "--requests", type=int, default=4, help="requests per client")
     ap.add_argument("--serial", type=int, default=None, help="requests in the 1-client run (default all)")
