@@ -230,7 +230,8 @@ class LLM:
                                           self.max_num_batched_tokens, native=self._native,
                                           head=self.tp and self.tp.head, compile=self.compile,
                                           fused_head=self.fused_head, speculative=self.speculative,
-                                          draft=self.draft_model, num_speculative_tokens=self.num_speculative_tokens)
+                                          draft=self.draft_model, num_speculative_tokens=self.num_speculative_tokens,
+                                          plans=self.tp and self.tp.plan_channel())
             return self._batch
 
     def _swap_kernels(self, rows: int) -> None:

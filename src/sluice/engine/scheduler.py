@@ -17,10 +17,11 @@ One `step()` is plain data flowing one way (plan.py): `schedule()` -> StepPlan -
 6. update: what each sequence has computed, its rejected guesses' blocks back to the pool, the
    blocks that filled up keyed; then the output stage (output_stage.py) detokenizes and stops.
 
-Under tensor parallelism (LLM(tensor_parallel=N)) every rank runs this same scheduler on its part of
-the model: the logits of step 4 are the rank's vocabulary shard, and the `head` (parallel/head.py)
-samples them with collectives. Every rank must then get the same add()s and abort()s in the same
-order (parallel/lockstep.py); the decisions above depend on nothing else, so they agree.
+Under tensor parallelism (LLM(tensor_parallel=N)) every rank gets the same add()s and abort()s in
+the same order (parallel/lockstep.py), but only rank 0 schedules: its plan (the rows, their block
+tables) is broadcast, and the other ranks run steps 3-6 on it (parallel/plans.py) with no queues,
+blocks or prefix cache of their own. The logits of step 4 are each rank's vocabulary shard, and the
+`head` (parallel/head.py) samples them with collectives.
 
 Preemption is by recompute: when a sequence needs a block and none is free, the most recently
 admitted sequence gives all of its blocks back and returns to the front of the queue, keeping what it
@@ -45,7 +46,7 @@ from ..errors import RequestError
 from ..model.layers import Transformer
 from .batch_forward import BatchForward
 from .batch_sampling import FullHead, StepDraw
-from .fused_head import AUTO_PROBATION, use_fused_head
+from .fused_head import AUTO_PROBATION, head_allows_fused, params_want_fused
 from .output_stage import OutputStage
 from .paged_cache import BlockPool
 from .plan import Row, StepPlan
@@ -61,7 +62,7 @@ class Scheduler:
     def __init__(self, model: Transformer, pool: BlockPool, decode: Callable[[list[int]], str],
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 256, native: bool = True,
                  nonfinite_origin: Callable[[list[int]], str] | None = None, head=None, compile: bool = False,
-                 fused_head: bool | str = False, speculation=None):
+                 fused_head: bool | str = False, speculation=None, plans=None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise RequestError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got "
                                f"{max_num_seqs} and {max_num_batched_tokens}")
@@ -75,7 +76,13 @@ class Scheduler:
         self.draw = StepDraw(model, self.head, lambda t: decode([t]))
         self.forward = BatchForward(model, pool, native, compile)  # the model work of a step
         self.fused_head = fused_head  # True, False or "auto" (fused_head.use_fused_head)
+        self._fused_rows: tuple[list[Seq], bool] = ([], False)  # the last step's final rows, and their params' say
         self.speculation = speculation  # verify.Speculation, or None
+        # Under tensor parallelism (parallel/plans.PlanChannel) rank 0 schedules and the others follow its plans.
+        self.plans = plans
+        self.follower = plans is not None and not plans.leads
+        self.live: dict[int, Seq] = {}  # unfinished sequences by number
+        self.added = 0
         self.output = OutputStage(self._end, nonfinite_origin)
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []  # in admission order
@@ -107,6 +114,8 @@ class Scheduler:
         if self.speculation is not None:
             seq.spec = self.speculation.new_state()
         with self._lock:
+            seq.number, self.added = self.added, self.added + 1
+            self.live[seq.number] = seq
             self._incoming.append(seq)
         return seq
 
@@ -140,7 +149,9 @@ class Scheduler:
             self.forward.refresh()
             if self.speculation is not None:
                 self.speculation.proposer.refresh()
-        plan = self.schedule()
+        plan = self._follow() if self.follower else self.schedule()
+        if self.plans is not None and not self.follower:
+            self.plans.share(plan, self.live)
         if not plan.rows:
             return updates
         self.steps += 1
@@ -166,7 +177,9 @@ class Scheduler:
         """Take seq out of the batch or the queue and give its blocks back."""
         seq.finish_reason, seq.error, seq.finished_at = reason, error, time.perf_counter()
         (self.running if seq in self.running else self.waiting).remove(seq)
-        self.pool.release_all(seq.blocks)
+        self.live.pop(seq.number, None)
+        if not self.follower:  # a follower's blocks are rank 0's to manage
+            self.pool.release_all(seq.blocks)
         seq.blocks, seq.serials = [], []
 
     def _finish(self, seq: Seq, reason: str, error: str | None = None) -> Update:
@@ -191,6 +204,8 @@ class Scheduler:
         """Give seq blocks for its first `tokens` slots, preempting the newest others if need be;
         False if seq itself had to go (it was the newest)."""
         need = self.blocks_for(tokens) - len(seq.blocks)
+        if need <= 0:  # most decode steps: the last block has room
+            return True
         while need > self.pool.num_free:
             victim = self.running[-1]
             self._preempt(victim)
@@ -225,6 +240,16 @@ class Scheduler:
             budget -= n
         return StepPlan(rows, self._fused([r for r in rows if r.final]))
 
+    def _follow(self) -> StepPlan:
+        """A tensor-parallel follower's schedule(): rank 0's plan over this rank's sequences. A sequence
+        joins the running list when a plan first names it (rank 0 admitted it); nothing else is decided here."""
+        plan = self.plans.share(None, self.live)
+        for r in plan.rows:
+            if r.seq in self.waiting:
+                self.waiting.remove(r.seq)
+                self.running.append(r.seq)
+        return plan
+
     @staticmethod
     def _row(seq: Seq, n: int, cap: int) -> Row:
         start = seq.num_computed
@@ -234,12 +259,17 @@ class Scheduler:
         """Whether this step's plain rows draw through the fused LM head (fused_head.use_fused_head)."""
         if not finals or self.fused_head is False or not isinstance(self.head, FullHead):
             return False
-        params = [r.seq.params for r in finals]
-        if any(p.logprobs is not None or p.presence_penalty or p.frequency_penalty for p in params):
-            return False  # logprobs need the logits; the fused head keeps no generated counts
+        key = [r.seq for r in finals]
+        if key != self._fused_rows[0]:  # what the rows' params say holds while the rows stay the same
+            params = [s.params for s in key]
+            # logprobs need the logits; the fused head keeps no generated counts
+            self._fused_rows = (key, not any(p.logprobs is not None or p.presence_penalty or p.frequency_penalty
+                                             for p in params) and params_want_fused(self.fused_head, params))
+        if not self._fused_rows[1]:
+            return False
         if self.fused_head == "auto" and self.draw.fused_calls >= AUTO_PROBATION and self.draw.fallback_rate > 0.25:
             return False  # the candidates rarely prove this model's cuts (a flat model): plain from here
-        return use_fused_head(self.model, self.fused_head, params)
+        return head_allows_fused(self.model)  # hooks may come and go between steps
 
     def _admit(self, seq: Seq, budget: int) -> bool:
         """Take the prompt's cached blocks and the blocks for its first chunk, or nothing."""
@@ -273,6 +303,10 @@ class Scheduler:
         """What each row computed: its tokens, and of a speculating row the guesses it kept. A rejected
         guess's keys and values are stale; the blocks that held only those go back to the pool (the
         slots left in a kept block are rewritten before any query reads them)."""
+        if self.follower:  # rank 0 keeps the blocks and the prefix cache; the next plan says what to read
+            for r in plan.rows:
+                r.seq.num_computed = r.start + len(r.tokens)
+            return
         for r in plan.rows:
             seq = r.seq
             kept = len(runs[r]) - 1 if r.guesses else 0

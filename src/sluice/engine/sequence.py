@@ -44,6 +44,7 @@ class Seq:
     logprobs: list = field(default_factory=list)  # TokenLogprob per generated token, if asked for
     pending: collections.deque = field(default_factory=collections.deque)  # updates not yet read
     spec: SpecState | None = None  # when the engine speculates
+    number: int = -1  # adds to its scheduler before it: the same on every tensor-parallel rank (parallel/plans.py)
     fused_steps: int = 0  # tokens drawn through the fused LM head
     fused_fallbacks: int = 0  # of those, drawn by its plain fallback (fused_head.py)
 

@@ -2,6 +2,7 @@
 
 group.py     the process group, its timeout, and every collective (failures -> ParallelError)
 lockstep.py  sluice serve --tp: rank 0 broadcasts each step's adds and aborts, the others follow
+plans.py     rank 0 schedules; each step's plan (rows, block tables) goes to the other ranks
 sharding.py  which slice of each tensor a rank keeps, and what cannot be split
 layers.py    the row-parallel linear, the vocabulary-parallel embedding, OLMo 2's full-width q/k norm
 loading.py   a rank's model: sluice's Transformer on the rank's config, filled with its slices only

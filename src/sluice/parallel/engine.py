@@ -3,9 +3,10 @@
 Every rank of a torchrun launch (or of a group started with parallel.init) builds the same LLM with
 the same arguments; then each rank loads only its slices (loading.load_rank), the continuous-batching
 engine runs the torch forward on them, and the scheduler samples through parallel/head.ParallelHead.
-As long as every rank gets the same requests in the same order, every rank takes the same scheduling
-decisions and returns the same outputs (the KV pool is sized by the smallest rank's budget, so
-admission and preemption agree too).
+Every rank gets the same requests in the same order; rank 0 alone schedules, and each step's plan
+(which sequences read which tokens, in which KV blocks) is broadcast to the others (plans.py), so
+every rank runs the same rows and returns the same outputs. The KV pool is sized by the smallest
+rank's budget, so every rank has the blocks rank 0 hands out.
 
 Refused under tensor parallelism, with a ConfigError before anything loads (engine/config.py checks
 it with the LLM's other options): compile=True, fused_head=True, speculative decoding, quantize,
@@ -58,6 +59,11 @@ class TensorParallel:
         the same number of blocks and the schedulers admit and preempt alike."""
         known = [b for b in group.all_gather_object(budget) if b is not None]
         return min(known) if known else None
+
+    def plan_channel(self):
+        """How the ranks' schedulers share each step's plan: rank 0 schedules, the others follow (plans.py)."""
+        from .plans import PlanChannel
+        return PlanChannel(self.rank, self.ranks.timeout_s)
 
     @property
     def rank(self) -> int:

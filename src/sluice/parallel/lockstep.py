@@ -5,8 +5,9 @@ rank must make the same LLM calls in the same order: the same add_request()s wit
 Requests, the same abort()s, then step(). Rank 0 alone hears the clients; it drives its LLM through
 a Leader, which before each step broadcasts a Message with what changed the engine's state since
 the last one (the requests added, in order, and the numbers of those aborted), and the followers
-(follow()) make the same calls and step with it. Everything else a step decides (admission,
-preemption, chunking, the tokens) then comes out the same on every rank by construction.
+(follow()) make the same calls and step with it. Inside the step rank 0 alone schedules (admission,
+preemption, chunking, the KV blocks) and broadcasts the plan (plans.py); the tokens then come out
+the same on every rank.
 
 Sequences are named across ranks by their number: the count of adds before them, the same on
 every rank (Seq.id comes from a per-process counter and need not agree).
@@ -44,20 +45,21 @@ class Message:
     kind: str  # "step" (apply adds and aborts, then step), "heartbeat" or "stop"
     adds: list = field(default_factory=list)  # the checked Requests (engine/requests.py), in the order added
     aborts: list[int] = field(default_factory=list)  # numbers of the sequences to abort
-    state: tuple = (0, 0, 0, 0)  # a step's: adds so far (these included), then state_of(rank 0's scheduler)
+    state: tuple = (0, 0, 0)  # a step's: adds so far (these included), then state_of(rank 0's scheduler)
 
 
-def state_of(snapshot) -> tuple[int, int, int]:
+def state_of(snapshot) -> tuple[int, int]:
     """What ranks in step agree on before a step, once its adds and aborts are in (LLM.step's
-    before): the steps taken and the running and waiting sequences (an engine's EngineState, LLM.snapshot())."""
-    return snapshot.steps, len(snapshot.running), snapshot.waiting
+    before): the steps taken and the unfinished sequences (an engine's EngineState, LLM.snapshot()).
+    Not which of them run: a follower learns that from rank 0's plan (plans.py)."""
+    return snapshot.steps, len(snapshot.running) + snapshot.waiting
 
 
 class Channel:
     """Broadcasts from rank 0 to the others, on a gloo group (the default group when that is gloo; a
     second one beside NCCL), since the messages are small and live on the host.
 
-    A message is a header of six int64 (its kind, the byte length of its adds and aborts pickled,
+    A message is a header of five int64 (its kind, the byte length of its adds and aborts pickled,
     its state) and then those bytes, only if there are any: a decode step that changes nothing costs
     one broadcast of 48 bytes. Measured on 2 gloo ranks sharing 2 busy cores, 1,000 messages each
     way in one run: 0.35 ms per such step, 0.82 ms with one add of 200 prompt ids, against 1.01 and
@@ -76,7 +78,7 @@ class Channel:
             self._broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8))
 
     def receive(self) -> Message:
-        header = torch.zeros(6, dtype=torch.int64)
+        header = torch.zeros(5, dtype=torch.int64)
         self._broadcast(header)
         kind, size, state = self.KINDS[int(header[0])], int(header[1]), tuple(header[2:].tolist())
         if not size:
@@ -183,7 +185,7 @@ def follow(llm, timeout_s: float) -> None:
         def in_step(state=message.state) -> None:
             mine = (book.count, *state_of(llm.snapshot()))
             if mine != state:
-                raise ParallelError(f"rank {dist.get_rank()} is out of step with rank 0 (adds, steps, running, "
-                                    f"waiting: {list(mine)} here, {list(state)} on rank 0): a bug in sluice")
+                raise ParallelError(f"rank {dist.get_rank()} is out of step with rank 0 (adds, steps, unfinished "
+                                    f"sequences: {list(mine)} here, {list(state)} on rank 0): a bug in sluice")
         llm.step(before=in_step)
         book.prune()
