@@ -213,3 +213,49 @@ def test_metrics_are_prometheus_text(slow):
                if line.startswith("sluice_time_to_first_token_seconds_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == metric(slow.port, "time_to_first_token_seconds_count")
 
+
+
+def test_a_drain_refuses_new_requests_and_its_deadline_ends_streams_cleanly(tiny_dir):
+    """`sluice serve`'s SIGTERM handling (cli/serve.py's draining server) in this process, where the
+    engine can be slowed: once the drain begins, /health and new requests get 503 while the stream in
+    flight goes on; at the deadline the stream ends with finish_reason "error" and [DONE], and the server
+    stops. The stream's 400 tokens take 20 s of sleeps alone, so the 0.5 s deadline always cuts it."""
+    import signal
+
+    from sluice.cli.serve import _DrainingServer
+
+    engine, llm = make_engine(tiny_dir, slow=True)
+    llm.delay = 0.05
+    live = LiveServer(engine, server=lambda config: _DrainingServer(config, engine, 0.5))
+    raw, first = [], threading.Event()
+
+    def stream():
+        conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({**BODY, "max_tokens": 400, "ignore_eos": True,
+                                                             "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        while line := resp.readline():
+            raw.append(line)
+            first.set()
+    reader = threading.Thread(target=stream, daemon=True)
+    try:
+        reader.start()
+        assert first.wait(60)
+        engine.begin_drain()  # what the signal handler does first; the socket stays open until should_exit
+        status, headers, body = request(live.port, "GET", "/health")
+        assert "shutting down" in assert_error_shape(status, body, 503)["message"] and "retry-after" in headers
+        status, _, body = request(live.port, "POST", "/v1/completions", BODY)
+        assert_error_shape(status, body, 503)
+        assert reader.is_alive()  # the stream in flight is not refused
+        live.server.handle_exit(signal.SIGTERM, None)  # the deadline timer starts; uvicorn shuts down
+        reader.join(60)
+        live.thread.join(60)
+        assert not reader.is_alive() and not live.thread.is_alive()
+    finally:
+        llm.delay = 0.0
+        live.stop()
+        engine.close()
+    events = sse_events(b"".join(raw))
+    finishes = [c["choices"][0] for c in events[:-1] if c["choices"][0]["finish_reason"]]
+    assert events[-1] == "[DONE]" and len(finishes) == 1
+    assert finishes[0]["finish_reason"] == "error" and "shut down" in finishes[0]["error"]
