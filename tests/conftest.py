@@ -1,7 +1,8 @@
 """What every test folder shares. tests/ mirrors src/sluice: tests/text, model, engine, observatory, parallel,
 training, server, cli, and bench (the bench/ scripts and sluice.benchmarks); the bundled model's tests sit here
 at the top. Helpers imported by bare name from any folder (pyproject: pythonpath = ["tests"]): ckpt.py (tiny
-random checkpoints), tok_fixtures.py (tiny tokenizers), bounded.py (a child process with capped memory).
+random checkpoints), tok_fixtures.py (tiny tokenizers), bounded.py (a child process with capped memory),
+pool_checks.py (the KV block pool's invariants).
 
 `pytest -m "not slow"` is the inner loop; the full suite (`pytest`) is what CI runs. A test is marked slow
 (`@pytest.mark.slow`, or `pytestmark` for a whole file) when it takes ~8 s or more on a busy 2-core machine:

@@ -90,15 +90,21 @@ def test_defaults_come_from_generation_config(tiny_llm):
 
 def test_eos_and_stop_token_ids_stop_generation(tiny_llm):
     free = tiny_llm.generate("abc", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
-    target = free.token_ids[3]
+    decode = tiny_llm.tokenizer.decode
+    # a stop token with text of its own (the output must leave it out), at its first occurrence
+    first = next(i for i, t in enumerate(free.token_ids)
+                 if i >= 1 and decode([t]) and free.token_ids.index(t) == i)
+    target = free.token_ids[first]
+    before = decode(free.token_ids[:first])
     out = tiny_llm.generate("abc", SamplingParams(max_tokens=10, temperature=0,
                                                   stop_token_ids=[target]))[0]
-    first = free.token_ids.index(target)
     assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
+    assert out.text == before and decode(free.token_ids[: first + 1]) != before
     tiny_llm.eos_token_ids.add(target)  # every eos id of the checkpoint stops generation
     try:
         out = tiny_llm.generate("abc", SamplingParams(max_tokens=10, temperature=0))[0]
         assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
+        assert out.text == before
     finally:
         tiny_llm.eos_token_ids.discard(target)
 

@@ -1,5 +1,7 @@
 """NaN or inf logits never pass for a completion: non-finite weights, or a row that goes bad mid-
-generation, raise NumericsError naming the step and prompt, on the plain and the fused head."""
+generation, raise NumericsError naming the step and prompt, on the plain and the fused head, with the
+native step (kernels="auto", where it is built: tests/engine/test_native_builds.py fails where it should
+be and is not) and on the torch forward (kernels=False)."""
 
 import pytest
 import torch
@@ -9,9 +11,15 @@ from sluice import SamplingParams
 from sluice.errors import NumericsError
 
 
-@pytest.fixture
-def nan_llm(tiny_dir):
-    return sluice.LLM(str(tiny_dir))
+@pytest.fixture(params=["auto", False], ids=["native", "torch"])
+def nan_llm(tiny_dir, request):
+    from sluice.engine import fast_step
+    if request.param == "auto" and fast_step.kernel() is None:
+        pytest.skip(f"no native step here: {fast_step.why_unavailable()}")
+    llm = sluice.LLM(str(tiny_dir), kernels=request.param)
+    yield llm
+    forward = llm.batch_engine().scheduler.forward
+    assert forward.use_fast == (request.param == "auto"), forward.native_reason  # the path asked for ran
 
 
 def _fused(llm, fused: bool) -> None:

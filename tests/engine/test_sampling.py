@@ -253,9 +253,23 @@ def test_stop_token_ids_checked_against_vocab():
 
 
 def test_good_edge_values_pass():
-    SamplingParams(temperature=0, top_p=1, min_p=0, top_k=-1, max_tokens=1, repetition_penalty=1e-3, seed=-5)
-    SamplingParams(temperature=2, top_p=1e-9, min_p=1, top_k=0, seed=2**80, stop=("a", "b"), ignore_eos=True)
-    SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3))
+    """Values on the edge of each rule are taken as given (a falsy 0 is not "unset"), normalised to
+    Python numbers, and a sampler runs with them."""
+    edges = [
+        (dict(temperature=0, top_p=1, min_p=0, top_k=-1, max_tokens=1, repetition_penalty=1e-3, seed=-5),
+         dict(temperature=0.0, top_p=1.0, min_p=0.0, top_k=-1, max_tokens=1, repetition_penalty=1e-3, seed=-5)),
+        (dict(temperature=2, top_p=1e-9, min_p=1, top_k=0, seed=2**80, stop=("a", "b"), ignore_eos=True),
+         dict(temperature=2.0, top_p=1e-9, min_p=1.0, top_k=0, seed=2**80, stop=["a", "b"], ignore_eos=True)),
+        (dict(temperature=np.float32(0.5), top_k=np.int64(3)), dict(temperature=0.5, top_k=3)),
+    ]
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.0]])
+    for given, want in edges:
+        p = SamplingParams(**given).with_defaults({"temperature": 0.9, "top_k": 7, "max_new_tokens": 5})
+        got = {k: getattr(p, k) for k in want}
+        assert got == want and all(type(got[k]) is type(want[k]) for k in want), given
+        # every edge here leaves one token: greedy, top_p 1e-9, min_p 1 with no tie, top_k 3 at T 0.5 aside
+        token = Sampler([p], 4)(logits).item()
+        assert token == 1 or (given.get("top_k") == 3 and token in (0, 1, 3))
 
 
 # ---------------------------------------------------------------------------------- with_defaults
@@ -410,3 +424,4 @@ def test_nonfinite_rows_matches_isfinite_all_for_nan_and_both_infinities():
     for t in (x, x.bfloat16(), x[:, 1]):
         assert torch.equal(nonfinite_rows(t), ~t.isfinite().all(-1))
     assert int(nonfinite_rows(x).sum()) == 5
+

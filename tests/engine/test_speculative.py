@@ -21,12 +21,9 @@ from scipy.stats import chisquare
 import sluice
 from ckpt import build, build_with_tokenizer
 from sluice import SamplingParams
-from sluice.engine.noise import RowStream
 from sluice.engine.paged_cache import BlockPool, PagedView
 from sluice.engine.proposers import lookup
-from sluice.engine.sampling import Sampler, filtered_probs
-from sluice.engine.speculative import accept
-from sluice.engine.verify import stacks
+from sluice.engine.sampling import filtered_probs
 from sluice.errors import ConfigError, NumericsError
 from tok_fixtures import VOCAB_SIZE, build_tokenizer
 
@@ -153,36 +150,7 @@ def test_non_finite_target_raises(tiny_dir, drafts):
 
 
 # ---------------------------------------------------------------- sampling: the target's law, exactly
-
-
-@pytest.mark.parametrize("proposer", ["lookup", "rule"])
-def test_accept_alone_against_the_formula(proposer):
-    """One guess per row, 20000 rows: the emitted token follows p, guesses are kept with probability
-    sum_x min(p(x), q(x)), and after a rejection the token follows norm(max(0, p - q))."""
-    N, V = 20000, 6
-    p = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10, 0.00])
-    q = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.25, 0.25])
-    gens = [RowStream(i) for i in range(N)]
-    g = torch.Generator().manual_seed(1234)
-    x = torch.multinomial(q, N, replacement=True, generator=g)[:, None]  # (N, 1) guesses drawn from q
-    if proposer == "lookup":
-        x = torch.full((N, 1), 2)  # a point mass: q = onehot(2)
-        q = torch.nn.functional.one_hot(torch.tensor(2), V).float()
-    P = p.expand(N, 2, V)
-    n, final = accept(P, None if proposer == "lookup" else q.expand(N, 1, V), x, [1] * N, list(range(N)), gens)
-    first = torch.where(n == 1, x[:, 0], final)
-    counts = torch.bincount(first, minlength=V).float()
-    keep = p > 0
-    assert counts[~keep].sum() == 0
-    assert chisquare(counts[keep], p[keep] * N).pvalue > 1e-3
-    rate = torch.minimum(p, q).sum().item()
-    assert abs(n.float().mean().item() - rate) < 4 * (rate * (1 - rate) / N) ** 0.5
-    residual = (p - q).clamp_min(0)
-    residual /= residual.sum()
-    rej = torch.bincount(final[n == 0], minlength=V).float()
-    keep = residual > 0
-    assert rej[~keep].sum() == 0
-    assert chisquare(rej[keep], residual[keep] * rej.sum()).pvalue > 1e-3
+# (the acceptance rule alone, on small synthetic laws: tests/engine/test_acceptance_rule.py, the inner loop)
 
 
 def exact_joint(model, prompt, params, steps):
@@ -253,19 +221,6 @@ def test_sampled_joint_of_three_tokens_is_the_targets(tiny_llm, spec_llms, name,
     assert s.accepted > 0 or name == "small" or "penalty" in kw_name
     law = exact_joint(tiny_llm.model, prompt, SamplingParams(**kw), steps)
     assert chi_square_of_runs(outs, law, n) > 1e-3
-
-
-def test_penalty_sees_every_earlier_guess():
-    """The penalties' context grows inside a round: after guesses x1..xi, both p and q count x1..xi as
-    seen (repetition penalty) and as generated (presence / frequency; the chi-square above has too
-    little power to see this alone)."""
-    seen = torch.zeros(1, 16, dtype=torch.bool)
-    seen[0, 1] = True
-    counts = torch.zeros(1, 16)
-    counts[0, 5] = 2
-    seen_at, counts_at = stacks(seen, counts, torch.tensor([[4, 5, 4]]))
-    assert [torch.nonzero(seen_at[0, i])[:, 0].tolist() for i in range(4)] == [[1], [1, 4], [1, 4, 5], [1, 4, 5]]
-    assert [counts_at[0, i, [4, 5]].tolist() for i in range(4)] == [[0, 2], [1, 2], [1, 3], [2, 3]]
 
 
 def test_seeded_sampling_repeats(spec_llms):

@@ -142,3 +142,17 @@ def test_push_after_stop_returns_nothing(tok):
 def test_empty_stop_string_is_rejected():
     with pytest.raises(RequestError, match="stop must be .*got ''"):
         TextStream(lambda ids: "", ["ok", ""])
+
+
+def test_two_stop_strings_inside_one_tokens_text_cut_at_the_first():
+    """One token can carry several stop strings at once; the cut is at the one that starts first in
+    the text, whatever their order in the stop list."""
+    pieces = ["Hi ", "then STOP, or END first? ", "more"]
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    for stops in (["END", "STOP"], ["STOP", "END"]):
+        s = TextStream(decode, stops)
+        deltas = [s.push(0), s.push(1), s.push(2)]
+        assert s.stopped and "".join(deltas) == s.text == "Hi then ", stops
+    pieces[1] = "xENDySTOP"  # the first in the text is also the one listed second
+    s = TextStream(decode, ["STOP", "END"])
+    assert s.push(0) + s.push(1) == s.text == "Hi x" and s.stopped

@@ -65,3 +65,22 @@ def test_degenerate_inputs(values, match):
     with pytest.raises(ObservatoryError, match=match):
         fit_growth(values)
     assert issubclass(ObservatoryError, ValueError)
+
+
+def test_inspect_fits_the_mean_square_of_the_stream(tiny_dir):
+    """`sluice inspect` fits the mean square of x_0..x_L (not the RMS): its growth section equals
+    fit_growth of the mean of x_l^2 that the logit lens measures on the same forward, on its own."""
+    import sluice
+    from sluice.observatory.analysis import inspect
+    from sluice.observatory.attach import logit_lens
+
+    model = sluice.load(str(tiny_dir))
+    tok = sluice.Tokenizer.from_pretrained(tiny_dir)
+    prompt = "def add(a, b):\n    return a + b"
+    data = inspect(model, tok, prompt, progress=False)
+    mean_square = logit_lens(model, torch.tensor([tok.encode(prompt)])).mean_square
+    want = fit_growth(mean_square)
+    assert {k: data["growth"][k] for k in KEYS - {"verdict"}} == pytest.approx(
+        {k: want[k] for k in KEYS - {"verdict"}}, rel=1e-4)
+    rms_fit = fit_growth(mean_square.sqrt())  # what the RMS would give: visibly other numbers
+    assert data["growth"]["slope"] != pytest.approx(rms_fit["slope"], rel=1e-2)

@@ -164,3 +164,22 @@ def test_cli_refusals(cfg_path, capsys, argv, words):
     assert main(["roofline", "--config", str(cfg_path), "--hardware", "h200", *argv]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_each_component_is_labelled_by_the_roof_it_sits_under():
+    """predict(): a component whose FLOPs take longer than its bytes is compute-bound, the others
+    memory-bound, and its time is the longer of the two (hand numbers: 1 GB/s, 1 GFLOP/s)."""
+    from sluice.observatory.costs import COMPONENTS
+    from sluice.observatory.roofline import predict
+
+    costs = {k: {"param_bytes": 0, "read_bytes": 10, "flops": 1} for k in COMPONENTS}  # memory: 10 ns vs 1 ns
+    costs["mlp"] = {"param_bytes": 0, "read_bytes": 5, "flops": 40}  # compute: 40 ns vs 5 ns
+    costs["attention"] = {"param_bytes": 0, "read_bytes": 30, "flops": 29}  # memory, by a little
+    out = predict(costs, bandwidth=1e9, flops=1e9, batch=1)
+    labels = {k: c["bound"] for k, c in out["components"].items()}
+    assert labels == {**{k: "memory" for k in COMPONENTS}, "mlp": "compute"}
+    assert out["components"]["mlp"]["ms"] == pytest.approx(40e-6)
+    assert out["components"]["attention"]["ms"] == pytest.approx(30e-6)
+    assert out["bound"] == "memory"  # the step as a whole: 115 bytes vs 101 FLOPs
+    costs["mlp"]["flops"] = 400
+    assert predict(costs, 1e9, 1e9, 1)["bound"] == "compute"

@@ -35,15 +35,16 @@ def one_torch_thread():
 
 
 class LiveServer:
-    """create_app(engine, **kwargs) served by uvicorn on 127.0.0.1:<free port> in a daemon thread."""
+    """create_app(engine, **kwargs) served by uvicorn on 127.0.0.1:<free port> in a daemon thread;
+    server(config) makes the uvicorn.Server (`sluice serve`'s draining one, say)."""
 
-    def __init__(self, engine, **app_kwargs):
+    def __init__(self, engine, server=None, **app_kwargs):
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))  # bound here and handed over: no race for the port
         self.port = sock.getsockname()[1]
         self.engine = engine
         config = uvicorn.Config(create_app(engine, **app_kwargs), log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
+        self.server = (server or uvicorn.Server)(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

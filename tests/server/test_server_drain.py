@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -80,12 +79,20 @@ def test_sigterm_drains_the_stream_in_flight_and_exits_0(tiny_dir):
     assert stream.first.wait(60)
     assert b"[DONE]" not in stream.raw  # still generating when the signal comes
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    try:  # new connections: refused (the socket is closed) or 503, never served
-        status = request(port, "GET", "/health")[0]
-        assert status == 503
-    except OSError:
-        pass
+    # Until the signal is handled /health may still say 200. From the first answer that is not 200, a new
+    # request gets 503 (drain begun, socket open) or a refused connection (socket closed), never 200 again:
+    # polled until refused. (test_server_faults.py checks the 503s themselves, in a process it can slow.)
+    answers = []
+
+    def refused():
+        try:
+            answers.append(request(port, "GET", "/health")[0])
+        except OSError:
+            answers.append("refused")
+        return answers[-1] == "refused"
+    wait_for(refused, timeout=120, what="the server to stop taking connections")  # a hang-stopper
+    after = answers[next(i for i, a in enumerate(answers) if a != 200):]
+    assert set(after) <= {503, "refused"}, answers
     assert proc.wait(120) == 0, proc.stdout.read()
     stream.join(10)
     assert stream.error is None
@@ -105,8 +112,12 @@ def test_drain_deadline_ends_streams_cleanly(tiny_dir):
     events = sse_events(stream.raw)
     finishes = [c["choices"][0] for c in events[:-2] if c["choices"][0]["finish_reason"]]
     assert events[-1] == "[DONE]" and len(finishes) == 1
-    if events[-2]["usage"]["completion_tokens"] < 400:  # cut by the deadline (not finished first)
-        assert finishes[0]["finish_reason"] == "error" and "shut down" in finishes[0]["error"]
+    # Either end is clean: cut by the deadline, or (a machine fast enough to make 400 tokens before the
+    # signal lands) finished. That the deadline does cut a stream still running is checked where the
+    # engine can be slowed: test_server_faults.py::test_a_drain_refuses_new_requests_and_its_deadline_ends_streams_cleanly.
+    made = events[-2]["usage"]["completion_tokens"]
+    cut = (finishes[0]["finish_reason"], "shut down" in finishes[0].get("error", ""), made < 400)
+    assert cut in {("error", True, True), ("length", False, False)}, (finishes, made)
 
 
 def test_a_model_that_fails_to_load_exits_2(tmp_path):

@@ -90,11 +90,11 @@ def test_full_queue_is_429_with_retry_after(slow):
 
 
 def test_client_leaving_mid_stream_aborts_the_request(slow):
-    slow.llm.delay = 0.05  # 300 tokens would take 15 s
+    slow.llm.delay = 0.05  # 450 tokens take 22 s of sleeps alone: an abort that comes before them is early
     aborted = metric(slow.port, "request_finished_total", finished_reason="aborted")
     try:
         conn = http.client.HTTPConnection("127.0.0.1", slow.port, timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps({**BODY, "max_tokens": 300, "ignore_eos": True,
+        conn.request("POST", "/v1/completions", json.dumps({**BODY, "max_tokens": 450, "ignore_eos": True,
                                                              "stream": True}), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == 200
@@ -102,9 +102,9 @@ def test_client_leaving_mid_stream_aborts_the_request(slow):
         conn.sock.shutdown(2)  # the client goes away
         conn.close()
         wait_for(lambda: metric(slow.port, "request_finished_total", finished_reason="aborted") == aborted + 1,
-                 timeout=10, what="the abort")
+                 timeout=120, what="the abort")  # a hang-stopper, as every wait here
         assert metric(slow.port, "num_requests_running") == 0 and metric(slow.port, "num_requests_waiting") == 0
-        assert slow.llm.last_stats.generated_tokens < 100  # stopped early, not run to the end
+        assert slow.llm.last_stats.generated_tokens < 450  # stopped early, not run to the end
     finally:
         slow.llm.delay = 0.0
     out = slow.client().completions.create(**BODY)  # the LLM was freed for the next one
@@ -123,8 +123,16 @@ def _leave(conn: http.client.HTTPConnection) -> None:
     conn.close()
 
 
-def test_client_leaving_a_plain_or_queued_request_aborts_it(slow):
+def test_client_leaving_a_plain_or_queued_request_aborts_it(slow, monkeypatch):
     aborted = metric(slow.port, "request_finished_total", finished_reason="aborted")
+    abort_calls, real_abort = [], slow.engine.abort
+    seen = threading.Event()
+
+    def abort(handle, reason=None):  # the server noticed a client leave: an event to wait on, not a clock
+        abort_calls.append(handle)
+        seen.set()
+        return real_abort(handle, reason)
+    monkeypatch.setattr(slow.engine, "abort", abort)
     slow.llm.gate.clear()  # hold the worker at the first token of the first request
     try:
         running = _send(slow.port, {**BODY, "max_tokens": 300, "ignore_eos": True})
@@ -133,15 +141,17 @@ def test_client_leaving_a_plain_or_queued_request_aborts_it(slow):
         wait_for(lambda: metric(slow.port, "num_requests_waiting") == 1, what="the second request to wait")
         _leave(queued)
         wait_for(lambda: metric(slow.port, "request_finished_total", finished_reason="aborted") == aborted + 1,
-                 timeout=10, what="the queued request's abort")
+                 timeout=120, what="the queued request's abort")
         assert metric(slow.port, "num_requests_waiting") == 0 and metric(slow.port, "num_requests_running") == 1
+        seen.clear()
         _leave(running)
+        assert seen.wait(120)  # a hang-stopper: the abort is marked while the worker is still held
     finally:
         slow.llm.gate.set()
     wait_for(lambda: metric(slow.port, "request_finished_total", finished_reason="aborted") == aborted + 2,
-             timeout=10, what="the running request's abort")
+             timeout=120, what="the running request's abort")
     assert metric(slow.port, "num_requests_running") == 0
-    assert slow.llm.last_stats.generated_tokens < 100
+    assert slow.llm.last_stats.generated_tokens < 20  # held at its first token until the abort was marked
 
 
 def test_nan_logits_end_the_request_not_the_server(slow):
@@ -213,3 +223,49 @@ def test_metrics_are_prometheus_text(slow):
                if line.startswith("sluice_time_to_first_token_seconds_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == metric(slow.port, "time_to_first_token_seconds_count")
 
+
+
+def test_a_drain_refuses_new_requests_and_its_deadline_ends_streams_cleanly(tiny_dir):
+    """`sluice serve`'s SIGTERM handling (cli/serve.py's draining server) in this process, where the
+    engine can be slowed: once the drain begins, /health and new requests get 503 while the stream in
+    flight goes on; at the deadline the stream ends with finish_reason "error" and [DONE], and the server
+    stops. The stream's 400 tokens take 20 s of sleeps alone, so the 0.5 s deadline always cuts it."""
+    import signal
+
+    from sluice.cli.serve import _DrainingServer
+
+    engine, llm = make_engine(tiny_dir, slow=True)
+    llm.delay = 0.05
+    live = LiveServer(engine, server=lambda config: _DrainingServer(config, engine, 0.5))
+    raw, first = [], threading.Event()
+
+    def stream():
+        conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({**BODY, "max_tokens": 400, "ignore_eos": True,
+                                                             "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        while line := resp.readline():
+            raw.append(line)
+            first.set()
+    reader = threading.Thread(target=stream, daemon=True)
+    try:
+        reader.start()
+        assert first.wait(60)
+        engine.begin_drain()  # what the signal handler does first; the socket stays open until should_exit
+        status, headers, body = request(live.port, "GET", "/health")
+        assert "shutting down" in assert_error_shape(status, body, 503)["message"] and "retry-after" in headers
+        status, _, body = request(live.port, "POST", "/v1/completions", BODY)
+        assert_error_shape(status, body, 503)
+        assert reader.is_alive()  # the stream in flight is not refused
+        live.server.handle_exit(signal.SIGTERM, None)  # the deadline timer starts; uvicorn shuts down
+        reader.join(60)
+        live.thread.join(60)
+        assert not reader.is_alive() and not live.thread.is_alive()
+    finally:
+        llm.delay = 0.0
+        live.stop()
+        engine.close()
+    events = sse_events(b"".join(raw))
+    finishes = [c["choices"][0] for c in events[:-1] if c["choices"][0]["finish_reason"]]
+    assert events[-1] == "[DONE]" and len(finishes) == 1
+    assert finishes[0]["finish_reason"] == "error" and "shut down" in finishes[0]["error"]

@@ -1,0 +1,92 @@
+"""The KV block pool's bookkeeping alone (engine/paged_cache.BlockPool): reference counts, the never-keyed
+free list, the idle (keyed, unreferenced) list and the prefix keys, checked after every operation of
+random sequences (hypothesis), with no model. test_scheduler_properties.py checks the same pool under
+the scheduler."""
+
+from __future__ import annotations
+
+import collections
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pool_checks import check_pool
+from sluice.engine.paged_cache import BlockPool
+
+# What BlockPool reads of a model's config: the shape of one block.
+CFG = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=2)
+
+
+def test_a_prefix_hit_takes_its_block_off_the_idle_list():
+    """A lookup that finds an idle block makes it used again: take() must never hand it out while
+    it is held (the bug this guards: the block left on the idle list, so take() reused it)."""
+    pool = BlockPool(CFG, 2, block_size=2)
+    a = pool.take()
+    key = pool.key(0, [1, 2])
+    pool.register(a, key)
+    pool.release(a)
+    assert pool.num_free == 2 and pool.stats().cached == 1
+    assert pool.lookup(key) == a
+    assert pool.num_free == 1 and pool.stats().cached == 0
+    b = pool.take()
+    assert b != a
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.take()
+    assert pool.refs[a] == 1 and pool.lookup(key) == a  # still keyed: nobody took it over
+    check_pool(pool, collections.Counter([a, a, b]))
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random take / release / register / lookup against a small pool, with the holders kept aside."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = BlockPool(CFG, 5, block_size=2)
+        self.held: list[int] = []  # one entry per reference the test holds
+        self.keys: list[tuple] = [self.pool.key(0, [1, 2])]  # keys registered so far (some since evicted)
+
+    @precondition(lambda self: self.pool.num_free > 0)
+    @rule()
+    def take(self):
+        b = self.pool.take()
+        assert b not in self.held, f"take() handed out block {b}, which is in use"
+        assert self.pool._key_of[b] is None, f"take() handed out block {b} still keyed: a lookup would find new contents"
+        self.held.append(b)
+
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 100))
+    def release(self, i):
+        self.pool.release(self.held.pop(i % len(self.held)))
+
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 100), tokens=st.lists(st.integers(0, 2), min_size=2, max_size=2), after=st.booleans())
+    def register(self, i, tokens, after):
+        """Key a held block, after the first registered prefix or at the start."""
+        b = self.held[i % len(self.held)]
+        if self.pool._key_of[b] is not None:
+            return  # the scheduler keys a block once, when it fills
+        prev = self.pool.serial(self.pool._block_of[self.keys[0]]) if after and self.keys[0] in self.pool._block_of else 0
+        key = self.pool.key(prev, tokens)
+        self.pool.register(b, key)
+        self.keys.append(key)
+
+    @rule(i=st.integers(0, 100))
+    def lookup(self, i):
+        key = self.keys[i % len(self.keys)]
+        want = self.pool._block_of.get(key)
+        got = self.pool.lookup(key)
+        assert got == want
+        if got is not None:
+            self.held.append(got)
+
+    @invariant()
+    def consistent(self):
+        check_pool(self.pool, collections.Counter(self.held))
+
+
+PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+test_pool_under_random_operations = PoolMachine.TestCase
