@@ -16,7 +16,7 @@ compiles it, about 1.5-4.3 KiB of memory per lexer token (`"{{x}}" * 209000`, un
 2.3 GB). So a template is lexed first, a stream that costs no memory, and refused past MAX_TEMPLATE_TOKENS: the
 largest of 70 real templates (llama.cpp's models/templates: Gemma 4, Kimi, gpt-oss, Llama 3.x, Qwen3, Mistral,
 DeepSeek, Command R) has 3,770 tokens (16.7 KB), under an eighth of it, and a template at the limit compiles in
-about a second and 140 MiB at worst (bench/template_compile.py, docs/results/template-compile.json).
+1-2 s and under 150 MiB (bench/template_compile.py, docs/results/template-compile.json).
 
 Measured: the Qwen3 template (with 20 tools) and the Llama 3 one render a 1000-message conversation in about 8
 steps per message and 3-4 characters of work per output character, so MAX_STEPS fits ~250,000 messages and
