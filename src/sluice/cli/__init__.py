@@ -14,7 +14,7 @@ import os
 import sys
 
 from ..errors import SluiceError
-from .common import model_args, sampling_args, tp_args
+from .common import check_streams, model_args, sampling_args, tp_args
 from .inspect import cmd_inspect
 from .run import cmd_chat, cmd_demo, cmd_generate
 from .serve import add_serve_parser
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         command = f"sluice {args.command}"
+        check_streams(args)
         return args.func(args)
     except SluiceError as e:
         # Under torchrun every rank fails alike; a silenced rank (common.tp_rank) speaks only when it
