@@ -18,7 +18,8 @@ from tokenizers import Tokenizer as _Backend
 from ..errors import CheckpointError, RequestError, TemplateError
 from ..model.hub import resolve_model_dir
 from .chat_template import TemplateRaised, compile_template, plain, render
-from .token_bound import check_fits, check_max_tokens, max_token_bytes, utf8_bytes
+from .token_bound import (MAX_ENCODE_BYTES, check_encode_bytes, check_fits, check_max_tokens, max_token_bytes,
+                          utf8_bytes)
 from .tokenizer_files import (MAX_TOKENIZER_JSON_BYTES, NAMED_SPECIALS, checked_size, chat_templates, eos_ids,
                               generation_config, inside, read_json, special_tokens)
 
@@ -52,6 +53,8 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         # The most input bytes one token stands for: encode(max_tokens=) refuses longer texts before tokenizing.
         self.max_token_bytes, self.max_token_bytes_exact = max_token_bytes(backend)
+        # The most text one encode() call takes (None: no bound); see token_bound.MAX_ENCODE_BYTES.
+        self.max_encode_bytes: int | None = MAX_ENCODE_BYTES
         self.all_special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         self.all_special_ids |= {i for i in map(self._id_or_none, [*names.values(), *extra]) if i is not None}
         # transformers ignores clean_up_tokenization_spaces for BPE models (it would delete real spaces before
@@ -95,13 +98,15 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, *, max_tokens: int | None = None,
                what: str = "the prompt") -> list[int]:
         """Token ids of `text`. With max_tokens, a text that cannot possibly fit in that many tokens is refused
-        (RequestError) before tokenizing, from its byte count alone; the exact count check is the caller's."""
+        (RequestError) before tokenizing, from its byte count alone; the exact count check is the caller's.
+        Without it too, a text over `max_encode_bytes` (4 MiB unless set otherwise) is refused the same way."""
         if not isinstance(text, str):
             raise RequestError(f"encode expects a str, got {type(text).__name__}")
         check_max_tokens(max_tokens)
         n_bytes = utf8_bytes(text, what)  # also refuses lone surrogates, which the Rust side can't take
-        if max_tokens is not None:
+        if max_tokens is not None:  # first: the context is what a caller who gave it wants to hear about
             check_fits(n_bytes, max_tokens, self.max_token_bytes, what)
+        check_encode_bytes(n_bytes, self.max_encode_bytes, what)
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
