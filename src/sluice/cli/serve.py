@@ -118,7 +118,7 @@ def cmd_serve(args) -> int:
         import uvicorn
 
         from ..server import BatchServingEngine, create_app
-        from ..server.app import DEFAULT_MAX_BODY_BYTES
+        from ..server.app import DEFAULT_MAX_BODY_BYTES, UVICORN_OPTIONS
     except ImportError as e:
         raise SluiceError(f"sluice serve needs fastapi, uvicorn and pydantic ({e.name} is missing): "
                           "pip install fastapi uvicorn pydantic") from None
@@ -149,7 +149,8 @@ def cmd_serve(args) -> int:
     engine = BatchServingEngine(make_llm, name, max_queue=args.max_queue, on_fatal=stop_server, lockstep=lockstep)
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     # uvicorn's own drain timeout is the backstop for a connection that will not close after ours
-    config = uvicorn.Config(app, log_level="info", lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    config = uvicorn.Config(app, log_level="info", lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout + 5,
+                            **UVICORN_OPTIONS)
     server.append(_DrainingServer(config, engine, args.shutdown_timeout))
     if engine.load_error is not None or engine.fatal_error is not None:  # before the server existed to be told
         server[0].should_exit = True
