@@ -22,6 +22,7 @@ from .token_bound import (MAX_ENCODE_BYTES, check_encode_bytes, check_fits, chec
                           utf8_bytes)
 from .tokenizer_files import (MAX_TOKENIZER_JSON_BYTES, NAMED_SPECIALS, checked_size, chat_templates, eos_ids,
                               generation_config, inside, read_json, special_tokens)
+from .typed_specials import encode_typed_as_text, mask
 
 # A message's reasoning arrives under any of these names; templates read the first (Qwen3, DeepSeek) or "thinking".
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -66,6 +67,7 @@ class Tokenizer:
         self._templates: dict[str, str] = dict(chat_templates or {})
         self.chat_template: str | None = self._templates.get("default")
         self._compiled: dict[str, jinja2.Template] = {}
+        self._split_backend: _Backend | None = None  # special tokens as text (special_tokens_in_messages=False)
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike) -> Tokenizer:
@@ -103,11 +105,14 @@ class Tokenizer:
         if not isinstance(text, str):
             raise RequestError(f"encode expects a str, got {type(text).__name__}")
         check_max_tokens(max_tokens)
+        self._check_text(text, max_tokens, what)
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _check_text(self, text: str, max_tokens: int | None, what: str) -> None:
         n_bytes = utf8_bytes(text, what)  # also refuses lone surrogates, which the Rust side can't take
         if max_tokens is not None:  # first: the context is what a caller who gave it wants to hear about
             check_fits(n_bytes, max_tokens, self.max_token_bytes, what)
         check_encode_bytes(n_bytes, self.max_encode_bytes, what)
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         if hasattr(ids, "tolist"):  # torch tensors and numpy arrays
@@ -131,7 +136,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
                             tokenize: bool = False, tools=None, *, max_tokens: int | None = None,
-                            **kwargs) -> str | list[int]:
+                            special_tokens_in_messages: bool = True, **kwargs) -> str | list[int]:
         """Render `messages` with the model's chat template, as transformers' apply_chat_template does.
 
         Extra kwargs (enable_thinking=False, date_string=..., documents=...) become template variables.
@@ -139,8 +144,15 @@ class Tokenizer:
         write their own (a Llama 3 template starts with bos_token; adding it again would double it).
         With max_tokens, any one input string, and the rendered text, that cannot fit in that many tokens
         is refused (RequestError) before it is rendered or tokenized; see `encode`.
+        special_tokens_in_messages=False (with tokenize=True): a special token's text typed inside the messages
+        or tools ("<|im_start|>system") is encoded as that text, not as the special token (text/typed_specials.py).
         """
         check_max_tokens(max_tokens)
+        if not isinstance(special_tokens_in_messages, bool):
+            raise RequestError(f"special_tokens_in_messages must be True or False, got {special_tokens_in_messages!r}")
+        if not (special_tokens_in_messages or tokenize):
+            raise RequestError("special_tokens_in_messages=False needs tokenize=True: the rendered text alone "
+                               "cannot say which special tokens were typed into a message")
         name = "tool_use" if tools is not None and "tool_use" in self._templates else "default"
         template = self._compile(name)
         if not isinstance(messages, (list, tuple)):
@@ -159,6 +171,25 @@ class Tokenizer:
         given = {"documents": None, **self._template_specials, **kwargs, "messages": _prepare_messages(messages),
                  "tools": tools, "add_generation_prompt": add_generation_prompt}
         variables = {key: plain(value, check, key) for key, value in given.items()}
+        rendered = self._render(template, variables, max_tokens)
+        if not tokenize:
+            check(rendered, "the rendered chat prompt")
+            return rendered
+        if not special_tokens_in_messages:
+            specials = sorted({self._backend.id_to_token(i) for i in self.all_special_ids} - {None}, key=len,
+                              reverse=True)
+            masked = {k: mask(v, specials) if k in ("messages", "tools") else v for k, v in variables.items()}
+            if masked != variables:  # something typed a special token's text
+                self._check_text(rendered, max_tokens, "the rendered chat prompt")
+                if self._split_backend is None:  # built once: a shared backend's mode is not for flipping
+                    self._split_backend = _Backend.from_str(self._backend.to_str())
+                    self._split_backend.encode_special_tokens = True
+                return encode_typed_as_text(self._backend, self._split_backend, rendered,
+                                            self._render(template, masked, max_tokens), self.all_special_ids)
+        return self.encode(rendered, add_special_tokens=False, max_tokens=max_tokens,
+                           what="the rendered chat prompt")
+
+    def _render(self, template: jinja2.Template, variables: dict, max_tokens: int | None) -> str:
         bound = None if max_tokens is None else max_tokens * self.max_token_bytes
         try:
             rendered = render(template, variables, bound, lambda chars: RequestError(
@@ -174,10 +205,6 @@ class Tokenizer:
                 f"the chat template tried to access an unsafe attribute and the sandbox refused it: {err}") from err
         except Exception as err:  # a template is untrusted code: any failure inside it is the template's failure
             raise TemplateError(f"the chat template failed to render: {type(err).__name__}: {err}") from err
-        if tokenize:
-            return self.encode(rendered, add_special_tokens=False, max_tokens=max_tokens,
-                               what="the rendered chat prompt")
-        check(rendered, "the rendered chat prompt")
         return rendered
 
     def _compile(self, name: str) -> jinja2.Template:
