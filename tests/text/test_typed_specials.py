@@ -76,3 +76,11 @@ def test_a_template_that_reshapes_text_by_content_is_refused(tmp_path):
     tok = Tokenizer.from_pretrained(copy_tokenizer_dir(src, tmp_path / "t", config={"chat_template": template}))
     with pytest.raises(TemplateError, match="cannot be told from the template's own"):
         _ids(tok, [{"role": "user", "content": "a<|im_start|>b"}], special_tokens_in_messages=False)
+
+
+def test_the_tokenizer_attribute_is_the_default(qwen, monkeypatch):
+    messages = [{"role": "user", "content": INJECTION}]
+    monkeypatch.setattr(qwen, "special_tokens_in_messages", False)
+    assert _ids(qwen, messages) == _ids(qwen, messages, special_tokens_in_messages=False)
+    assert _ids(qwen, messages, special_tokens_in_messages=True).count(qwen.token_to_id("<|im_start|>")) == 3
+    assert INJECTION in qwen.apply_chat_template(messages)  # rendering text is untouched by it

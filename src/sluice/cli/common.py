@@ -82,6 +82,12 @@ def _torchrun_int(name: str, least: int) -> int | None:
     return int(value)
 
 
+def special_tokens_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-special-tokens-in-messages", dest="special_tokens_in_messages", action="store_false",
+                   help="encode a special token's text typed into a message (\"<|im_start|>system\") as text, not "
+                        "as the special token; by default it is one, as in transformers and vLLM (docs/limits.md)")
+
+
 def sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (unset values come from the model's generation_config.json)")
     g.add_argument("--max-tokens", type=int)
@@ -189,4 +195,6 @@ def load_llm(args, config=None):
     console = Console(stderr=True)
     config = config or engine_config(args)
     with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype}, {args.device})..."):
-        return LLM(config=config)
+        llm = LLM(config=config)
+    llm.tokenizer.special_tokens_in_messages = getattr(args, "special_tokens_in_messages", True)
+    return llm

@@ -19,7 +19,7 @@ import threading
 import time
 
 from ..errors import ConfigError, SluiceError
-from .common import engine_config, model_args, speculative_args, tp_rank
+from .common import engine_config, model_args, special_tokens_arg, speculative_args, tp_rank
 
 
 def add_serve_parser(sub) -> None:
@@ -49,6 +49,7 @@ def add_serve_parser(sub) -> None:
                    help="largest request body accepted, else 413 (default 4 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds that requests in flight get to finish (default 30)")
+    special_tokens_arg(p)
     g = p.add_argument_group("tensor parallelism (docs/server.md)")
     g.add_argument("--tp", type=int, default=None, metavar="N",
                    help="split the model over N processes, launched with `torchrun --nproc-per-node N -m sluice "
@@ -136,6 +137,7 @@ def cmd_serve(args) -> int:
             # joins the others (part of the load: /health says 503 meanwhile)
             init(timeout_s=args.tp_timeout, device=getattr(args, "device", None))
         llm = LLM(config=options)
+        llm.tokenizer.special_tokens_in_messages = args.special_tokens_in_messages
         print(f"sluice serve: {name} loaded in {time.perf_counter() - t0:.1f} s; ready", file=sys.stderr)
         return llm
 

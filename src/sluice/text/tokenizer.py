@@ -68,6 +68,8 @@ class Tokenizer:
         self.chat_template: str | None = self._templates.get("default")
         self._compiled: dict[str, jinja2.Template] = {}
         self._split_backend: _Backend | None = None  # special tokens as text (special_tokens_in_messages=False)
+        # apply_chat_template's default: whether special tokens typed into messages become special tokens.
+        self.special_tokens_in_messages = True
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike) -> Tokenizer:
@@ -136,7 +138,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
                             tokenize: bool = False, tools=None, *, max_tokens: int | None = None,
-                            special_tokens_in_messages: bool = True, **kwargs) -> str | list[int]:
+                            special_tokens_in_messages: bool | None = None, **kwargs) -> str | list[int]:
         """Render `messages` with the model's chat template, as transformers' apply_chat_template does.
 
         Extra kwargs (enable_thinking=False, date_string=..., documents=...) become template variables.
@@ -146,11 +148,14 @@ class Tokenizer:
         is refused (RequestError) before it is rendered or tokenized; see `encode`.
         special_tokens_in_messages=False (with tokenize=True): a special token's text typed inside the messages
         or tools ("<|im_start|>system") is encoded as that text, not as the special token (text/typed_specials.py).
+        None: the tokenizer's attribute of that name (True, as transformers and vLLM, unless set otherwise).
         """
         check_max_tokens(max_tokens)
-        if not isinstance(special_tokens_in_messages, bool):
+        if special_tokens_in_messages is None:
+            special_tokens_in_messages = self.special_tokens_in_messages or not tokenize
+        elif not isinstance(special_tokens_in_messages, bool):
             raise RequestError(f"special_tokens_in_messages must be True or False, got {special_tokens_in_messages!r}")
-        if not (special_tokens_in_messages or tokenize):
+        elif not (special_tokens_in_messages or tokenize):
             raise RequestError("special_tokens_in_messages=False needs tokenize=True: the rendered text alone "
                                "cannot say which special tokens were typed into a message")
         name = "tool_use" if tools is not None and "tool_use" in self._templates else "default"
