@@ -42,12 +42,21 @@ def test_a_bad_option_is_named_as_keyword_or_flag(options, keyword, flag):
     (dict(compile=1), "compile must be True or False"),
     (dict(compute="fp16"), "compute must be one of auto, float32, bfloat16"),
     (dict(tensor_parallel=0), "tensor_parallel must be an integer >= 1, got 0"),
+    (dict(tensor_parallel=True), "tensor_parallel must be an integer >= 1, got True"),  # not taken as 1
+    (dict(tensor_parallel=2.0), "tensor_parallel must be an integer >= 1, got 2.0"),
     (dict(tensor_parallel=2, fused_head=True), "fused_head=True is not available with tensor parallelism"),
     (dict(tensor_parallel=2, compile=True), "compile=True is not available with tensor parallelism"),
 ])
 def test_every_option_is_checked(options, says):
     with pytest.raises(ConfigError, match="^" + says):
         EngineConfig(**options)
+
+
+def test_llm_refuses_a_bool_for_tensor_parallel_before_loading(monkeypatch):
+    import sluice.llm
+    monkeypatch.setattr(sluice.llm, "load", lambda *a, **k: pytest.fail("loaded before the options were checked"))
+    with pytest.raises(ConfigError, match=r"^tensor_parallel must be an integer >= 1, got True"):
+        sluice.LLM(tensor_parallel=True)
 
 
 def test_speculation_is_resolved_once():

@@ -55,6 +55,16 @@ def read(family, **changes):
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": math.nan}}, "rope_scaling.factor must be"),
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": True}}, "rope_parameters.factor must be"),
     ("llama", {"rope_scaling": "linear"}, "rope_scaling must be a JSON object"),
+    # a value beside rope_parameters, which wins, is still checked (issue 29)
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": math.inf},
+     f"config.json: rope_theta must be {POS}, got inf"),
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+               "rope_scaling": {"rope_type": "yarn", "factor": -4}}, f"config.json: rope_scaling.factor must be {POS}"),
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+               "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_parameters says rope_type 'default' but rope_scaling says 'yarn'"),
+    ("llama", {"rope_parameters": LLAMA3, "rope_scaling": {**LLAMA3, "low_freq_factor": math.nan}},
+     "rope_scaling.low_freq_factor must be"),
     ("llama", {"rope_scaling": [{"type": "linear", "factor": 2.0}]}, "rope_scaling must be a JSON object"),
     ("llama", {"rope_parameters": ["default"]}, "rope_parameters must be a JSON object"),
     ("llama", {"rope_scaling": {"rope_type": 3}}, "rope_scaling.rope_type must be a string"),
@@ -186,3 +196,10 @@ def test_json_round_trip_of_the_base_configs(tmp_path):
     """The dicts above are what a config.json holds (NaN aside), read through the file path too."""
     (tmp_path / "config.json").write_text(json.dumps(BASE["llama"]))
     assert ModelConfig.from_hf(tmp_path).num_layers == 3
+
+
+def test_both_rope_spellings_that_agree_are_read_from_rope_parameters():
+    """Configs resaved by a newer transformers may carry rope_scaling and rope_parameters together."""
+    cfg = read("llama", rope_theta=1e4, rope_scaling={**LLAMA3, "factor": 4.0},
+               rope_parameters={**LLAMA3, "rope_theta": 5e5})
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling["factor"] == 8.0

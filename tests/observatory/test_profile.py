@@ -206,6 +206,15 @@ def test_cli_profile_json_and_report(ckpt, tmp_path, capsys, fake_machine):
     assert {p.name for p in out.iterdir()} >= {"profile.json", "shares.png", "times.png", "traffic.png", "predicted.png"}
 
 
+def test_cli_profile_says_a_clamped_context_before_measuring(ckpt, capsys, fake_machine):
+    assert main(["profile", "--model", str(ckpt), "--contexts", "100000000,16", "--reps", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    note = "note: context 100,000,000 clamped to the model's max_position_embeddings (300)"
+    assert captured.err.count(note) == 1, captured.err
+    assert captured.err.index(note) < captured.err.index("context 300:")  # before the first measured context
+    assert [r["context"] for r in json.loads(captured.out)["rows"]] == [300, 16]
+
+
 def test_cli_profile_tables_bf16(ckpt, capsys, fake_machine):
     assert main(["profile", "--model", str(ckpt), "--dtype", "bf16", "--contexts", "8", "--reps", "1",
                  "--temperature", "0"]) == 0

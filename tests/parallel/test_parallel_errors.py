@@ -72,6 +72,30 @@ def test_init_without_torchrun_environment_says_so(monkeypatch):
         P.init(2, 2, "file:///nonexistent")
 
 
+@pytest.mark.parametrize("env, says", [
+    ({"WORLD_SIZE": "2", "RANK": "abc"}, "RANK='abc' must be an integer >= 0"),
+    ({"WORLD_SIZE": "two", "RANK": "0"}, "WORLD_SIZE='two' must be an integer >= 1"),
+    ({"WORLD_SIZE": "2", "RANK": "-1"}, "RANK='-1' must be an integer >= 0"),
+])
+def test_a_torchrun_variable_that_is_not_an_integer_is_one_line_exit_2(monkeypatch, capsys, env, says):
+    from sluice.cli import main
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["generate", "--tp", "2", "x"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.startswith("sluice generate: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_init_refuses_a_rank_that_is_not_an_integer(monkeypatch):
+    from sluice import parallel as P
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setenv("RANK", "abc")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="RANK='abc': torchrun sets these to integers"):
+        P.init()
+
+
 @pytest.fixture(scope="module")
 def llama_dirs(tmp_path_factory):
     from ckpt import build

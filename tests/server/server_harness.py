@@ -19,6 +19,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 import sluice  # noqa: E402
 from sluice.server import BatchServingEngine, create_app  # noqa: E402
+from sluice.server.app import UVICORN_OPTIONS  # noqa: E402
 
 MODEL = "tiny"
 
@@ -43,7 +44,8 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))  # bound here and handed over: no race for the port
         self.port = sock.getsockname()[1]
         self.engine = engine
-        config = uvicorn.Config(create_app(engine, **app_kwargs), log_level="warning", lifespan="off")
+        config = uvicorn.Config(create_app(engine, **app_kwargs), log_level="warning", lifespan="off",
+                                **UVICORN_OPTIONS)  # as `sluice serve` runs it
         self.server = (server or uvicorn.Server)(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()

@@ -181,3 +181,62 @@ def test_metrics_count_requests_and_tokens(served, client):
     assert metric(served.port, "time_per_output_token_seconds_bucket", le="+Inf") >= 1
     assert metric(served.port, "num_requests_running") == 0 and metric(served.port, "ready") == 1
 
+
+
+@pytest.mark.parametrize("field,value", [
+    ("functions", [{"name": "f", "parameters": {"type": "object"}}]), ("function_call", "auto"),
+    ("function_call", {"name": "f"}), ("tool_choice", "auto"), ("tool_choice", "required"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("parallel_tool_calls", False),
+    ("parallel_tool_calls", True),
+])
+def test_tool_fields_are_refused_by_name_until_tools_exist(served, field, value):
+    """Tools come later (issue 32); until then nothing about them is silently dropped."""
+    status, _, raw = request(served.port, "POST", "/v1/chat/completions", {"messages": MESSAGES, field: value})
+    error = assert_error_shape(status, raw, 400)
+    assert error["param"] == field and error["code"] == "unsupported" and "not supported" in error["message"]
+
+
+def test_tool_choice_none_is_honoured_as_asked(served):
+    status, _, raw = request(served.port, "POST", "/v1/chat/completions",
+                             {"messages": MESSAGES, "tool_choice": "none", "max_tokens": 2})
+    assert status == 200, raw
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None}, {"role": "system"}])
+def test_a_message_without_content_is_refused(served, message):
+    body = {"messages": [MESSAGES[0], message], "max_tokens": 2}
+    error = assert_error_shape(*request(served.port, "POST", "/v1/chat/completions", body)[::2], 400)
+    assert error["param"] == "messages.1.content" and "is required" in error["message"]
+
+
+def test_an_assistant_message_may_leave_content_out(served):
+    body = {"messages": [*MESSAGES, {"role": "assistant"}, {"role": "user", "content": "and?"}], "max_tokens": 2}
+    status, _, raw = request(served.port, "POST", "/v1/chat/completions", body)
+    assert status == 200, raw
+
+
+def _raw_exchange(port: int, head: bytes) -> bytes:
+    """Send a request head and read what comes back; b"reset" if the server cut the connection first (it may,
+    having answered, while the rest of an oversized head is still on its way)."""
+    import socket
+    reply = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        try:
+            for i in range(0, len(head), 16384):
+                s.sendall(head[i:i + 16384])
+            while chunk := s.recv(65536):
+                reply += chunk
+        except (BrokenPipeError, ConnectionResetError):
+            return reply or b"reset"
+    return reply
+
+
+def test_request_headers_are_bounded(served):
+    def head(header_bytes: int) -> bytes:
+        return (b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: " + b"a" * header_bytes
+                + b"\r\n\r\n")
+    assert _raw_exchange(served.port, head(32 * 1024)).startswith(b"HTTP/1.1 200")  # a big cookie is fine
+    reply = _raw_exchange(served.port, head(2**20))
+    assert reply == b"reset" or reply.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), reply[:200]
+    status, _, _ = request(served.port, "GET", "/health")  # and the server goes on
+    assert status == 200

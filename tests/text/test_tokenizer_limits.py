@@ -128,6 +128,28 @@ def test_huge_prompt_refused_before_tokenizing(qwen_dir):
     assert result.peak_mib < 800, result.peak_mib
 
 
+def test_encode_is_bounded_without_max_tokens(qwen):
+    """`Tokenizer.encode('a' * 10**8)` aborted the process inside the tokenizers library (SIGABRT under a 4 GB
+    cap): without max_tokens it now has a default bound, refused from the byte count before tokenizing."""
+    assert qwen.max_encode_bytes == 4 * 2**20
+    with pytest.raises(RequestError, match=r"the prompt has 100,000,000 bytes of UTF-8, over the 4,194,304 that "
+                                           r"one encode\(\) call takes .* set the tokenizer's max_encode_bytes"):
+        qwen.encode("a" * 10**8)
+    with pytest.raises(RequestError, match="over the 4,194,304"):
+        qwen.encode("a" * (4 * 2**20 + 1), max_tokens=10**9)  # a generous max_tokens does not lift it
+
+
+def test_max_encode_bytes_is_the_bound_and_can_be_raised(qwen, monkeypatch):
+    monkeypatch.setattr(qwen, "max_encode_bytes", 10)
+    assert qwen.encode("a" * 10) == qwen.encode("a" * 10, max_tokens=10)  # at the bound: encoded
+    with pytest.raises(RequestError, match="has 11 bytes of UTF-8, over the 10"):
+        qwen.encode("a" * 11)
+    with pytest.raises(RequestError, match="has 12 bytes"):  # bytes, not characters
+        qwen.encode("é" * 6)
+    monkeypatch.setattr(qwen, "max_encode_bytes", None)
+    assert len(qwen.encode("a" * 11)) >= 1
+
+
 def _lossy_and_shrinking_tokenizers():
     """Backends whose normalizer shrinks text or whose pipeline drops it, to test the bound's assumptions."""
     vocab = {"[UNK]": 0, "a": 1, "b": 2, "ab": 3, "K": 4, "k": 5, "A": 6}

@@ -117,6 +117,12 @@ def test_missing_corpus_directory(tmp_path):
         run(recipe(tmp_path / "does-not-exist"), tmp_path / "run", log=lambda m: None)
 
 
+def test_corpus_source_that_is_a_file(tmp_path):
+    (tmp_path / "notes.txt").write_text("some text\n")
+    with pytest.raises(CorpusError, match=r"notes\.txt is a file, not a directory"):
+        run(recipe(tmp_path / "notes.txt"), tmp_path / "run", log=lambda m: None)
+
+
 def test_empty_corpus(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "blank.py").write_text("")

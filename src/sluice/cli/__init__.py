@@ -14,7 +14,7 @@ import os
 import sys
 
 from ..errors import SluiceError
-from .common import model_args, sampling_args, tp_args
+from .common import check_streams, model_args, sampling_args, special_tokens_arg, tp_args
 from .inspect import cmd_inspect
 from .run import cmd_chat, cmd_demo, cmd_generate
 from .serve import add_serve_parser
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    special_tokens_arg(p)
     p.add_argument("prompt")
     p.set_defaults(func=cmd_generate)
 
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     sampling_args(p)
     p.add_argument("--system", default=None, help="system message")
+    special_tokens_arg(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("inspect", help="measure the four valves, logit lens and softmax safety on one "
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         command = f"sluice {args.command}"
+        check_streams(args)
         return args.func(args)
     except SluiceError as e:
         # Under torchrun every rank fails alike; a silenced rank (common.tp_rank) speaks only when it

@@ -47,8 +47,9 @@ def tp_rank(args, command: str) -> int:
     rank; a rank other than 0 has its stdout and stderr silenced (rank 0 speaks for the group) and
     args.quiet_rank and args.real_stderr set, so main() prints only its own failures (a peer that
     died, a bug)."""
-    tp, world = getattr(args, "tp", None), os.environ.get("WORLD_SIZE")
-    rank = int(os.environ.get("RANK", "0"))
+    tp, world = getattr(args, "tp", None), _torchrun_int("WORLD_SIZE", 1)
+    rank = _torchrun_int("RANK", 0) or 0
+    world = None if world is None else str(world)
     dist = sys.modules.get("torch.distributed")  # a script (or test) that started the group itself
     if world is None and dist is not None and dist.is_available() and dist.is_initialized():
         world, rank = str(dist.get_world_size()), dist.get_rank()
@@ -68,6 +69,23 @@ def tp_rank(args, command: str) -> int:
         args.quiet_rank, args.real_stderr = rank, sys.stderr
         sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 -- for the life of the process
     return rank
+
+
+def _torchrun_int(name: str, least: int) -> int | None:
+    """torchrun's integer variable `name`, None if unset; refused by name when it is not an integer."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    if not (value.strip().isdecimal() and int(value) >= least):
+        raise ConfigError(f"{name}={value!r} must be an integer >= {least}; torchrun sets it: launch with "
+                          "`torchrun --nproc-per-node N -m sluice ... --tp N`, or unset it")
+    return int(value)
+
+
+def special_tokens_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-special-tokens-in-messages", dest="special_tokens_in_messages", action="store_false",
+                   help="encode a special token's text typed into a message (\"<|im_start|>system\") as text, not "
+                        "as the special token; by default it is one, as in transformers and vLLM (docs/limits.md)")
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
@@ -112,6 +130,21 @@ def utf8_arg(text: str, what: str) -> str:
     from ..text.token_bound import utf8_bytes  # the tokenizer's own check, here before the (slow) load
     utf8_bytes(text, what)
     return text
+
+
+def check_streams(args) -> None:
+    """Refuse a closed stdin or stdout (`sluice chat <&-`, `sluice generate ... >&-`) before any work: Python
+    then sets sys.stdin or sys.stdout to None, and the first read or write would fail deep inside, after the
+    load. chat reads its turns from stdin, inspect a '-' prompt; every command but serve (which logs to
+    stderr) writes its result to stdout."""
+    command = f"sluice {args.command}"
+    if sys.stdin is None and (args.command == "chat" or (args.command == "inspect" and args.prompt == "-")):
+        what = "the conversation" if args.command == "chat" else "the prompt ('-')"
+        raise ConfigError(f"stdin is closed, and {command} reads {what} from it: give it a terminal, a pipe or "
+                          "a file (< FILE)")
+    if sys.stdout is None and args.command != "serve":
+        raise ConfigError(f"stdout is closed, and {command} writes its output there: redirect it (> FILE, or "
+                          "> /dev/null to discard it) instead of closing it")
 
 
 def stdin_lines():
@@ -162,4 +195,6 @@ def load_llm(args, config=None):
     console = Console(stderr=True)
     config = config or engine_config(args)
     with console.status(f"loading {args.model or 'the bundled model'} ({args.dtype}, {args.device})..."):
-        return LLM(config=config)
+        llm = LLM(config=config)
+    llm.tokenizer.special_tokens_in_messages = getattr(args, "special_tokens_in_messages", True)
+    return llm

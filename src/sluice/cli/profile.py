@@ -56,7 +56,7 @@ def cmd_profile(args) -> int:
     from ..engine.sampling import SamplingParams
     from ..model import load
     from ..observatory.analysis import to_json
-    from ..observatory.profile import PATHS, profile
+    from ..observatory.profile import PATHS, plan_contexts, profile
     from ..observatory.profile_native import native_reason
     from ..observatory.profile_report import prepare_out_dir, save
     from ..observatory.profile_tables import print_profile
@@ -72,6 +72,10 @@ def cmd_profile(args) -> int:
     err = Console(stderr=True, highlight=False)
     with err.status(f"loading {args.model or 'the bundled model'} ({DTYPES[args.dtype]})..."):
         model = load(args.model, dtype=DTYPES[args.dtype])
+    # A clamped context is said now, not only in the report after minutes of measuring.
+    said = plan_contexts(contexts, model.config.max_position_embeddings)[1]
+    for note in said:
+        err.print(f"note: {note}")
     path = args.path
     if path != "torch" and (why := native_reason(model)) is not None:
         if path == "native":
@@ -91,7 +95,8 @@ def cmd_profile(args) -> int:
     if args.json:
         print(to_json(data))
         for note in data["notes"]:  # the tables show them; a JSON reader may not look
-            err.print(f"note: {note}")
+            if note not in said:
+                err.print(f"note: {note}")
     else:
         print_profile(data)
     if out is not None:

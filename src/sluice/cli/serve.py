@@ -19,7 +19,7 @@ import threading
 import time
 
 from ..errors import ConfigError, SluiceError
-from .common import engine_config, model_args, speculative_args, tp_rank
+from .common import engine_config, model_args, special_tokens_arg, speculative_args, tp_rank
 
 
 def add_serve_parser(sub) -> None:
@@ -49,6 +49,7 @@ def add_serve_parser(sub) -> None:
                    help="largest request body accepted, else 413 (default 4 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds that requests in flight get to finish (default 30)")
+    special_tokens_arg(p)
     g = p.add_argument_group("tensor parallelism (docs/server.md)")
     g.add_argument("--tp", type=int, default=None, metavar="N",
                    help="split the model over N processes, launched with `torchrun --nproc-per-node N -m sluice "
@@ -118,7 +119,7 @@ def cmd_serve(args) -> int:
         import uvicorn
 
         from ..server import BatchServingEngine, create_app
-        from ..server.app import DEFAULT_MAX_BODY_BYTES
+        from ..server.app import DEFAULT_MAX_BODY_BYTES, UVICORN_OPTIONS
     except ImportError as e:
         raise SluiceError(f"sluice serve needs fastapi, uvicorn and pydantic ({e.name} is missing): "
                           "pip install fastapi uvicorn pydantic") from None
@@ -136,6 +137,7 @@ def cmd_serve(args) -> int:
             # joins the others (part of the load: /health says 503 meanwhile)
             init(timeout_s=args.tp_timeout, device=getattr(args, "device", None))
         llm = LLM(config=options)
+        llm.tokenizer.special_tokens_in_messages = args.special_tokens_in_messages
         print(f"sluice serve: {name} loaded in {time.perf_counter() - t0:.1f} s; ready", file=sys.stderr)
         return llm
 
@@ -149,7 +151,8 @@ def cmd_serve(args) -> int:
     engine = BatchServingEngine(make_llm, name, max_queue=args.max_queue, on_fatal=stop_server, lockstep=lockstep)
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     # uvicorn's own drain timeout is the backstop for a connection that will not close after ours
-    config = uvicorn.Config(app, log_level="info", lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    config = uvicorn.Config(app, log_level="info", lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout + 5,
+                            **UVICORN_OPTIONS)
     server.append(_DrainingServer(config, engine, args.shutdown_timeout))
     if engine.load_error is not None or engine.fatal_error is not None:  # before the server existed to be told
         server[0].should_exit = True

@@ -30,6 +30,7 @@ import torch
 
 from ..errors import ConfigError, SluiceError
 from .gguf_vocab import add_generation_defaults, add_tokenizer
+from .weights import scheme_of, sluice_to_hf
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 # HF architecture -> (llama.cpp architecture, whether q/k rows are reordered for its RoPE).
@@ -123,6 +124,20 @@ def plan_tensors(model, arch: str, interleave: bool) -> list[tuple[str, torch.Te
     order = {"token_embd": 0, "rope_freqs": 0, "output_norm": 2, "output": 2}
     out.sort(key=lambda nt: (order.get(nt[0].split(".")[0], 1), _block_index(nt[0])))
     return out
+
+
+def _refuse_nonfinite(model, architecture: str) -> None:
+    """A weight holding NaN or inf makes every output of llama.cpp garbage, far from the cause: say
+    which checkpoint tensor it is here instead of writing a file that only looks fine."""
+    for name, t in model.state_dict().items():
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            try:
+                name = sluice_to_hf(name, scheme_of(architecture))
+            except KeyError:
+                pass  # no checkpoint name (a derived tensor): sluice's own name still says where
+            raise ExportError(f"the checkpoint's tensor {name} holds {bad} NaN or infinite value(s) of "
+                              f"{t.numel()}; a GGUF file of it would compute garbage, so none is written")
 
 
 def _block_index(name: str) -> int:
@@ -222,12 +237,18 @@ def export_gguf(model_dir: str | Path | None, out_path: str | Path, outtype: str
     out = Path(out_path).expanduser().resolve()
     if out.is_dir():
         raise ExportError(f"{out} is a directory; --out takes the path of the .gguf file to write")
+    if out.exists() and not out.is_file():
+        # The file is renamed over the target at the end: over /dev/null (as root) that would swap
+        # the system's device for a regular file.
+        raise ExportError(f"{out} exists and is not a regular file (a device, FIFO or socket); --out "
+                          "takes the path of a .gguf file to write or replace")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ExportError(f"cannot create the directory {out.parent}: {e}") from None
 
     model = load(src, _load_dtype(src, outtype))
+    _refuse_nonfinite(model, cfg.architecture)
     tensors = plan_tensors(model, arch, interleave)
     file_type_name, matrix_type = _FILE_TYPES[outtype]
     writer = gguf.GGUFWriter(None, arch)

@@ -6,11 +6,24 @@ present value is checked and kept (never replaced by a default because it is fal
 
 from __future__ import annotations
 
+import math
+
 from .hf_fields import MAX_LAYERS, Fields
 from ..errors import ConfigError
 
 ROPE_TYPES = ("default", "linear", "llama3")
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+# Every RoPE number sluice reads, with its upper bound; each must be a positive finite number wherever it appears.
+_ROPE_NUMBERS = {"rope_theta": math.inf, "rotary_emb_base": math.inf, "factor": math.inf, "low_freq_factor": math.inf,
+                 "high_freq_factor": math.inf, "original_max_position_embeddings": math.inf,
+                 "partial_rotary_factor": 1.0, "rotary_pct": 1.0}
+
+
+def _rope_type(fields: Fields) -> str:
+    key = "rope_type" if fields.has("rope_type") else "type"
+    return fields.text(key, "default")
 
 
 def read_window(f: Fields, fam: dict, defaults: dict, arch: str, num_layers: int):
@@ -63,10 +76,18 @@ def read_rope(f: Fields, defaults: dict) -> tuple[float, dict | None, float, flo
                 return fields.number(key, **limits)
         return default
 
+    # Only the first spelling that has a value is used, but every value present is checked: a top-level
+    # rope_theta of Infinity or a rope_scaling with factor -4 beside rope_parameters is a broken file.
+    for fields in (f, *spellings):
+        for key, hi in _ROPE_NUMBERS.items():
+            fields.number(key, None, hi=hi)
     theta = first([(where("rope_theta"), "rope_theta"), (f, "rope_theta"), (f, "rotary_emb_base")],
                   defaults.get("rope_theta", 10000.0))
-    kind = where("rope_type") or where("type")
-    rope_type = kind.text("rope_type" if kind.has("rope_type") else "type") if kind else "default"
+    types = [_rope_type(s) for s in spellings]
+    if len(set(types)) > 1:  # a stale rope_scaling of another kind: which one the model was trained with is unknown
+        raise ConfigError(f"{f.source}: rope_parameters says rope_type {types[0]!r} but rope_scaling says "
+                          f"{types[1]!r}; the two spellings of RoPE scaling must agree (remove the stale one)")
+    rope_type = types[0] if types else "default"
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{f.source}: RoPE scaling type {rope_type!r} is not supported "
                           f"(supported: {', '.join(ROPE_TYPES)})")

@@ -53,6 +53,10 @@ def init(rank: int | None = None, world: int | None = None, init_method: str | N
         if missing:
             raise ConfigError(f"tensor parallelism needs torchrun's environment ({', '.join(missing)} not set): "
                               "launch with `torchrun --nproc-per-node N ...`")
+        bad = [f"{k}={os.environ[k]!r}" for k in ("RANK", "WORLD_SIZE") if not os.environ[k].strip().isdecimal()]
+        if bad:
+            raise ConfigError(f"{' and '.join(bad)}: torchrun sets these to integers; launch with "
+                              "`torchrun --nproc-per-node N ...`")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         init_method = init_method or "env://"
     if not (0 <= rank < world):

@@ -27,6 +27,11 @@ from .serving import Run, to_generation
 log = logging.getLogger("sluice.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a full 32k-token context is ~130 KB of text; JSON and chat add little
+# A request's line and headers: real ones are under 8 KiB (nginx's default buffers), a 1 MB header was taken.
+MAX_HEADER_BYTES = 64 * 2**10
+# How uvicorn serves create_app's app: with h11, whose parser stops buffering a request head past
+# MAX_HEADER_BYTES and answers 400. httptools, uvicorn's choice when it is installed, buffers any size.
+UVICORN_OPTIONS = {"http": "h11", "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
 
 
 def _error_response(err: ServerError) -> JSONResponse:

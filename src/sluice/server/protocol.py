@@ -45,6 +45,10 @@ class ChatMessage(_Request):
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
 
+    def needs_content(self) -> bool:
+        """OpenAI requires content on every message but the assistant's (whose tool calls may stand in)."""
+        return self.content is None and self.role != "assistant"
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
@@ -95,13 +99,25 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict] | None = None  # the legacy form of tools, with function_call as its tool_choice
+    function_call: Union[str, dict, None] = None
     response_format: dict | None = None
 
     def unsupported(self) -> str | None:
+        # Until tool calls exist (issue 32), anything about them is refused by name: "none" is the only choice
+        # this server honours as asked. ("auto" passed before, but with no tools it asks for nothing real,
+        # and OpenAI refuses a tool_choice without tools too.)
         if self.tools:
             return "tools"
-        if self.tool_choice not in (None, "none", "auto"):
+        if self.functions:
+            return "functions"
+        if self.tool_choice not in (None, "none"):
             return "tool_choice"
+        if self.function_call not in (None, "none"):
+            return "function_call"
+        if self.parallel_tool_calls is not None:
+            return "parallel_tool_calls"
         if self.response_format and self.response_format.get("type") != "text":
             return "response_format"
         return super().unsupported()

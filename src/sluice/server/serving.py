@@ -74,6 +74,10 @@ def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationR
         raise ServerError(400, f"{field} is not supported by this server yet", param=field, code="unsupported")
     if problem := req.stop_problem():
         raise ServerError(400, problem, param="stop")
+    empty = next((i for i, m in enumerate(req.messages) if m.needs_content()), None) if chat else None
+    if empty is not None:
+        raise ServerError(400, f"messages.{empty}.content is required: a {req.messages[empty].role} message has "
+                               "content (a string or a list of text parts)", param=f"messages.{empty}.content")
     max_tokens, aliases = req.max_tokens, {}
     if chat and req.max_completion_tokens is not None:
         max_tokens, aliases = req.max_completion_tokens, {"max_tokens": "max_completion_tokens"}

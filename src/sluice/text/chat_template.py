@@ -175,7 +175,12 @@ def compile_template(source: str) -> jinja2.Template:
     env.filters.update(sluice_counted=_counted, sluice_concat=_concat)
     env.globals.update(raise_exception=_raise_exception, namespace=_Namespace, dict=_Dict(),
                        strftime_now=_strftime_now, lipsum=_lipsum)
-    return env.from_string(_Instrument().visit(env.parse(source)))
+    lim.bound_compile(env.lex(source))
+    try:
+        return env.from_string(_Instrument().visit(env.parse(source)))
+    except (RecursionError, SyntaxError) as err:  # jinja's parser recursing, or Python's compiler refusing
+        raise lim.TemplateError(f"the chat template nests blocks or expressions too deeply to compile "
+                                f"({type(err).__name__}: {err})") from None
 
 
 def render(template: jinja2.Template, variables: dict, max_chars: int | None = None,

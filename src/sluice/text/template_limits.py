@@ -11,6 +11,13 @@ every place where a template can make something big checks the size *before* mak
 - loop iterations, calls, operators and filters count as steps: at most MAX_STEPS, and MAX_SECONDS of wall time;
 - integers have at most MAX_INT_BITS bits (no real template needs more than 64).
 
+Compiling comes before any of that and costs too: jinja parses the source, generates Python code and Python
+compiles it, about 1.5-4.3 KiB of memory per lexer token (`"{{x}}" * 209000`, under the 1 MiB source limit, took
+2.3 GB). So a template is lexed first, a stream that costs no memory, and refused past MAX_TEMPLATE_TOKENS: the
+largest of 70 real templates (llama.cpp's models/templates: Gemma 4, Kimi, gpt-oss, Llama 3.x, Qwen3, Mistral,
+DeepSeek, Command R) has 3,770 tokens (16.7 KB), under an eighth of it, and a template at the limit compiles in
+1-2 s and under 150 MiB (bench/template_compile.py, docs/results/template-compile.json).
+
 Measured: the Qwen3 template (with 20 tools) and the Llama 3 one render a 1000-message conversation in about 8
 steps per message and 3-4 characters of work per output character, so MAX_STEPS fits ~250,000 messages and
 MAX_WORK a prompt far over MAX_VALUE_CHARS; a hostile double loop is stopped by MAX_STEPS in about 2 s.
@@ -33,6 +40,7 @@ MAX_WORK = 256 * 2**20
 MAX_STEPS = 2_000_000
 MAX_SECONDS = 10.0
 MAX_INT_BITS = 4096
+MAX_TEMPLATE_TOKENS = 32_768
 
 
 class Meter:
@@ -64,6 +72,16 @@ def tick(produced=None) -> None:
     meter = METER.get()
     if meter is not None:
         meter.step(0 if produced is None else shallow_size(produced))
+
+
+def bound_compile(tokens) -> None:
+    """Count a template's lexer tokens (an iterator, e.g. Environment.lex(source)), stopping at the first past
+    MAX_TEMPLATE_TOKENS: what parsing and compiling the template would cost grows with that count."""
+    for n, (lineno, _, _) in enumerate(tokens, 1):
+        if n > MAX_TEMPLATE_TOKENS:
+            raise TemplateError(f"the chat template has more than {MAX_TEMPLATE_TOKENS:,} tokens (passed at line "
+                                f"{lineno:,}); real templates have under 4,000, and compiling one costs memory in "
+                                "proportion, so it is refused before compiling")
 
 
 def refuse(what: str, size: int, limit: int = MAX_VALUE_CHARS) -> None:

@@ -30,6 +30,11 @@ from tokenizers import pre_tokenizers
 from ..errors import RequestError
 
 LOSSY_SLACK = 8
+# Tokenizer.encode's default bound on one call's text, whatever max_tokens says: tokenizing costs 60-250 bytes of
+# memory per input byte (250 when each byte is a token), and the tokenizers library aborts the process, not
+# raises, when that runs out ('a' * 10**8 under a 4 GB cap). 4 MiB is about a million tokens of prose, eight
+# times the text of a 128k-token context; a caller who needs more sets Tokenizer.max_encode_bytes.
+MAX_ENCODE_BYTES = 4 * 2**20
 # Strings are measured in slices of this many characters, so counting bytes never copies a huge prompt whole.
 _SLICE = 1 << 20
 # Normalizer type -> the most it can shrink a text's UTF-8 bytes (see the module docstring).
@@ -64,6 +69,13 @@ def check_fits(n_bytes: int, max_tokens: int, per_token: int, what: str) -> None
         raise RequestError(f"{what} has {n_bytes:,} bytes of UTF-8; at most {max_tokens:,} tokens x {per_token:,} "
                            f"bytes per token = {max_tokens * per_token:,} bytes fit the context of "
                            f"{max_tokens:,} tokens")
+
+
+def check_encode_bytes(n_bytes: int, limit: int | None, what: str) -> None:
+    if limit is not None and n_bytes > limit:
+        raise RequestError(f"{what} has {n_bytes:,} bytes of UTF-8, over the {limit:,} that one encode() call "
+                           "takes (tokenizing costs up to ~250 bytes of memory per byte); set the tokenizer's "
+                           "max_encode_bytes higher, or to None, to encode more at once")
 
 
 def check_max_tokens(max_tokens) -> None:

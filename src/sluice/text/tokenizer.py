@@ -18,9 +18,11 @@ from tokenizers import Tokenizer as _Backend
 from ..errors import CheckpointError, RequestError, TemplateError
 from ..model.hub import resolve_model_dir
 from .chat_template import TemplateRaised, compile_template, plain, render
-from .token_bound import check_fits, check_max_tokens, max_token_bytes, utf8_bytes
+from .token_bound import (MAX_ENCODE_BYTES, check_encode_bytes, check_fits, check_max_tokens, max_token_bytes,
+                          utf8_bytes)
 from .tokenizer_files import (MAX_TOKENIZER_JSON_BYTES, NAMED_SPECIALS, checked_size, chat_templates, eos_ids,
                               generation_config, inside, read_json, special_tokens)
+from .typed_specials import encode_typed_as_text, mask
 
 # A message's reasoning arrives under any of these names; templates read the first (Qwen3, DeepSeek) or "thinking".
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -52,6 +54,8 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         # The most input bytes one token stands for: encode(max_tokens=) refuses longer texts before tokenizing.
         self.max_token_bytes, self.max_token_bytes_exact = max_token_bytes(backend)
+        # The most text one encode() call takes (None: no bound); see token_bound.MAX_ENCODE_BYTES.
+        self.max_encode_bytes: int | None = MAX_ENCODE_BYTES
         self.all_special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         self.all_special_ids |= {i for i in map(self._id_or_none, [*names.values(), *extra]) if i is not None}
         # transformers ignores clean_up_tokenization_spaces for BPE models (it would delete real spaces before
@@ -63,6 +67,9 @@ class Tokenizer:
         self._templates: dict[str, str] = dict(chat_templates or {})
         self.chat_template: str | None = self._templates.get("default")
         self._compiled: dict[str, jinja2.Template] = {}
+        self._split_backend: _Backend | None = None  # special tokens as text (special_tokens_in_messages=False)
+        # apply_chat_template's default: whether special tokens typed into messages become special tokens.
+        self.special_tokens_in_messages = True
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike) -> Tokenizer:
@@ -95,14 +102,19 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, *, max_tokens: int | None = None,
                what: str = "the prompt") -> list[int]:
         """Token ids of `text`. With max_tokens, a text that cannot possibly fit in that many tokens is refused
-        (RequestError) before tokenizing, from its byte count alone; the exact count check is the caller's."""
+        (RequestError) before tokenizing, from its byte count alone; the exact count check is the caller's.
+        Without it too, a text over `max_encode_bytes` (4 MiB unless set otherwise) is refused the same way."""
         if not isinstance(text, str):
             raise RequestError(f"encode expects a str, got {type(text).__name__}")
         check_max_tokens(max_tokens)
-        n_bytes = utf8_bytes(text, what)  # also refuses lone surrogates, which the Rust side can't take
-        if max_tokens is not None:
-            check_fits(n_bytes, max_tokens, self.max_token_bytes, what)
+        self._check_text(text, max_tokens, what)
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _check_text(self, text: str, max_tokens: int | None, what: str) -> None:
+        n_bytes = utf8_bytes(text, what)  # also refuses lone surrogates, which the Rust side can't take
+        if max_tokens is not None:  # first: the context is what a caller who gave it wants to hear about
+            check_fits(n_bytes, max_tokens, self.max_token_bytes, what)
+        check_encode_bytes(n_bytes, self.max_encode_bytes, what)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         if hasattr(ids, "tolist"):  # torch tensors and numpy arrays
@@ -126,7 +138,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
                             tokenize: bool = False, tools=None, *, max_tokens: int | None = None,
-                            **kwargs) -> str | list[int]:
+                            special_tokens_in_messages: bool | None = None, **kwargs) -> str | list[int]:
         """Render `messages` with the model's chat template, as transformers' apply_chat_template does.
 
         Extra kwargs (enable_thinking=False, date_string=..., documents=...) become template variables.
@@ -134,8 +146,18 @@ class Tokenizer:
         write their own (a Llama 3 template starts with bos_token; adding it again would double it).
         With max_tokens, any one input string, and the rendered text, that cannot fit in that many tokens
         is refused (RequestError) before it is rendered or tokenized; see `encode`.
+        special_tokens_in_messages=False (with tokenize=True): a special token's text typed inside the messages
+        or tools ("<|im_start|>system") is encoded as that text, not as the special token (text/typed_specials.py).
+        None: the tokenizer's attribute of that name (True, as transformers and vLLM, unless set otherwise).
         """
         check_max_tokens(max_tokens)
+        if special_tokens_in_messages is None:
+            special_tokens_in_messages = self.special_tokens_in_messages or not tokenize
+        elif not isinstance(special_tokens_in_messages, bool):
+            raise RequestError(f"special_tokens_in_messages must be True or False, got {special_tokens_in_messages!r}")
+        elif not (special_tokens_in_messages or tokenize):
+            raise RequestError("special_tokens_in_messages=False needs tokenize=True: the rendered text alone "
+                               "cannot say which special tokens were typed into a message")
         name = "tool_use" if tools is not None and "tool_use" in self._templates else "default"
         template = self._compile(name)
         if not isinstance(messages, (list, tuple)):
@@ -154,6 +176,25 @@ class Tokenizer:
         given = {"documents": None, **self._template_specials, **kwargs, "messages": _prepare_messages(messages),
                  "tools": tools, "add_generation_prompt": add_generation_prompt}
         variables = {key: plain(value, check, key) for key, value in given.items()}
+        rendered = self._render(template, variables, max_tokens)
+        if not tokenize:
+            check(rendered, "the rendered chat prompt")
+            return rendered
+        if not special_tokens_in_messages:
+            specials = sorted({self._backend.id_to_token(i) for i in self.all_special_ids} - {None}, key=len,
+                              reverse=True)
+            masked = {k: mask(v, specials) if k in ("messages", "tools") else v for k, v in variables.items()}
+            if masked != variables:  # something typed a special token's text
+                self._check_text(rendered, max_tokens, "the rendered chat prompt")
+                if self._split_backend is None:  # built once: a shared backend's mode is not for flipping
+                    self._split_backend = _Backend.from_str(self._backend.to_str())
+                    self._split_backend.encode_special_tokens = True
+                return encode_typed_as_text(self._backend, self._split_backend, rendered,
+                                            self._render(template, masked, max_tokens), self.all_special_ids)
+        return self.encode(rendered, add_special_tokens=False, max_tokens=max_tokens,
+                           what="the rendered chat prompt")
+
+    def _render(self, template: jinja2.Template, variables: dict, max_tokens: int | None) -> str:
         bound = None if max_tokens is None else max_tokens * self.max_token_bytes
         try:
             rendered = render(template, variables, bound, lambda chars: RequestError(
@@ -169,10 +210,6 @@ class Tokenizer:
                 f"the chat template tried to access an unsafe attribute and the sandbox refused it: {err}") from err
         except Exception as err:  # a template is untrusted code: any failure inside it is the template's failure
             raise TemplateError(f"the chat template failed to render: {type(err).__name__}: {err}") from err
-        if tokenize:
-            return self.encode(rendered, add_special_tokens=False, max_tokens=max_tokens,
-                               what="the rendered chat prompt")
-        check(rendered, "the rendered chat prompt")
         return rendered
 
     def _compile(self, name: str) -> jinja2.Template:

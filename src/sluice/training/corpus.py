@@ -47,7 +47,9 @@ def corpus_root(spec: CorpusSpec) -> Path:
 def load_corpus(spec: CorpusSpec) -> Corpus:
     root = corpus_root(spec)
     if not root.is_dir():
-        raise CorpusError(f"corpus directory {root} does not exist")
+        why = ("is a file, not a directory" if root.is_file() else "is not a directory" if root.exists()
+               else "does not exist")
+        raise CorpusError(f"corpus directory {root} {why} (corpus.source names a directory, read with corpus.glob)")
     inside = root.resolve()
     excluded, train_only = set(spec.exclude_parts), set(spec.train_only_parts)
     try:  # the recipe already refused absolute and '..' patterns; this catches malformed ones
