@@ -1,9 +1,11 @@
 """A step's model work (plan.py): the rows of a StepPlan through the model over the paged KV pool.
 
-Rows are grouped so that each forward has one shape: every one-token row together (the decoding
-rows of a plain step), the verifying rows of a speculative step together (each reads its last token
-and its guesses; a row with fewer guesses is padded with dummy ones where its blocks allow, since
-the acceptance rule never looks past a row's own guesses), and each multi-token prompt chunk alone.
+Every token a decoding row reads goes into one forward as a row of its own, one token long: the
+plain rows' last tokens, and each verifying row's last token and guesses (a speculative step), each
+at its own position over its sequence's block table. A token reads the keys and values the tokens
+before it in the same forward wrote (each layer writes every row's keys and values before any row
+attends), so a verifying row's k + 1 tokens give what one (1, k + 1) chunk would, and rows with
+different guess counts need no padding. Only a multi-token prompt chunk runs alone, as one row.
 
 The native step (fast_step.py) runs the model where it can (native_check says why not: hooks, an
 unsupported model, kernels=False); that is decided once per busy period (refresh()), so hooks added
@@ -19,9 +21,6 @@ from ..model.layers import Transformer
 from .fast_step import FastStep, native_check
 from .paged_cache import BlockPool, PagedView
 from .plan import Row, StepPlan
-
-PAD_TOKEN = 0  # what fills a verifying row's unused guess slots (never accepted, see module docstring)
-
 
 class BatchForward:
     def __init__(self, model: Transformer, pool: BlockPool, native: bool = True, compile: bool = False):
@@ -71,26 +70,35 @@ class BatchForward:
         logits (V,), hidden states (C,) when plan.fused, or logits (1 + its guesses, V) for a
         row with guesses. Prompt chunks are run in plan order, so a sequence's chunks stay causal."""
         out = StepOut()
-        want = "hidden" if plan.fused else "last"
         ones, guessing, chunks = [], [], []
         for r in plan.rows:
             (guessing if r.guesses else ones if len(r.tokens) == 1 else chunks).append(r)
-        if ones:
-            finals = [r for r in ones if r.final]
-            res = self._rows(ones, [r.tokens for r in ones], want if finals else None)
-            if len(finals) == len(ones):  # the usual decode step: the draw takes the batch as it is
-                out.batch = (ones, res)
-            else:
-                out.update((r, res[i]) for i, r in enumerate(ones) if r.final)
-        for T, group in _verify_groups(guessing).items():
-            fed = [r.fed + [PAD_TOKEN] * (T - len(r.fed)) for r in group]
-            res = self._rows(group, fed, "all")
-            out.update((r, res[i, :len(r.fed)]) for i, r in enumerate(group))
+        if plan.fused and ones:  # the fused head takes hidden states: the plain rows alone
+            self._ones(out, ones, self._rows(ones, [r.tokens for r in ones], "hidden"))
+            ones = []
+        if ones or guessing:
+            # One token per row: the plain rows', then every verifying row's tokens at their positions.
+            rows = ones + [Row(r.seq, r.start + i, [t], True) for r in guessing for i, t in enumerate(r.fed)]
+            final = guessing or any(r.final for r in ones)
+            res = self._rows(rows, [r.tokens for r in rows], "last" if final else None)
+            if ones:
+                self._ones(out, ones, res[:len(ones)] if guessing else res)
+            at = len(ones)
+            for r in guessing:
+                out[r] = res[at:at + len(r.fed)]
+                at += len(r.fed)
         for r in chunks:
-            res = self._rows([r], [r.tokens], want if r.final else None)
+            res = self._rows([r], [r.tokens], ("hidden" if plan.fused else "last") if r.final else None)
             if r.final:
                 out[r] = res[0]
         return out
+
+    @staticmethod
+    def _ones(out: "StepOut", ones: list[Row], res) -> None:
+        if all(r.final for r in ones):  # the usual decode step: the draw takes the batch as it is
+            out.batch = (ones, res)
+        else:
+            out.update((r, res[i]) for i, r in enumerate(ones) if r.final)
 
     def _rows(self, rows: list[Row], fed: list[list[int]], want: str | None):
         return self.feed(rows, fed, [r.start for r in rows], want)
@@ -119,16 +127,3 @@ class StepOut(dict):
                 if r is row:
                     return self.batch[1][i]
         raise KeyError(row)
-
-
-def _verify_groups(rows: list[Row]) -> dict[int, list[Row]]:
-    """{T: rows read as T tokens}: padded to the longest row's length where a row's cap (the guesses
-    its blocks cover) allows, otherwise at its own length."""
-    if not rows:
-        return {}
-    longest = max(len(r.fed) for r in rows)
-    groups: dict[int, list[Row]] = {}
-    for r in rows:
-        T = longest if len(r.tokens) + r.cap >= longest else len(r.fed)
-        groups.setdefault(T, []).append(r)
-    return groups
