@@ -93,6 +93,9 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="rows whose name contains this")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    for side in ("before", "after"):  # a missing tree would silently import the installed sluice instead
+        if not (Path(getattr(args, side)) / "sluice" / "__init__.py").is_file():
+            ap.error(f"--{side} {getattr(args, side)} is not a src/ directory holding sluice/")
     q06 = str(build_checkpoint(Path(args.workdir), FULL, "qwen3-0.6b-shape"))
     env = environment()
     results = []

@@ -17,7 +17,7 @@ import torch
 from .plan import Row
 from .sampling import NONFINITE, argmax_rows, filtered_probs, nonfinite_rows
 from .sequence import SpecState
-from .speculative import AUTO_MAX_TOKENS, DEFAULT_SPECULATIVE_TOKENS, accept, accept_greedy
+from .speculative import AUTO_MAX_TOKENS, DEFAULT_SPECULATIVE_TOKENS, accept
 
 
 class Speculation:
@@ -85,6 +85,8 @@ def verify(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]:
     """Each row's run: the guesses it keeps, then one more token (NONFINITE ends a run whose logits went
     non-finite). logits[i] (1 + len(rows[i].guesses), V): the target's after the row's last token and
     after each guess."""
+    if all(r.seq.sampler.plain_greedy for r in rows):
+        return _greedy_runs(rows, logits)
     B, K = len(rows), max(len(r.guesses) for r in rows)
     V, dev = logits[0].shape[-1], logits[0].device
     lengths = [len(r.guesses) for r in rows]
@@ -96,26 +98,37 @@ def verify(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]:
             x[i, : lg.shape[0]] = lg
     draft = torch.tensor([r.guesses + [0] * (K - len(r.guesses)) for r in rows], dtype=torch.long, device=dev)
     samplers = [r.seq.sampler for r in rows]
-    bad = None
-    if all(s.plain_greedy for s in samplers):
-        top, bad = argmax_rows(x.reshape(B * (K + 1), V).float())  # one pass: the argmax and the finiteness
-        n, final = accept_greedy(top.view(B, K + 1), draft, lengths)
-        bad = bad.view(B, K + 1)
-    else:
-        seen, counts = stacks(*penalty_state(rows), draft)
-        params = [s.params[0] for s in samplers for _ in range(K + 1)]
-        p = filtered_probs(x.reshape(B * (K + 1), V), params, None if seen is None else seen.reshape(B * (K + 1), V),
-                           None if counts is None else counts.reshape(B * (K + 1), V)).view(B, K + 1, V)
-        q = None
-        if rows[0].q is not None:
-            q = torch.zeros(B, K, V, device=dev)
-            for i, r in enumerate(rows):
-                q[i, : len(r.guesses)] = r.q
-        sampled = [i for i, s in enumerate(samplers) if s.params[0].temperature > 0]
-        n, final = accept(p, q, draft, lengths, sampled, [s.streams[0] for s in samplers])
+    seen, counts = stacks(*penalty_state(rows), draft)
+    params = [s.params[0] for s in samplers for _ in range(K + 1)]
+    p = filtered_probs(x.reshape(B * (K + 1), V), params, None if seen is None else seen.reshape(B * (K + 1), V),
+                       None if counts is None else counts.reshape(B * (K + 1), V)).view(B, K + 1, V)
+    q = None
+    if rows[0].q is not None:
+        q = torch.zeros(B, K, V, device=dev)
+        for i, r in enumerate(rows):
+            q[i, : len(r.guesses)] = r.q
+    sampled = [i for i, s in enumerate(samplers) if s.params[0].temperature > 0]
+    n, final = accept(p, q, draft, lengths, sampled, [s.streams[0] for s in samplers])
     # A position whose logits hold NaN or inf ends the row's run with NONFINITE (the engine reports it).
-    bad = nonfinite_rows(x) if bad is None else bad  # (B, K+1)
+    bad = nonfinite_rows(x)  # (B, K+1)
     first_bad = torch.where(bad.any(-1), bad.long().argmax(-1), K + 1)
     final = torch.where(first_bad <= n, NONFINITE, final)
     n = torch.minimum(n, first_bad)
     return [g[:k] + [f] for g, k, f in zip(draft.tolist(), n.tolist(), final.tolist(), strict=True)]
+
+
+def _greedy_runs(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]:
+    """verify() when every row is plain greedy: a guess is kept while it is the target's argmax (the
+    rule at temperature 0, as accept_greedy), decided on the host from one argmax over every row's
+    positions: a few small lists, where the tensor rule costs a dozen small ops a round."""
+    top, bad = argmax_rows(torch.cat(logits).float())  # rows of different lengths need no padding
+    top, bad = top.tolist(), bad.tolist()
+    runs, at = [], 0
+    for r in rows:
+        g, n = r.guesses, 0
+        while n < len(g) and g[n] == top[at + n]:
+            n += 1
+        first_bad = next((j for j in range(len(g) + 1) if bad[at + j]), None)
+        runs.append(g[:first_bad] + [NONFINITE] if first_bad is not None and first_bad <= n else g[:n] + [top[at + n]])
+        at += len(g) + 1
+    return runs
