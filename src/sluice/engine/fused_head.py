@@ -46,27 +46,23 @@ CANDIDATES = 1024  # the top-K kept per row with filters; raised to max(top_k) +
 AUTO_PROBATION = 16
 
 
-def use_fused_head(model, fused_head: bool | str, params: list[SamplingParams]) -> bool:
-    """Sample through the fused LM head (fused_head.py) or the plain one (logits, Sampler)?
-
-    Hooks on the model or its LM head (the observatory) need the logits and the head module to
-    run, so they always get the plain path. "auto" takes the fused path where bench/fused_head.py
-    measured it faster on CPU: a batch with a sampled row that uses top-k, top-p or min-p (no
-    full-vocabulary sort); greedy and plain-temperature batches keep the plain path, where the
-    two are even (docs/benchmarks.md, "The softmax toll booth"). A fused "auto" batch whose
-    rows keep falling back (over a quarter of them after AUTO_PROBATION steps: a model too
-    flat for the candidates to prove its cuts, paying for the LM head twice) returns to the
-    plain path (scheduler.Scheduler._fused)."""
-    return params_want_fused(fused_head, params) and head_allows_fused(model)
-
-
 def params_want_fused(fused_head: bool | str, params: list[SamplingParams]) -> bool:
-    """use_fused_head's answer from the rows' params alone (fixed for a row's life: a scheduler keeps it)."""
+    """Sample through the fused LM head (fused_head.py) or the plain one (logits, Sampler), as the rows'
+    params say (fixed for a row's life: the scheduler keeps the answer); head_allows_fused has the
+    model's say, and Scheduler._fused asks both.
+
+    "auto" takes the fused path where bench/fused_head.py measured it faster on CPU: a batch with a
+    sampled row that uses top-k, top-p or min-p (no full-vocabulary sort); greedy and
+    plain-temperature batches keep the plain path, where the two are even (docs/benchmarks.md, "The
+    softmax toll booth"). A fused "auto" batch whose rows keep falling back (over a quarter of them
+    after AUTO_PROBATION steps: a model too flat for the candidates to prove its cuts, paying for the
+    LM head twice) returns to the plain path (scheduler.Scheduler._fused)."""
     return fused_head is True or (fused_head == "auto" and any(_has_filter(p) for p in params))
 
 
 def head_allows_fused(model) -> bool:
-    """use_fused_head's answer from the model alone: a float LM head, and no hooks that need the logits."""
+    """Whether the model lets the fused head run: a float LM head, and no hooks on the model or its
+    head (the observatory needs the logits and the head module to run)."""
     m = model
     if not isinstance(m.lm_head, torch.nn.Linear):  # a quantized head (model/quant.py) has no float weight
         return False

@@ -75,7 +75,7 @@ class Scheduler:
         self.head = head or FullHead(self.vocab_size, self.device)
         self.draw = StepDraw(model, self.head, lambda t: decode([t]))
         self.forward = BatchForward(model, pool, native, compile)  # the model work of a step
-        self.fused_head = fused_head  # True, False or "auto" (fused_head.use_fused_head)
+        self.fused_head = fused_head  # True, False or "auto" (fused_head.params_want_fused)
         self._fused_rows: tuple[list[Seq], bool] = ([], False)  # the last step's final rows, and their params' say
         self.speculation = speculation  # verify.Speculation, or None
         # Under tensor parallelism (parallel/plans.PlanChannel) rank 0 schedules and the others follow its plans.
@@ -256,7 +256,7 @@ class Scheduler:
         return Row(seq, start, seq.ids[start:start + n], start + n == len(seq.ids), cap)
 
     def _fused(self, finals: list[Row]) -> bool:
-        """Whether this step's plain rows draw through the fused LM head (fused_head.use_fused_head)."""
+        """Whether this step's plain rows draw through the fused LM head (fused_head.params_want_fused, head_allows_fused)."""
         if not finals or self.fused_head is False or not isinstance(self.head, FullHead):
             return False
         key = [r.seq for r in finals]
