@@ -35,12 +35,55 @@ SHAPES = {
 SHARD_BYTES = 1 << 30
 
 
+def write_tokenizer(out: Path, vocab_size: int, eos_id: int) -> None:
+    """A byte-level BPE tokenizer with exactly vocab_size ids, so that every id of a random prompt is a
+    token both engines know: the 256 byte symbols, then every pair of them, then triples, each with the
+    merge that makes it (a real BPE table, as llama.cpp's GGUF loader wants one), and the eos token at
+    eos_id. Its merges say nothing about any language: the benchmarks feed token ids, not text."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins for bytes
+    vocab, merges = {}, []
+
+    def add(tok: str) -> None:
+        if len(vocab) == eos_id:
+            vocab["<|endoftext|>"] = eos_id
+        if len(vocab) < vocab_size:
+            vocab[tok] = len(vocab)
+
+    for a in symbols:
+        add(a)
+    pairs = [a + b for a in symbols for b in symbols]
+    for p in pairs:
+        if len(vocab) >= vocab_size:
+            break
+        add(p)
+        merges.append((p[0], p[1]))
+    for p in pairs:
+        for c in symbols:
+            if len(vocab) >= vocab_size:
+                break
+            add(p + c)
+            merges.append((p, c))
+    tok = Tokenizer(BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if "<|endoftext|>" in vocab:
+        tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--layers", type=int, default=None, help="build fewer layers than the real model")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--no-tokenizer", action="store_true",
+                    help="weights and config only (by default a byte-level BPE tokenizer of the shape's "
+                         "vocabulary size is written too: sluice.LLM and llama.cpp's GGUF need one)")
     args = ap.parse_args(argv)
     import transformers as T
 
@@ -85,6 +128,8 @@ def main(argv=None) -> None:
     (args.out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     cfg.save_pretrained(args.out)
+    if not args.no_tokenizer:
+        write_tokenizer(args.out, cfg.vocab_size, cfg.eos_token_id)
     print(f"{args.out}: {total / 1e9:.2f} GB, {len(weight_map)} tensors in {len(groups)} shards")
 
 
