@@ -22,7 +22,7 @@ def _run(script: str, *args: str) -> None:
     proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", *args],
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert any(h in proc.stdout for h in ("| engine |", "| config |", "| row |"))  # the markdown table
+    assert any(h in proc.stdout for h in ("| engine |", "| config |", "| row |", "| family |"))  # the markdown table
 
 
 def test_decode_speed_quick(tmp_path):
@@ -124,3 +124,13 @@ def test_speculative_quick(tmp_path):
     cost = r["bundled_cost"]
     assert cost["t_step_ms"] > 0 and [p["k"] for p in cost["per_k"]] == [1, 2, 4, 8]
     assert all(0 <= p["break_even_acceptance"] <= 1 for p in cost["per_k"] if p["break_even_acceptance"] is not None)
+
+
+def test_family_speed_quick(tmp_path):
+    out = tmp_path / "family.json"
+    _run("family_speed.py", "--families", "llama,gemma2,gpt2", "--workdir", str(tmp_path / "work"), "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and [row["family"] for row in r["rows"]] == ["llama", "gemma2", "gpt2"]
+    for row in r["rows"]:
+        assert row["tok_s"] > 0 and row["weight_bytes"] > 0 and row["path"] == "native step"
+    assert r["rows"][0]["tok_s_vs_llama"] == 1.0
