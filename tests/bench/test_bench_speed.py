@@ -235,3 +235,23 @@ def test_bad_speculation_flags(tiny_dir, args, named, capsys):
     assert main(["bench", "--model", str(tiny_dir), *TINY, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("sluice bench: error:") and named in err and "\n" not in err
+
+
+def test_each_round_prefills_a_new_prompt(tiny_dir, tmp_path, monkeypatch):
+    """sluice keeps prompts in its prefix cache: a round that repeated an earlier prompt would time a
+    cache hit, not a prefill. Every round (and the warmup) gets its own prompt, the same for every
+    engine in the round."""
+    from sluice.benchmarks import speed_engines
+    seen = []
+    real_round = speed_engines.SluiceEngine.round
+
+    def spy(self, prompt, gen):
+        seen.append(tuple(prompt))
+        return real_round(self, prompt, gen)
+    monkeypatch.setattr(speed_engines.SluiceEngine, "round", spy)
+    assert main(["bench", "--model", str(tiny_dir), "--prompt", "40", "--gen", "3", "--reps", "3",
+                 "--probe-mib", "16", "--vs", "transformers", "--json", str(tmp_path / "r.json")]) == 0
+    prompts = seen
+    assert len(prompts) == 4 and len(set(prompts)) == 4  # the warmup's and three rounds'
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["prompt_head"] == list(prompts[-1][:16])

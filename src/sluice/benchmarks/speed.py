@@ -1,7 +1,7 @@
 """`sluice bench` (no sub-benchmark): a llama-bench-style speed table, sluice against its peers.
 
 For one checkpoint and precision it times, at batch 1 and greedy, with the same random prompt
-token ids for every engine:
+token ids for every engine (a new prompt each round, so that no engine's prefix cache serves it):
   pp<P>  prefill tokens/s of a P-token prompt (the forward pass and the first token's pick);
   tg<G>  decode tokens/s of G more tokens after that prompt (one forward + pick per token).
 Engines (sluice; transformers and llama.cpp with --vs) load once, get one untimed warmup each,
@@ -141,8 +141,11 @@ def run(args) -> dict:
             raise BenchmarkError(f"--prompt {P} + --gen {G} does not fit the model's context of "
                                  f"{cfg.max_position_embeddings} tokens")
         limit = min(getattr(e, "vocab_limit", cfg.vocab_size) for e in engines.values())
+        # One prompt per round (and one for the warmup), the same for every engine in a round: sluice keeps
+        # the prompts' KV blocks in its prefix cache, so a prompt seen before would not be prefilled again.
         gen_ids = torch.Generator().manual_seed(PROMPT_SEED)
-        prompt = torch.randint(0, limit, (P,), generator=gen_ids).tolist()
+        prompts = [torch.randint(0, limit, (P,), generator=gen_ids).tolist() for _ in range(s["reps"] + 1)]
+        prompt = prompts[0]
         probe_bytes = s["probe_mib"] << 20
         machine = {"stream_copy": stream_copy(min(probe_bytes, 512 << 20) or (64 << 20), reps=5), "read": []}
         for name, e in engines.items():  # untimed: page the weights in, build kernels, compile
@@ -153,7 +156,7 @@ def run(args) -> dict:
         perf, spec_rounds = {n: [] for n in engines}, []
         for r in range(s["reps"]):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                out = engines[name].round(prompt, G)
+                out = engines[name].round(prompts[r + 1], G)
                 samples[name]["pp_s"].append(out["pp_s"])
                 samples[name]["tg_s"].append(out["tg_s"])
                 tokens[name] = out["tokens"]
@@ -195,7 +198,7 @@ def run(args) -> dict:
     return {"benchmark": "speed", "settings": s, **env, "cpu_flags": sorted(cpu_flags()),
             "model": {"dir": str(model_dir), "params_read_per_token": params_read,
                       "layers": cfg.num_layers, "kv_per_layer": cfg.num_kv_heads * cfg.head_dim, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
-            "prompt_head": prompt[:16], "machine": machine, "read_GB_s": read_bw, "engines": engine_info,
+            "prompt_head": prompts[-1][:16], "machine": machine, "read_GB_s": read_bw, "engines": engine_info,
             "rows": rows, "speculation": _spec_summary(s["speculation"], spec_rounds, spec_k),
             "loadavg_at_end": list(os.getloadavg())}
 
