@@ -32,6 +32,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 #include <iterator>
 #include <map>
 #include <string>
@@ -278,7 +280,39 @@ inline void put4(__m512 s, const float* bias, int64_t nr, float* y, int64_t ldy,
 }
 #endif
 
+// Scratch rows on cache lines: malloc gives a large block 16 bytes past a page boundary, so every 64-byte load of
+// an activation row would straddle two lines (two loads for one) in the products' inner loops.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+using Scratch = std::vector<float, LineAligned<float>>;
+
 constexpr int64_t kBlock = 16;  // weight rows per work item: 16 rows x K stay in L1/L2 across the M rows
+constexpr int64_t kWidenRows = 16;  // token rows from which block() widens narrow weights once per pass
+
+#ifdef SLUICE_AVX512
+// out[0:K] = w[0:K] widened to fp32 (exact for bf16).
+template <typename W>
+inline void widen_row(const W* w, int64_t K, float* out) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) _mm512_storeu_ps(out + k, load16(w + k));
+  for (; k < K; ++k) out[k] = widen(w[k]);
+}
+#endif
 
 // y[m, n - n0] (+)= x[m] . W[n] + b[n] for m < M and weight rows n0 <= n < n1. accumulate: the
 // residual add, x + f(x), in the order torch adds (the bias before the residual). after: the weight rows
@@ -328,9 +362,22 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     constexpr int R = 4;
     constexpr int64_t kPassBytes = 24 << 10;
     // (M <= 8, one or two groups of activation rows, reuses little: passes of one weight group, each prefetching the next.)
-    const int64_t pass = M <= 8 ? R : std::clamp<int64_t>(kPassBytes / std::max<int64_t>(row_bytes, 1) / R * R, R, 16);
+    // A prefill chunk (M >= kWidenRows) whose weights are narrower than fp32 widens each pass's rows once into an
+    // fp32 scratch, and its tiles read that: widening bf16 costs two uops per 16 weights on the ports the FMAs
+    // use, which a 4 x 4 tile pays once per 16 FMAs (a third of its issue slots), the scratch once per pass. The
+    // widening is exact and the tiles sum in the same order, so the bits are those of the tiles over W itself.
+    const bool widen_pass = sizeof(W) < sizeof(float) && M >= kWidenRows;
+    const int64_t pass_row_bytes = widen_pass ? K * static_cast<int64_t>(sizeof(float)) : row_bytes;
+    const int64_t pass = M <= 8 ? R : std::clamp<int64_t>(kPassBytes / std::max<int64_t>(pass_row_bytes, 1) / R * R, R, 16);
+    // Rows one cache line longer than K: rows 4 KB apart would all fall in the same L1 set.
+    const int64_t ldw = (K + 15) / 16 * 16 + 16;
+    static thread_local Scratch scratch_store;
+    if (widen_pass && static_cast<int64_t>(scratch_store.size()) < pass * ldw) scratch_store.resize(pass * ldw);
+    float* const scratch = scratch_store.data();
     for (int64_t p0 = n0; p0 < n1; p0 += pass) {
       const int64_t p1 = std::min(n1, p0 + pass);
+      if (widen_pass)
+        for (int64_t n = p0; n < p1; ++n) widen_row(w + n * K, K, scratch + (n - p0) * ldw);
       Prefetch pf;
       const void* next = p1 == n1 && after ? after : p1 < L.n ? w + p1 * K : nullptr;
       if (next && K >= 16) {
@@ -343,8 +390,20 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
         const int64_t mm = std::min<int64_t>(4, M - m0);
         const float* xm = x + m0 * K;
         for (int64_t n = p0; n < p1; n += R) {
-          for (int r = 0; r < R; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
           __m512 s;
+          if (widen_pass) {  // the same tiles over the pass's fp32 copy (rows clamped as below)
+            const float* wf[R];
+            for (int r = 0; r < R; ++r) wf[r] = scratch + (std::min(n + r, n1 - 1) - p0) * ldw;
+            switch (mm) {
+              case 1: s = tile<float, R, 1>(wf, xm, K, K, pf); break;
+              case 2: s = tile<float, R, 2>(wf, xm, K, K, pf); break;
+              case 3: s = tile<float, R, 3>(wf, xm, K, K, pf); break;
+              default: s = tile<float, R, 4>(wf, xm, K, K, pf);
+            }
+            put4(s, L.b ? L.b + n : nullptr, std::min<int64_t>(R, n1 - n), y + m0 * ldy + n - n0, ldy, mm, accumulate);
+            continue;
+          }
+          for (int r = 0; r < R; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
           constexpr int kGroup = R * sizeof(W) / 4;  // M <= 4: the next group's R rows, 16 k per step
           constexpr int kHalf = kGroup / 2 > 0 ? kGroup / 2 : 1;  // M 5-8: two tiles share the next group
           switch (M <= 4 ? mm : M <= 8 ? 8 + mm : 4 + mm) {
@@ -847,7 +906,7 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
   // (a second table after the first for local RoPE), scores per thread, and the branches' outputs where a
   // branch is normed or added later.
   const int64_t tables = inv_freq_local_.numel() ? 2 : 1;
-  std::vector<float> x(M * C_), h(nth * M * C_), q(M * HD), kv(M * 2 * KD), att(M * HD), act(M * I_),
+  Scratch x(M * C_), h(nth * M * C_), q(M * HD), kv(M * 2 * KD), att(M * HD), act(M * I_),
       glu(nth * 2 * M * kBlock), cs(tables * M * 2 * half), scores(nth * G * span), ao(split_ ? M * C_ : 0),
       mo(split_ ? M * C_ : 0);
   float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
