@@ -12,7 +12,7 @@ import torch
 import sluice
 from ckpt import build
 from sluice.cli import main
-from sluice.engine import fast_step
+from sluice.engine import cpu_paths, fast_step
 from sluice.engine.fast_step import PHASES, FastStep
 from sluice.engine.kv_cache import KVCache
 from sluice.errors import ObservatoryError
@@ -76,13 +76,27 @@ def test_a_model_the_native_step_cannot_run_is_refused_by_name(gemma2_dir):
         profile(sluice.load(gemma2_dir), [8], reps=1, hardware=FAKE_MACHINE, path="fast")
 
 
-def test_cli_picks_the_native_path_and_says_when_it_cannot(tiny_dir, capsys, fake_machine):  # noqa: F811
+def test_cli_picks_the_native_path_and_says_when_it_cannot(tiny_dir, capsys, fake_machine, monkeypatch):  # noqa: F811
     base = ["profile", "--model", str(tiny_dir), "--contexts", "8", "--reps", "1", "--json"]
     assert main(base) == 0
     assert json.loads(capsys.readouterr().out)["settings"]["path"] == "native"
     assert main(base + ["--path", "torch"]) == 0
     assert json.loads(capsys.readouterr().out)["settings"]["path"] == "torch"
-    assert main(base + ["--dtype", "bf16"]) == 0  # bf16 activations: the torch path, with a note saying why
+    # bf16 weights: what LLM(dtype="bfloat16") runs, fp32 activations over bf16 weights in the native step;
+    # the bytes are the stored bf16 matrices and the fp32 KV cache
+    assert main(base + ["--dtype", "bf16"]) == 0
+    out = capsys.readouterr()
+    r = json.loads(out.out)
+    assert r["settings"]["path"] == "native" and "bf16 weights, fp32 activations" in out.err
+    assert r["model"]["dtype"] == "bfloat16" and r["model"]["activation_dtype"] == "float32"
+    hf = json.loads((tiny_dir / "config.json").read_text())
+    comps = r["rows"][0]["components"]
+    assert comps["mlp"]["read_bytes"] == hf["num_hidden_layers"] * 3 * hf["hidden_size"] * hf["intermediate_size"] * 2
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    assert r["model"]["kv_bytes_per_token"] == 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 4
+    # where the engine would keep bf16 activations (no kernel), the profile does too, and says why
+    monkeypatch.setattr(cpu_paths, "set_compute", lambda *a, **k: False)
+    assert main(base + ["--dtype", "bf16"]) == 0
     out = capsys.readouterr()
     assert json.loads(out.out)["settings"]["path"] == "torch" and "activations are torch.bfloat16" in out.err
     assert main(base + ["--dtype", "bf16", "--path", "native"]) == 2

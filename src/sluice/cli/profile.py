@@ -51,6 +51,7 @@ def _float(text: str | None, flag: str) -> float | None:
 
 
 def cmd_profile(args) -> int:
+    import torch
     from rich.console import Console
 
     from ..engine.sampling import SamplingParams
@@ -77,6 +78,13 @@ def cmd_profile(args) -> int:
     for note in said:
         err.print(f"note: {note}")
     path = args.path
+    if path != "torch" and model.embed.weight.dtype == torch.bfloat16:
+        # What LLM(dtype="bfloat16") runs by default (compute="auto"): bf16 weights with fp32 activations
+        # wherever the native step can take the model (engine/cpu_paths.py decides, for both).
+        from ..engine.cpu_paths import set_compute
+        if set_compute(model, torch.device("cpu"), "auto", "auto", None):
+            err.print("note: bf16 weights, fp32 activations and KV cache: the native step, as LLM(dtype='bfloat16') "
+                      "runs this model (--path torch profiles bf16 activations)")
     if path != "torch" and (why := native_reason(model)) is not None:
         if path == "native":
             raise ObservatoryError(f"--path native: the native step cannot run this model ({why})")

@@ -48,10 +48,14 @@ def hidden_norms_per_block(cfg: ModelConfig) -> int:
     return {"pre": 2, "sandwich": 4, "post": 2}[cfg.norm_placement]
 
 
-def step_costs(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> dict[str, dict]:
+def step_costs(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype,
+               act_dtype: torch.dtype | None = None) -> dict[str, dict]:
     """{component: {"param_bytes", "read_bytes", "flops"}} of one decode step: `batch` sequences,
-    one new token each, attending over `context` cache slots (the new token's included)."""
+    one new token each, attending over `context` cache slots (the new token's included). dtype: the
+    stored matrices and embedding; act_dtype (default dtype): the activations, so the KV cache and
+    the norm gains, which "bf16 weights, fp32 compute" (engine/mixed.py) keeps in fp32."""
     b = dtype.itemsize
+    a = (act_dtype or dtype).itemsize
     C, I, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
     H, K, D, B, S = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, batch, context
     q, kv = H * D, K * D
@@ -68,7 +72,7 @@ def step_costs(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -
     qk_width = {None: 0, "head": 2 * D, "full": q + kv}[cfg.qk_norm]  # stored gain widths
     qk_elems = {None: 0, "head": q + kv, "full": q + kv}[cfg.qk_norm]  # elements normalised
     norm_params = L * (hidden * C + qk_width) * norm_vecs
-    out["norms"] = dict(param_bytes=norm_params * b, read_bytes=norm_params * b,
+    out["norms"] = dict(param_bytes=norm_params * a, read_bytes=norm_params * a,
                         flops=L * B * nf * (hidden * C + qk_elems))
 
     qkv = C * (q + 2 * kv) + ((q + 2 * kv) if cfg.qkv_bias else 0)
@@ -80,7 +84,7 @@ def step_costs(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -
     rotary = (cfg.rotary_dim or D) if cfg.pos_embedding == "rope" else 0
     per_score = _SOFTMAX_FLOPS + (3 if cfg.attn_softcap else 0)
     attn_flops = 4 * B * H * S * D + per_score * B * H * S + 3 * B * (H + K) * rotary
-    out["attention"] = dict(param_bytes=0, read_bytes=kv_cache_bytes(cfg, batch, context, dtype),
+    out["attention"] = dict(param_bytes=0, read_bytes=kv_cache_bytes(cfg, batch, context, act_dtype or dtype),
                             flops=L * attn_flops)
 
     mats = 3 if cfg.mlp_gated else 2
@@ -89,7 +93,7 @@ def step_costs(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype) -
                       flops=L * B * (2 * mats * C * I + _ACT_FLOPS * I))
 
     final = C * norm_vecs if cfg.final_norm else 0
-    out["final_norm"] = dict(param_bytes=final * b, read_bytes=final * b, flops=B * nf * C * cfg.final_norm)
+    out["final_norm"] = dict(param_bytes=final * a, read_bytes=final * a, flops=B * nf * C * cfg.final_norm)
 
     head = V * C
     out["lm_head"] = dict(param_bytes=0 if cfg.tie_word_embeddings else head * b, read_bytes=head * b,

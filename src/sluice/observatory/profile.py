@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..engine.kv_cache import KVCache
+from ..engine.mixed import activation_dtype
 from ..engine.runner import Runner
 from ..engine.sampling import Sampler, SamplingParams
 from ..errors import ObservatoryError
@@ -207,13 +208,13 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
         raise ObservatoryError(f"the native step cannot run this model ({why}); profile the torch path")
     measure = measure_native if path == "native" else measure_context
     cfg = model.config
-    dtype = model.embed.weight.dtype
+    dtype, act = model.embed.weight.dtype, activation_dtype(model)  # fp32 activations over bf16 weights: mixed.py
     if not (isinstance(reps, int) and not isinstance(reps, bool) and reps >= 1):
         raise ObservatoryError(f"reps must be an integer >= 1, got {reps!r}")
     contexts, notes = plan_contexts(list(contexts), cfg.max_position_embeddings)
     available = machine.available_memory()
     for c in contexts:  # all refused before any time is spent
-        check_memory(cfg, c, dtype, available)
+        check_memory(cfg, c, act, available)
     params = (params or SamplingParams(temperature=1.0, seed=0)).with_defaults(None)
     load_start = os.getloadavg()[0]
     hw = hardware or machine.measure(dtype)
@@ -222,7 +223,7 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
     for c in contexts:
         t0 = time.perf_counter()
         m = measure(model, c, reps, params, min_sample_s)
-        costs = step_costs(cfg, 1, c, dtype)
+        costs = step_costs(cfg, 1, c, dtype, act)
         tot = totals(costs)
         comp_s, step_s = m["components"], m["step_s"]
         sum_s = sum(comp_s.values())
@@ -253,12 +254,13 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
     return {
         "kind": "profile",
         "model": {"name": str(name) if name else "(in memory)", "architecture": cfg.architecture,
-                  "dtype": str(dtype).removeprefix("torch."), "num_layers": cfg.num_layers,
+                  "dtype": str(dtype).removeprefix("torch."), "activation_dtype": str(act).removeprefix("torch."),
+                  "num_layers": cfg.num_layers,
                   "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                   "max_position_embeddings": cfg.max_position_embeddings,
                   "param_bytes": sum(p.nbytes for p in model.parameters()),
                   "num_params": sum(p.numel() for p in model.parameters()),
-                  "kv_bytes_per_token": kv_cache_bytes(cfg, 1, 1, dtype)},
+                  "kv_bytes_per_token": kv_cache_bytes(cfg, 1, 1, act)},
         "settings": {"contexts": contexts, "reps": reps, "min_sample_s": min_sample_s, "batch": 1,
                      "sampling": {"temperature": params.temperature, "top_k": params.top_k,
                                   "top_p": params.top_p, "min_p": params.min_p},
