@@ -117,6 +117,7 @@ struct Prefetch {
   const char* p = nullptr;
   const char* end = nullptr;
   int64_t per_step = 0;
+  bool far = false;  // the weights stream from DRAM: the Pf lines go to L2 (see Linear::far)
 };
 
 // Every sum's arithmetic is the same whatever the tile shape or the batch (the engine relies on a token's
@@ -131,13 +132,17 @@ template <typename W, int R, int MT, int Pf = 0>
 inline __m512 tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, Prefetch& pf) {
   static_assert(R * MT <= 16, "one reduce16 per tile");
   const char *pp = pf.p, *const pend = pf.end;  // in registers while the loop runs
+  const bool far = pf.far;
   __m512 a[16];
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     if constexpr (Pf > 0) {
       if (pp) {
-        for (int j = 0; j < Pf; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T0);
+        if (far)
+          for (int j = 0; j < Pf; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T1);
+        else
+          for (int j = 0; j < Pf; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T0);
         pp += 64 * Pf;
       }
     } else {  // into L2 only: see block()'s M > 1 comment
@@ -252,6 +257,11 @@ inline void gelu_tanh_mul(const float* g, const float* u, int64_t n, float* out)
 struct Linear {  // an nn.Linear's tensors: weight (N, K) fp32 or bf16, bias (N,) fp32 or absent
   const void* w = nullptr;
   bool is_bf16 = false;
+  // The model's weights stream from DRAM (Step::Step decides): decode's tiles prefetch the next rows into L2, not
+  // L1. L1 has ~16 fill buffers, so T0 prefetches far ahead stall on them; L2 takes several times more misses in
+  // flight. Qwen3-0.6B shape in bf16, 2-core Xeon: 11.2 -> 14.3-15.9 tok/s; the bundled model (its weights in
+  // the last-level cache) ran ~5% faster with T0, so it keeps that.
+  bool far = false;
   const float* b = nullptr;
   int64_t n = 0, k = 0;
 };
@@ -303,6 +313,7 @@ using Scratch = std::vector<float, LineAligned<float>>;
 
 constexpr int64_t kBlock = 16;  // weight rows per work item: 16 rows x K stay in L1/L2 across the M rows
 constexpr int64_t kWidenRows = 16;  // token rows from which block() widens narrow weights once per pass
+constexpr int64_t kStreamBytes = int64_t{64} << 20;  // weights from this size on stream from DRAM (cpu_paths.AUTO_KERNEL_BYTES)
 
 #ifdef SLUICE_AVX512
 // out[0:K] = w[0:K] widened to fp32 (exact for bf16).
@@ -337,6 +348,7 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
       for (int64_t n = n0; n < n1; n += 16) {
         for (int r = 0; r < 16; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
         Prefetch pf;  // the next 16 rows, 16 k of each (16 * sizeof(W) / 4 lines) per step: tile's Pf
+        pf.far = L.far;
         const void* next = n + 16 >= n1 && after ? after : n + 16 < L.n ? w + (n + 16) * K : nullptr;
         pf.p = static_cast<const char*>(next);
         const __m512 s = tile<W, 16, 1, 16 * sizeof(W) / 4>(wr, x, K, K, pf);
@@ -379,6 +391,7 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
       if (widen_pass)
         for (int64_t n = p0; n < p1; ++n) widen_row(w + n * K, K, scratch + (n - p0) * ldw);
       Prefetch pf;
+      pf.far = L.far;
       const void* next = p1 == n1 && after ? after : p1 < L.n ? w + p1 * K : nullptr;
       if (next && K >= 16) {
         pf.p = static_cast<const char*>(next);
@@ -829,6 +842,15 @@ class Step {
     head_.is_bf16 = head.scalar_type() == torch::kBFloat16;
     head_.n = V_;
     head_.k = C_;
+    // Weights past kStreamBytes cannot stay in the last-level cache between tokens: every product streams them.
+    int64_t bytes = head_.n * head_.k * (head_.is_bf16 ? 2 : 4);
+    for (const Layer& Ly : layers_)
+      for (const Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down})
+        if (Li->w) bytes += Li->n * Li->k * (Li->is_bf16 ? 2 : 4);
+    const bool far = bytes >= kStreamBytes;
+    head_.far = far;
+    for (Layer& Ly : layers_)
+      for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) Li->far = far;
   }
 
   torch::Tensor run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, bool hidden,
