@@ -51,14 +51,26 @@ using bf16 = at::BFloat16;
 // whatever N and M are (8 lanes over k, then hsum, then the K % 8 tail), so a token's numbers do not
 // depend on how many rows share its call: decode alone (N = 4, M = 1: four independent chains keep
 // loads in flight) and in a batch or a prefill chunk (N = 2, M <= 4) give the same bits.
-template <typename W, int N, int M>
-inline void dot_NxM(const W* const w[N], const float* x, int64_t ldx, int64_t K, float out[4][4]) {
+// pf (Pf > 0): the next weight rows, Pf lines of them prefetched per step of 8 k (into L2 when far), so decode's
+// stream of rows does not wait for each new group's first lines; it changes no number.
+template <typename W, int N, int M, int Pf = 0>
+inline void dot_NxM(const W* const w[N], const float* x, int64_t ldx, int64_t K, float out[4][4],
+                    const char* pf = nullptr, bool far = false) {
   int64_t k = 0;
 #ifdef SLUICE_AVX2
   __m256 a[N][M];
   for (int r = 0; r < N; ++r)
     for (int m = 0; m < M; ++m) a[r][m] = _mm256_setzero_ps();
   for (; k + 8 <= K; k += 8) {
+    if constexpr (Pf > 0) {
+      if (pf) {
+        if (far)
+          for (int j = 0; j < Pf; ++j) _mm_prefetch(pf + 64 * j, _MM_HINT_T1);
+        else
+          for (int j = 0; j < Pf; ++j) _mm_prefetch(pf + 64 * j, _MM_HINT_T0);
+        pf += 64 * Pf;
+      }
+    }
     __m256 u[N];
     for (int r = 0; r < N; ++r) u[r] = load8(w[r] + k);
     for (int m = 0; m < M; ++m) {
@@ -445,7 +457,9 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
   if (M == 1) {  // decode: 4 weight rows at a time (a short last group repeats its last row)
     for (int64_t n = n0; n < n1; n += 4) {
       for (int r = 0; r < 4; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
-      dot_NxM<W, 4, 1>(wr, x, K, K, o);
+      // the next 4 rows (contiguous: 4 K weights), 32 of them per step: sizeof(W) / 2 lines
+      const char* next = n + 8 <= L.n ? reinterpret_cast<const char*>(w + (n + 4) * K) : nullptr;
+      dot_NxM<W, 4, 1, sizeof(W) / 2>(wr, x, K, K, o, next, L.far);
       for (int64_t r = 0; r < std::min<int64_t>(4, n1 - n); ++r) put(0, n + r, o[r][0]);
     }
     return;
