@@ -14,8 +14,11 @@ partial rotary come out right) and a second table for Gemma 3's sliding layers, 
 positions; attention and final soft-caps, embedding scale; NeoX's parallel residual; SwiGLU, GeGLU or
 an ungated MLP with SiLU or GELU (erf or tanh); optional biases, tied or untied head, sliding windows;
 fp32 or bf16 linear weights with fp32 activations and an fp32 cache (the fp32 model, and
-engine/mixed.py's bf16-weight mode). Numerics are the torch path's in fp32, so the cast orders of the
-families' norms are moot here. `unsupported(model)` names the first thing outside that (quantized linears,
+engine/mixed.py's bf16-weight mode), or model/quant.py's int8 ones (an fp32 model loaded with
+quantize="int8": each row's sum of code x input, in fp32, times the row's scale). Numerics are the torch
+path's in fp32 (for int8, the product with the dequantized weight, without the bf16 rounding of x that
+torch's int8 op needs), so the cast orders of the families' norms are moot here. `unsupported(model)` names
+the first thing outside that (int4 or other quantized linears,
 bf16 activations, a module class or activation layers.py does not have, norms that mix kinds or eps),
 and then the caller keeps the torch path. Forward hooks are such a thing: the observatory relies on them
 firing, and this step calls no module.

@@ -5,7 +5,8 @@
 // token there. This file runs the whole forward (embedding, blocks with GQA attention over the KV cache
 // and an MLP, final norm, LM head) in ONE OpenMP parallel region: each phase is an
 // `omp for` over output rows, phases are separated by barriers. It reads the model's own weight
-// tensors in place (fp32 or bf16, widened in registers, fp32 accumulation), writes the new keys and
+// tensors in place (fp32, bf16, or int8 codes whose sums are scaled per row once complete; widened in
+// registers, fp32 accumulation), writes the new keys and
 // values into the engine's cache tensors exactly where layers.py writes them, and returns fp32
 // logits (or final-normed hidden states). fast_step.py decides which models may take this path.
 //
