@@ -124,3 +124,13 @@ def test_speculative_quick(tmp_path):
     cost = r["bundled_cost"]
     assert cost["t_step_ms"] > 0 and [p["k"] for p in cost["per_k"]] == [1, 2, 4, 8]
     assert all(0 <= p["break_even_acceptance"] <= 1 for p in cost["per_k"] if p["break_even_acceptance"] is not None)
+
+
+def test_int8_step_quick(tmp_path):
+    out = tmp_path / "int8.json"
+    _run("int8_step.py", "--batch", "1,2", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["weight_bytes_per_step"] > 0 and set(r["rows"]) == {"decode B=1", "decode B=2"}
+    for row in r["rows"].values():
+        assert row["native"]["tok_s_median"] > 0 and row["torch"]["tok_s_median"] > 0
+        assert row["native_over_torch_median"] > 0 and len(row["native_over_torch_per_round"]) == row["rounds"]
