@@ -87,8 +87,9 @@ def print_table(result: dict) -> None:
     print("| row | ms/step native | ms/step torch | tok/s native | tok/s torch | native/torch | weight GB/s native |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for key, r in result["rows"].items():
-        print(f"| {key} | {r['native']['ms_median']} | {r['torch']['ms_median']} | {r['native']['tok_s_median']} | "
-              f"{r['torch']['tok_s_median']} | {r['native_over_torch_median']}x | {r['native']['weight_GB_s_median']} |")
+        n, t = r["native"], r["torch"]
+        print(f"| {key} | {n['ms_median']} | {t['ms_median']} | {n['tok_s_median']} | {t['tok_s_median']} | "
+              f"{r['native_over_torch_median']}x | {n['weight_GB_s_median']} |")
 
 
 def main():

@@ -729,7 +729,8 @@ struct Layer {
 
 // A Linear over weight (N, in) fp32 or bf16, or int8 codes (N, >= in) with their row scales (N,) fp32 (absent for
 // the others); `in`, the product's input width, is the step's, so a weight of the wrong shape is refused here.
-Linear make_linear(const torch::Tensor& w, const float* bias, const torch::Tensor& scale, int64_t in, const char* what) {
+Linear make_linear(const torch::Tensor& w, const float* bias, const torch::Tensor& scale, int64_t in,
+                   const char* what) {
   Linear L;
   if (!w.numel()) return L;  // absent: w null
   const bool int8 = w.scalar_type() == torch::kChar;
