@@ -134,3 +134,13 @@ def test_family_speed_quick(tmp_path):
     for row in r["rows"]:
         assert row["tok_s"] > 0 and row["weight_bytes"] > 0 and row["path"] == "native step"
     assert r["rows"][0]["tok_s_vs_llama"] == 1.0
+
+
+def test_int8_step_quick(tmp_path):
+    out = tmp_path / "int8.json"
+    _run("int8_step.py", "--batch", "1,2", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["weight_bytes_per_step"] > 0 and set(r["rows"]) == {"decode B=1", "decode B=2"}
+    for row in r["rows"].values():
+        assert row["native"]["tok_s_median"] > 0 and row["torch"]["tok_s_median"] > 0
+        assert row["native_over_torch_median"] > 0 and len(row["native_over_torch_per_round"]) == row["rounds"]

@@ -11,6 +11,9 @@ import torch
 from torch import nn
 
 import sluice
+from sluice.engine import fast_step
+from sluice.engine.fast_step import FastStep
+from sluice.engine.kv_cache import KVCache
 from sluice.errors import ConfigError
 from sluice.model import quant as Q
 
@@ -144,17 +147,27 @@ def test_observatory_on_quantized_model(qdir):
     obs.summary()
 
 
-def test_llm_generate_quantized(qdir):
-    llm = sluice.LLM(str(qdir), quantize="int8")
+@pytest.mark.parametrize("kernels", [False, "auto"])
+def test_llm_generate_quantized(qdir, kernels):
+    native = kernels != False  # noqa: E712 (False, not a falsy value)
+    if native and fast_step.kernel() is None:
+        pytest.skip(f"no native step here: {fast_step.why_unavailable()}")
+    llm = sluice.LLM(str(qdir), quantize="int8", kernels=kernels)
     assert isinstance(llm.model.lm_head, Q.Int8Linear)
     greedy = sluice.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     out = llm.generate("Hello world", greedy)[0]
     assert len(out.token_ids) == 8 and out.finish_reason == "length"
-    # the cached decode of the quantized model is its own full recompute
+    # the cached decode of the quantized model is its own full recompute, on the path that decoded: the torch
+    # forward (kernels=False), or the native step, which runs int8 models (engine/fast_step.py)
+    assert llm.batch_engine().scheduler.forward.use_fast == native
+    step = FastStep(llm.model) if native else None
     ids = list(out.prompt_token_ids)
     with torch.inference_mode():
         for tok in out.token_ids:
-            assert int(llm.model(torch.tensor([ids]))[0, -1].argmax()) == tok
+            x, pos = torch.tensor([ids]), torch.arange(len(ids))[None]
+            cache = KVCache(llm.model.config, 1, len(ids))
+            logits = step(x, pos, cache.k, cache.v) if native else llm.model(x)
+            assert int(logits[0, -1].argmax()) == tok
             ids.append(tok)
     # top-p would take the fused head, which needs a float LM head: a quantized one stays plain
     sampled = llm.generate("Hello", sluice.SamplingParams(max_tokens=4, temperature=1, top_p=0.9, seed=0))[0]

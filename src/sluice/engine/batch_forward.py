@@ -50,7 +50,9 @@ class BatchForward:
                 return out if want == "all" else out[:, -1]
             h = self.fast(tokens, positions, self.pool.k, self.pool.v, hidden=True, block_table=view.table)
             if want == "last":  # a prompt's last chunk: the head on its last token only
-                return self.model.logits(h[:, -1:].to(self.model.lm_head.weight.dtype))[:, 0]
+                # (in the head's weight dtype, as the torch forward gives it; an int8 head has none: fp32 as is)
+                head_dtype = getattr(self.model.lm_head, "weight", h).dtype
+                return self.model.logits(h[:, -1:].to(head_dtype))[:, 0]
             return h[:, -1] if want == "hidden" else None
         step = self._compiled if self._compiled is not None and tokens.shape[1] == 1 else self._torch
         return step(tokens, positions, self.pool.k, self.pool.v, view.table, want)

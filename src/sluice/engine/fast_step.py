@@ -14,8 +14,11 @@ partial rotary come out right) and a second table for Gemma 3's sliding layers, 
 positions; attention and final soft-caps, embedding scale; NeoX's parallel residual; SwiGLU, GeGLU or
 an ungated MLP with SiLU or GELU (erf or tanh); optional biases, tied or untied head, sliding windows;
 fp32 or bf16 linear weights with fp32 activations and an fp32 cache (the fp32 model, and
-engine/mixed.py's bf16-weight mode). Numerics are the torch path's in fp32, so the cast orders of the
-families' norms are moot here. `unsupported(model)` names the first thing outside that (quantized linears,
+engine/mixed.py's bf16-weight mode), or model/quant.py's int8 ones (an fp32 model loaded with
+quantize="int8": each row's sum of code x input, in fp32, times the row's scale). Numerics are the torch
+path's in fp32 (for int8, the product with the dequantized weight, without the bf16 rounding of x that
+torch's int8 op needs), so the cast orders of the families' norms are moot here. `unsupported(model)` names
+the first thing outside that (int4 or other quantized linears,
 bf16 activations, a module class or activation layers.py does not have, norms that mix kinds or eps),
 and then the caller keeps the torch path. Forward hooks are such a thing: the observatory relies on them
 firing, and this step calls no module.
@@ -34,12 +37,14 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..model.layers import ACTIVATION_FUNCTIONS, MLP, Attention, Block, LayerNorm, RMSNorm, Transformer
-from .gemv import FastLinear
+from ..model.quant import Int8Linear
+from .gemv import FastInt8Linear, FastLinear
 from .mixed import Bf16WeightLinear, UpcastEmbedding, activation_dtype
 from .native import NATIVE_DIR, NativeExtension
 
 _EXT = NativeExtension(NATIVE_DIR / "step.cpp", "whole-step CPU kernel")
 _LINEARS = (nn.Linear, FastLinear, Bf16WeightLinear)  # same parameters, forward differs only in speed
+_INT8_LINEARS = (Int8Linear, FastInt8Linear)  # qweight and scales: step.cpp multiplies by the codes, then the scale
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 MAX_CHUNK = 64  # tokens per row per kernel call; a longer chunk runs as pieces of this many (small scratch)
 # config.hidden_act -> step.cpp's Act: gelu_new and torch's "tanh" GELU are one formula, equal in fp32 to an ulp
@@ -99,6 +104,15 @@ def _norm_consts(n: nn.Module) -> tuple[float, float]:
 _NORMS = ("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm")
 
 
+def _int8_reason(name: str, lin: Int8Linear) -> str | None:
+    q, s = lin.qweight, lin.scales
+    if q.dim() != 2 or q.shape[0] != lin.out_features or q.shape[1] < lin.in_features:
+        return f"{name}.qweight has shape {tuple(q.shape)}, not ({lin.out_features}, >= {lin.in_features})"
+    if s.shape != (lin.out_features,):
+        return f"{name}.scales has shape {tuple(s.shape)}, not ({lin.out_features},)"
+    return _tensor_reason(f"{name}.qweight", q, (torch.int8,)) or _tensor_reason(f"{name}.scales", s, _WEIGHT_DTYPES)
+
+
 def _module_reason(model: Transformer) -> str | None:
     """Module classes and tensors: only what step.cpp reads, in the dtypes it reads."""
     if activation_dtype(model) != torch.float32:
@@ -130,10 +144,14 @@ def _module_reason(model: Transformer) -> str | None:
         same["act"].add(_act_kind(mlp.act))
         same["qk"].add(a.full_width_qk_norm if a.q_norm is not None else None)
     for name, lin in linears:
-        if type(lin) not in _LINEARS:
-            return f"{name} is a {type(lin).__name__} (quantized or custom linears stay on the torch path)"
-        found += [_tensor_reason(f"{name}.weight", lin.weight, _WEIGHT_DTYPES),
-                  _tensor_reason(f"{name}.bias", lin.bias, _WEIGHT_DTYPES, optional=True)]
+        if type(lin) in _INT8_LINEARS:
+            found += [_int8_reason(name, lin)]
+        elif type(lin) in _LINEARS:
+            found += [_tensor_reason(f"{name}.weight", lin.weight, _WEIGHT_DTYPES)]
+        else:
+            return (f"{name} is a {type(lin).__name__} (step.cpp reads float and int8 weights: other quantized or "
+                    "custom linears stay on the torch path)")
+        found += [_tensor_reason(f"{name}.bias", lin.bias, _WEIGHT_DTYPES, optional=True)]
     norms = [(name, n) for name, n in norms if n is not None]
     for name, n in norms:
         if type(n) not in (RMSNorm, LayerNorm):
@@ -159,16 +177,28 @@ def unsupported(model: nn.Module) -> str | None:
     return config_reason(model.config) or _hook_reason(model) or _module_reason(model) or why_unavailable()
 
 
+def _weight(m: nn.Module) -> torch.Tensor:
+    """What step.cpp reads as a module's weight: a norm's gain, a linear's weight, an Int8Linear's codes."""
+    return m.qweight if isinstance(m, Int8Linear) else m.weight
+
+
+def _scales(lin: nn.Module | None) -> torch.Tensor | None:
+    return lin.scales if isinstance(lin, Int8Linear) else None
+
+
 def _sources(model: Transformer):
     """What step.cpp's Step is built from, in its order (None for an absent tensor): per layer the 26 tensors
-    of its norms and linears, the embeddings, final norm, head, RoPE tables, per-layer lists, options."""
-    tensors = []
+    of its norms and linears, the embeddings, final norm, head, the int8 linears' row scales (per layer q, k,
+    v, o, gate, up, down, then the head), RoPE tables, per-layer lists, options."""
+    tensors, scales = [], []
     for blk in model.layers:
         a, mlp = blk.attn, blk.mlp
         parts = [blk.attn_norm, a.q, a.k, a.v, a.o, a.q_norm, a.k_norm, blk.attn_post_norm, blk.mlp_norm,
                  mlp.gate, mlp.up, mlp.down, blk.mlp_post_norm]
         for m in parts:
-            tensors += [None, None] if m is None else [m.weight, getattr(m, "bias", None)]
+            tensors += [None, None] if m is None else [_weight(m), getattr(m, "bias", None)]
+        scales += [_scales(m) for m in (a.q, a.k, a.v, a.o, mlp.gate, mlp.up, mlp.down)]
+    scales.append(_scales(model.lm_head))
     cfg, layers = model.config, model.layers
     first = next((n for blk in layers for n in (blk.attn_norm, blk.attn_post_norm)
                   if n is not None), model.final_norm)
@@ -187,13 +217,13 @@ def _sources(model: Transformer):
     # GPT-2's learned positions take the place of RoPE: no table, so step.cpp rotates nothing.
     rope = model.pos_embed is None
     pos = None if rope else model.pos_embed.weight
-    return (tensors, model.embed.weight, pos, final, model.lm_head.weight, model.inv_freq if rope else None,
+    return (tensors, model.embed.weight, pos, final, _weight(model.lm_head), scales, model.inv_freq if rope else None,
             model.inv_freq_local if rope else None, per_layer, opts)
 
 
 def _signature(sources) -> tuple:
-    tensors, embed, pos, final, head, inv, inv_local, per_layer, opts = sources
-    ids = tuple(None if t is None else id(t) for t in [*tensors, embed, pos, *final, head, inv, inv_local])
+    tensors, embed, pos, final, head, scales, inv, inv_local, per_layer, opts = sources
+    ids = tuple(None if t is None else id(t) for t in [*tensors, embed, pos, *final, head, *scales, inv, inv_local])
     return ids, tuple(map(tuple, per_layer)), tuple(sorted(opts.items()))
 
 
@@ -218,12 +248,14 @@ class FastStep:
             raise ConfigError(f"the native step cannot run this model: {why}")
         self.model, cfg = model, model.config
         self.built_from = _sources(model)  # held, so no id in it can be reused while this step lives
-        tensors, embed, pos, final, head, inv, inv_local, per_layer, opts = self.built_from
-        # bf16 biases (mixed.py leaves a linear's bias in its dtype) widen exactly to the fp32 step.cpp reads.
+        tensors, embed, pos, final, head, scales, inv, inv_local, per_layer, opts = self.built_from
+        # bf16 biases (mixed.py leaves a linear's bias in its dtype) and int8 row scales (quant.py keeps them in
+        # bf16) widen exactly to the fp32 step.cpp reads: a copy of N floats per linear, made once here.
         kept = [torch.empty(0) if t is None else t.detach().float() if t.dim() == 1 else t.detach() for t in tensors]
         none = torch.empty(0)
         self._step = kernel().Step(kept, embed.detach(), none if pos is None else pos.detach(),
                                    [none if t is None else t.detach() for t in final], head.detach(),
+                                   [none if s is None else s.detach().float().contiguous() for s in scales],
                                    none if inv is None else inv, none if inv_local is None else inv_local, *per_layer,
                                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, opts)
 

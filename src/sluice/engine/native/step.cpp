@@ -5,7 +5,8 @@
 // token there. This file runs the whole forward (embedding, blocks with GQA attention over the KV cache
 // and an MLP, final norm, LM head) in ONE OpenMP parallel region: each phase is an
 // `omp for` over output rows, phases are separated by barriers. It reads the model's own weight
-// tensors in place (fp32 or bf16, widened in registers, fp32 accumulation), writes the new keys and
+// tensors in place (fp32, bf16, or int8 codes whose sums are scaled per row once complete; widened in
+// registers, fp32 accumulation), writes the new keys and
 // values into the engine's cache tensors exactly where layers.py writes them, and returns fp32
 // logits (or final-normed hidden states). fast_step.py decides which models may take this path.
 //
@@ -94,6 +95,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* p) {  // int8 codes, exact in fp32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // The 16 horizontal sums of v[0..15] in one vector, lane i = sum of v[i]: a tree of 15 shuffle-and-add
@@ -266,9 +270,14 @@ inline void gelu_tanh_mul(const float* g, const float* u, int64_t n, float* out)
   for (; i < n; ++i) out[i] = activate(kGeluTanh, g[i]) * (u ? u[i] : 1.f);
 }
 
-struct Linear {  // an nn.Linear's tensors: weight (N, K) fp32 or bf16, bias (N,) fp32 or absent
+// What a linear's weight is stored as: an nn.Linear's fp32 or bf16, or model/quant.py's int8 codes, whose
+// sums are multiplied by one fp32 scale per weight row once they are complete.
+enum WeightKind { kF32, kBf16, kInt8 };
+
+struct Linear {  // weight (N, ldw) of which each row's first K are used, row scales s (int8 only), bias (N,) or absent
   const void* w = nullptr;
-  bool is_bf16 = false;
+  WeightKind kind = kF32;
+  const float* s = nullptr;
   // The model's weights stream from DRAM (Step::Step decides): decode's tiles prefetch the next rows into L2, not
   // L1. L1 has ~16 fill buffers, so T0 prefetches far ahead stall on them; L2 takes several times more misses in
   // flight. Qwen3-0.6B shape in bf16, 2-core Xeon: 11.2 -> 14.3-15.9 tok/s; the bundled model (its weights in
@@ -276,21 +285,44 @@ struct Linear {  // an nn.Linear's tensors: weight (N, K) fp32 or bf16, bias (N,
   bool far = false;
   const float* b = nullptr;
   int64_t n = 0, k = 0;
+  int64_t ldw = 0;  // elements from a weight row to the next: K, or more for int8 rows padded to a multiple of 16
+  const void* row(int64_t i) const {
+    return i < n ? static_cast<const char*>(w) + i * ldw * (kind == kF32 ? 4 : kind == kBf16 ? 2 : 1) : nullptr;
+  }
 };
 
+// A sum times its row's scale, rounded before anything is added to it: the opaque asm keeps the compiler from
+// fusing the product into the bias or residual add in some callers and not others, which would make a token's
+// last bits depend on the path (decode alone or in a batch) that computed it.
+inline float scaled(float sum, const float* scale, int64_t n) {
+  if (!scale) return sum;
+  float p = sum * scale[n];
+  asm("" : "+x"(p));
+  return p;
+}
+
 #ifdef SLUICE_AVX512
-// y[0:nr] (+)= s[0:nr] + bias[0:nr] (bias null: + 0, as before): the bias first, then the residual, as
-// torch adds them.
-inline void put16(__m512 s, const float* bias, int64_t nr, float* y, bool accumulate) {
+// y[0:nr] (+)= s[0:nr] * scale[0:nr] + bias[0:nr] (scale null: no product; bias null: + 0, as before): the
+// bias first, then the residual, as torch adds them.
+inline void put16(__m512 s, const float* scale, const float* bias, int64_t nr, float* y, bool accumulate) {
   const __mmask16 k = first_lanes(nr);
+  if (scale) {
+    s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, scale));
+    asm("" : "+v"(s));  // rounded before the adds, as scaled()
+  }
   s = _mm512_add_ps(s, bias ? _mm512_maskz_loadu_ps(k, bias) : _mm512_setzero_ps());
   if (accumulate) s = _mm512_add_ps(_mm512_maskz_loadu_ps(k, y), s);
   _mm512_mask_storeu_ps(y, k, s);
 }
 
 // The same for a 4-row tile's vector: row m's sums s[4m:4m + nr] go to y + m * ldy, m < mm.
-inline void put4(__m512 s, const float* bias, int64_t nr, float* y, int64_t ldy, int64_t mm, bool accumulate) {
+inline void put4(__m512 s, const float* scale, const float* bias, int64_t nr, float* y, int64_t ldy, int64_t mm,
+                 bool accumulate) {
   const __mmask8 k = static_cast<__mmask8>((1u << nr) - 1);
+  if (scale) {
+    s = _mm512_mul_ps(s, _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(k, scale)));
+    asm("" : "+v"(s));
+  }
   s = _mm512_add_ps(s, bias ? _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(k, bias)) : _mm512_setzero_ps());
   alignas(64) float o[16];
   _mm512_store_ps(o, s);
@@ -345,8 +377,9 @@ template <typename W>
 void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
            bool accumulate, const void* after) {
   const W* w = static_cast<const W*>(L.w);
-  const int64_t K = L.k;
+  const int64_t K = L.k, ldw = L.ldw;
   auto put = [&](int64_t m, int64_t n, float s) {
+    s = scaled(s, L.s, n);
     s += L.b ? L.b[n] : 0.f;
     float& dst = y[m * ldy + n - n0];
     dst = accumulate ? dst + s : s;
@@ -354,17 +387,18 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
 #ifdef SLUICE_AVX512
   {
     // M = 1 (decode): tiles of 16 weight rows x 1 activation row, the next 16 rows prefetched meanwhile.
-    const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W));
+    const int64_t row_bytes = ldw * static_cast<int64_t>(sizeof(W));
     const W* wr[16];
     if (M == 1) {
       for (int64_t n = n0; n < n1; n += 16) {
-        for (int r = 0; r < 16; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
+        for (int r = 0; r < 16; ++r) wr[r] = w + std::min(n + r, n1 - 1) * ldw;
         Prefetch pf;  // the next 16 rows, 16 k of each (16 * sizeof(W) / 4 lines) per step: tile's Pf
         pf.far = L.far;
-        const void* next = n + 16 >= n1 && after ? after : n + 16 < L.n ? w + (n + 16) * K : nullptr;
+        const void* next = n + 16 >= n1 && after ? after : L.row(n + 16);
         pf.p = static_cast<const char*>(next);
         const __m512 s = tile<W, 16, 1, 16 * sizeof(W) / 4>(wr, x, K, K, pf);
-        put16(s, L.b ? L.b + n : nullptr, std::min<int64_t>(16, n1 - n), y + n - n0, accumulate);
+        put16(s, L.s ? L.s + n : nullptr, L.b ? L.b + n : nullptr, std::min<int64_t>(16, n1 - n), y + n - n0,
+              accumulate);
       }
       return;
     }
@@ -394,17 +428,17 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     const int64_t pass_row_bytes = widen_pass ? K * static_cast<int64_t>(sizeof(float)) : row_bytes;
     const int64_t pass = M <= 8 ? R : std::clamp<int64_t>(kPassBytes / std::max<int64_t>(pass_row_bytes, 1) / R * R, R, 16);
     // Rows one cache line longer than K: rows 4 KB apart would all fall in the same L1 set.
-    const int64_t ldw = (K + 15) / 16 * 16 + 16;
+    const int64_t lds = (K + 15) / 16 * 16 + 16;
     static thread_local Scratch scratch_store;
-    if (widen_pass && static_cast<int64_t>(scratch_store.size()) < pass * ldw) scratch_store.resize(pass * ldw);
+    if (widen_pass && static_cast<int64_t>(scratch_store.size()) < pass * lds) scratch_store.resize(pass * lds);
     float* const scratch = scratch_store.data();
     for (int64_t p0 = n0; p0 < n1; p0 += pass) {
       const int64_t p1 = std::min(n1, p0 + pass);
       if (widen_pass)
-        for (int64_t n = p0; n < p1; ++n) widen_row(w + n * K, K, scratch + (n - p0) * ldw);
+        for (int64_t n = p0; n < p1; ++n) widen_row(w + n * ldw, K, scratch + (n - p0) * lds);
       Prefetch pf;
       pf.far = L.far;
-      const void* next = p1 == n1 && after ? after : p1 < L.n ? w + p1 * K : nullptr;
+      const void* next = p1 == n1 && after ? after : L.row(p1);
       if (next && K >= 16) {
         pf.p = static_cast<const char*>(next);
         pf.end = pf.p + (next == after ? pass : std::min(pass, L.n - p1)) * row_bytes;
@@ -418,17 +452,18 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
           __m512 s;
           if (widen_pass) {  // the same tiles over the pass's fp32 copy (rows clamped as below)
             const float* wf[R];
-            for (int r = 0; r < R; ++r) wf[r] = scratch + (std::min(n + r, n1 - 1) - p0) * ldw;
+            for (int r = 0; r < R; ++r) wf[r] = scratch + (std::min(n + r, n1 - 1) - p0) * lds;
             switch (mm) {
               case 1: s = tile<float, R, 1>(wf, xm, K, K, pf); break;
               case 2: s = tile<float, R, 2>(wf, xm, K, K, pf); break;
               case 3: s = tile<float, R, 3>(wf, xm, K, K, pf); break;
               default: s = tile<float, R, 4>(wf, xm, K, K, pf);
             }
-            put4(s, L.b ? L.b + n : nullptr, std::min<int64_t>(R, n1 - n), y + m0 * ldy + n - n0, ldy, mm, accumulate);
+            put4(s, L.s ? L.s + n : nullptr, L.b ? L.b + n : nullptr, std::min<int64_t>(R, n1 - n),
+                 y + m0 * ldy + n - n0, ldy, mm, accumulate);
             continue;
           }
-          for (int r = 0; r < R; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
+          for (int r = 0; r < R; ++r) wr[r] = w + std::min(n + r, n1 - 1) * ldw;
           constexpr int kGroup = R * sizeof(W) / 4;  // M <= 4: the next group's R rows, 16 k per step
           constexpr int kHalf = kGroup / 2 > 0 ? kGroup / 2 : 1;  // M 5-8: two tiles share the next group
           switch (M <= 4 ? mm : M <= 8 ? 8 + mm : 4 + mm) {
@@ -445,7 +480,8 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
             case 7: s = tile<W, R, 3>(wr, xm, K, K, pf); break;
             default: s = tile<W, R, 4>(wr, xm, K, K, pf);
           }
-          put4(s, L.b ? L.b + n : nullptr, std::min<int64_t>(R, n1 - n), y + m0 * ldy + n - n0, ldy, mm, accumulate);
+          put4(s, L.s ? L.s + n : nullptr, L.b ? L.b + n : nullptr, std::min<int64_t>(R, n1 - n), y + m0 * ldy + n - n0,
+               ldy, mm, accumulate);
         }
       }
     }
@@ -456,10 +492,10 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
   const W* wr[4];
   if (M == 1) {  // decode: 4 weight rows at a time (a short last group repeats its last row)
     for (int64_t n = n0; n < n1; n += 4) {
-      for (int r = 0; r < 4; ++r) wr[r] = w + std::min(n + r, n1 - 1) * K;
-      // the next 4 rows (contiguous: 4 K weights), 32 of them per step: sizeof(W) / 2 lines
-      const char* next = n + 8 <= L.n ? reinterpret_cast<const char*>(w + (n + 4) * K) : nullptr;
-      dot_NxM<W, 4, 1, sizeof(W) / 2>(wr, x, K, K, o, next, L.far);
+      for (int r = 0; r < 4; ++r) wr[r] = w + std::min(n + r, n1 - 1) * ldw;
+      // the next 4 rows (contiguous), 32 weights of them per step: sizeof(W) / 2 lines (int8: one, running ahead)
+      const char* next = n + 8 <= L.n ? static_cast<const char*>(L.row(n + 4)) : nullptr;
+      dot_NxM<W, 4, 1, (sizeof(W) >= 2 ? sizeof(W) / 2 : 1)>(wr, x, K, K, o, next, L.far);
       for (int64_t r = 0; r < std::min<int64_t>(4, n1 - n); ++r) put(0, n + r, o[r][0]);
     }
     return;
@@ -468,8 +504,8 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     const int64_t mm = std::min<int64_t>(4, M - m0);
     const float* xm = x + m0 * K;
     for (int64_t n = n0; n < n1; n += 2) {
-      wr[0] = w + n * K;
-      wr[1] = w + std::min(n + 1, n1 - 1) * K;  // an odd last row pairs with itself
+      wr[0] = w + n * ldw;
+      wr[1] = w + std::min(n + 1, n1 - 1) * ldw;  // an odd last row pairs with itself
       switch (mm) {
         case 1: dot_NxM<W, 2, 1>(wr, xm, K, K, o); break;
         case 2: dot_NxM<W, 2, 2>(wr, xm, K, K, o); break;
@@ -486,8 +522,11 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
 
 void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
            bool accumulate, const void* after = nullptr) {
-  if (L.is_bf16) block<bf16>(L, x, M, n0, n1, y, ldy, accumulate, after);
-  else block<float>(L, x, M, n0, n1, y, ldy, accumulate, after);
+  switch (L.kind) {
+    case kBf16: return block<bf16>(L, x, M, n0, n1, y, ldy, accumulate, after);
+    case kInt8: return block<int8_t>(L, x, M, n0, n1, y, ldy, accumulate, after);
+    default: return block<float>(L, x, M, n0, n1, y, ldy, accumulate, after);
+  }
 }
 
 // y (M, N) (+)= x (M, K) W^T + b, this thread's share of the weight rows (call inside the parallel
@@ -521,11 +560,8 @@ void mlp_act(const Linear& gate, const Linear& up, int64_t kind, const float* x,
     }
     // While the gate's last rows run, the up rows of this block are prefetched, and vice versa the gate's
     // next rows (usually this thread's next block: guided schedule).
-    const auto row = [](const Linear& L, int64_t n) -> const void* {
-      return n < L.n ? static_cast<const char*>(L.w) + n * L.k * (L.is_bf16 ? 2 : 4) : nullptr;
-    };
-    block(gate, x, M, n0, n1, tmp, kBlock, false, row(up, n0));
-    block(up, x, M, n0, n1, u, kBlock, false, row(gate, n1));
+    block(gate, x, M, n0, n1, tmp, kBlock, false, up.row(n0));
+    block(up, x, M, n0, n1, u, kBlock, false, gate.row(n1));
     for (int64_t m = 0; m < M; ++m) {
       const float *g = tmp + m * kBlock, *um = u + m * kBlock;
       float* a = act + m * up.n + n0;
@@ -778,28 +814,55 @@ struct Layer {
   bool local_rope = false;  // RoPE from the second table, inv_freq_local (Gemma 3's sliding layers)
 };
 
+// A Linear over weight (N, in) fp32 or bf16, or int8 codes (N, >= in) with their row scales (N,) fp32 (absent for
+// the others); `in`, the product's input width, is the step's, so a weight of the wrong shape is refused here.
+Linear make_linear(const torch::Tensor& w, const float* bias, const torch::Tensor& scale, int64_t in,
+                   const char* what) {
+  Linear L;
+  if (!w.numel()) return L;  // absent: w null
+  const bool int8 = w.scalar_type() == torch::kChar;
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (int8 ? w.size(1) >= in : w.size(1) == in), "Step: the ", what,
+              " weight must be contiguous (N, ", in, ")", int8 ? " or wider (int8 rows padded)" : "");
+  TORCH_CHECK(int8 == (scale.numel() > 0), "Step: the ", what, " weight has row scales exactly when it is int8");
+  if (int8) {
+    TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == w.size(0),
+                "Step: the ", what, " weight's scales must be fp32 (", w.size(0), ",)");
+    L.s = scale.data_ptr<float>();
+  }
+  L.w = w.data_ptr();
+  L.kind = int8 ? kInt8 : w.scalar_type() == torch::kBFloat16 ? kBf16 : kF32;
+  L.b = bias;
+  L.n = w.size(0);
+  L.k = in;
+  L.ldw = w.size(1);
+  return L;
+}
+
 // The phases `counters` times (fast_step.PHASES names them, in this order, as the profile's components).
 enum Phase { kEmbedding, kNorms, kQkv, kAttention, kO, kMlp, kFinalNorm, kHead, kPhases };
 
 class Step {
  public:
-  // tensors: per layer, in this order, an empty tensor for an absent one (see fast_step.py).
-  static constexpr int kPerLayer = 26;
+  // tensors: per layer, in this order, an empty tensor for an absent one (see fast_step.py). scales: per layer the
+  // row scales of q, k, v, o, gate, up, down, then the head's, each empty for a float weight.
+  static constexpr int kPerLayer = 26, kLinearsPerLayer = 7;
   // opts: the model-wide numbers and switches, each key required (a misspelt one is an error, not a default).
   static constexpr const char* kOpts[] = {"eps", "norm_offset", "layer_norm", "scale", "act", "qk_full_width",
                                           "parallel_residual", "embed_scale", "final_softcap"};
 
   Step(std::vector<torch::Tensor> tensors, torch::Tensor embed, torch::Tensor pos_embed,
-       std::vector<torch::Tensor> final_norm, torch::Tensor head, torch::Tensor inv_freq, torch::Tensor inv_freq_local,
-       std::vector<int64_t> windows, std::vector<double> softcaps, std::vector<bool> local_rope, int64_t heads,
-       int64_t kv_heads, int64_t head_dim, std::map<std::string, double> opts)
-      : keep_(std::move(tensors)), embed_(embed), pos_embed_(pos_embed), head_t_(head),
+       std::vector<torch::Tensor> final_norm, torch::Tensor head, std::vector<torch::Tensor> scales,
+       torch::Tensor inv_freq, torch::Tensor inv_freq_local, std::vector<int64_t> windows, std::vector<double> softcaps,
+       std::vector<bool> local_rope, int64_t heads, int64_t kv_heads, int64_t head_dim,
+       std::map<std::string, double> opts)
+      : keep_(std::move(tensors)), scales_(std::move(scales)), embed_(embed), pos_embed_(pos_embed), head_t_(head),
         inv_freq_(inv_freq.contiguous()), inv_freq_local_(inv_freq_local.contiguous()), H_(heads), K_(kv_heads),
         D_(head_dim) {
     const size_t L = windows.size();
     TORCH_CHECK(keep_.size() == L * kPerLayer && softcaps.size() == L && local_rope.size() == L,
                 "Step: tensors, windows, soft-caps and RoPE tables per layer");
     TORCH_CHECK(final_norm.size() == 2, "Step: final_norm is [weight, bias]");
+    TORCH_CHECK(scales_.size() == L * kLinearsPerLayer + 1, "Step: scales for 7 linears per layer and the head");
     TORCH_CHECK(opts.size() == std::size(kOpts), "Step: options must be exactly ", std::size(kOpts), " keys");
     auto opt = [&](const char* key) {
       auto it = opts.find(key);
@@ -827,22 +890,17 @@ class Step {
     final_ = Norm{f(L * kPerLayer), f(L * kPerLayer + 1)};
     for (size_t l = 0; l < L; ++l) {
       auto t = [&](int i) -> const torch::Tensor& { return keep_[l * kPerLayer + i]; };
-      auto lin = [&](int iw, int ib) {
-        Linear Li;
-        if (!t(iw).numel()) return Li;  // absent: w null
-        Li.w = t(iw).data_ptr();
-        Li.is_bf16 = t(iw).scalar_type() == torch::kBFloat16;
-        Li.b = f(l * kPerLayer + ib);
-        Li.n = t(iw).size(0);
-        Li.k = t(iw).size(1);
-        return Li;
+      auto lin = [&](int iw, int ib, int j, int64_t in, const char* what) {
+        return make_linear(t(iw), f(l * kPerLayer + ib), scales_[l * kLinearsPerLayer + j], in, what);
       };
       auto nrm = [&](int iw) { return Norm{f(l * kPerLayer + iw), f(l * kPerLayer + iw + 1)}; };
       Layer Ly;
       Ly.attn_norm = nrm(0);
-      Ly.q = lin(2, 3); Ly.k = lin(4, 5); Ly.v = lin(6, 7); Ly.o = lin(8, 9);
+      Ly.q = lin(2, 3, 0, C_, "q"); Ly.k = lin(4, 5, 1, C_, "k"); Ly.v = lin(6, 7, 2, C_, "v");
+      Ly.o = lin(8, 9, 3, H_ * D_, "o");
       Ly.q_norm = nrm(10); Ly.k_norm = nrm(12); Ly.attn_post = nrm(14); Ly.mlp_norm = nrm(16);
-      Ly.gate = lin(18, 19); Ly.up = lin(20, 21); Ly.down = lin(22, 23);
+      Ly.gate = lin(18, 19, 4, C_, "gate"); Ly.up = lin(20, 21, 5, C_, "up");
+      Ly.down = lin(22, 23, 6, Ly.up.n, "down");
       Ly.mlp_post = nrm(24);
       Ly.window = windows[l];
       Ly.softcap = static_cast<float>(softcaps[l]);
@@ -852,15 +910,12 @@ class Step {
       layers_.push_back(Ly);
     }
     I_ = layers_.empty() ? 0 : layers_[0].up.n;
-    head_.w = head.data_ptr();
-    head_.is_bf16 = head.scalar_type() == torch::kBFloat16;
-    head_.n = V_;
-    head_.k = C_;
+    head_ = make_linear(head, nullptr, scales_.back(), C_, "head");
     // Weights past kStreamBytes cannot stay in the last-level cache between tokens: every product streams them.
-    int64_t bytes = head_.n * head_.k * (head_.is_bf16 ? 2 : 4);
+    auto stored = [](const Linear& Li) { return Li.w ? Li.n * Li.ldw * (Li.kind == kF32 ? 4 : Li.kind == kBf16 ? 2 : 1) : 0; };
+    int64_t bytes = stored(head_);
     for (const Layer& Ly : layers_)
-      for (const Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down})
-        if (Li->w) bytes += Li->n * Li->k * (Li->is_bf16 ? 2 : 4);
+      for (const Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) bytes += stored(*Li);
     const bool far = bytes >= kStreamBytes;
     head_.far = far;
     for (Layer& Ly : layers_)
@@ -871,7 +926,7 @@ class Step {
                     c10::optional<torch::Tensor> block_table, c10::optional<torch::Tensor> counters);
 
  private:
-  std::vector<torch::Tensor> keep_;  // holds the model's tensors alive; the pointers below point into them
+  std::vector<torch::Tensor> keep_, scales_;  // hold the tensors alive; the pointers below point into them
   torch::Tensor embed_, pos_embed_, head_t_, inv_freq_, inv_freq_local_;
   std::vector<Layer> layers_;
   Linear head_;
@@ -1125,7 +1180,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512", &has_avx512, "whether this build's products run on the AVX-512 tiles");
   pybind11::class_<Step>(m, "Step")
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, std::vector<torch::Tensor>,
-                          torch::Tensor, torch::Tensor, torch::Tensor, std::vector<int64_t>, std::vector<double>,
+                          torch::Tensor, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor,
+                          std::vector<int64_t>, std::vector<double>,
                           std::vector<bool>, int64_t, int64_t, int64_t, std::map<std::string, double>>())
       .def("run", &Step::run,
            "tokens (B, T), positions (B, T), k, v cache (L, B, K, S, D) or pool (L, NB, K, bs, D), hidden, "
