@@ -43,7 +43,7 @@ def _watch(monkeypatch, snaps, loadavg, cores=2):
     monkeypatch.setattr(disturbance.os, "getloadavg", lambda: loadavg)
     monkeypatch.setattr(disturbance.os, "cpu_count", lambda: cores)
     monkeypatch.setattr(disturbance.time, "sleep", lambda s: None)
-    clock = iter([100.0, 110.0])  # the run lasts 10 s
+    clock = iter([99.5, 100.0, 110.0])  # a 0.5 s look at the start, then a 10 s run
     monkeypatch.setattr(disturbance.time, "monotonic", lambda: next(clock))
     return LoadWatch(start_sample_s=0.5).result()
 

@@ -88,14 +88,19 @@ class LoadWatch:
     def __init__(self, start_sample_s: float = START_SAMPLE_S):
         self.cores = os.cpu_count() or 1
         self.loadavg_at_start = list(os.getloadavg())
+        # A short look at who is busy right now, to tell a current load from a decaying one. The
+        # window is timed around both snapshots (reading /proc takes a while on a busy machine), so
+        # it errs long: cores used are never overstated.
+        t = time.monotonic()
         first = _snapshot()
-        # A short look at who is busy right now, to tell a current load from a decaying one.
         time.sleep(start_sample_s if first is not None else 0)
-        self._t0, self._start = time.monotonic(), _snapshot()
-        self.busy_at_start = _busy(first, self._start, start_sample_s) if first is not None else []
+        self._start = _snapshot()
+        self._t0 = time.monotonic()
+        self.busy_at_start = _busy(first, self._start, self._t0 - t) if first is not None else []
 
     def result(self) -> dict:
-        end, seconds = _snapshot(), time.monotonic() - self._t0
+        end = _snapshot()
+        seconds = time.monotonic() - self._t0
         busy = _busy(self._start, end, seconds) if self._start is not None and end is not None else []
         reasons = []
         start_cores = sum(b["cores"] for b in self.busy_at_start)
