@@ -57,6 +57,24 @@ def test_quick_sluice_alone(tiny_dir, tmp_path, capsys):
     assert r["llama.cpp"] is None
 
 
+def test_one_step_prefills_every_row(tiny_dir, monkeypatch):
+    """The shape llama-batched-bench times: one step prefills all B prompts (each row's first token),
+    then every step decodes all B rows, so a round of gen G is G + 1 steps whatever B is."""
+    from sluice.llm import LLM
+    steps = []
+    real = LLM.step
+
+    def counted(self, *a, **kw):
+        steps.append(1)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(LLM, "step", counted)
+    # 4 prompts of 100 tokens: past the engine's default step budget of 256 tokens
+    assert main(["bench", "batch", "--model", str(tiny_dir), *QUICK, "--prompt", "100", "--gen", "3",
+                 "--probe-mib", "0"]) == 0
+    # the warmup and the timed round (3 decode steps each), for B = 1 and then B = 4
+    assert len(steps) == 4 * (1 + 3)
+
+
 @pytest.mark.parametrize("args,named", [
     (["--batch", "eight"], "--batch eight"),
     (["--batch", "0"], "--batch"),

@@ -156,7 +156,7 @@ def run(args) -> dict:
     return {"benchmark": "batch_decode", "settings": s, **env, "cpu_flags": sorted(cpu_flags()),
             "model": {"dir": str(model_dir), "params_read_per_token": params_read_per_token(model_dir),
                       "layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
-            "sluice": {"max_num_batched_tokens": max(batches) * P, "max_num_seqs": max(batches)},
+            "sluice": {"max_num_batched_tokens": llm.max_num_batched_tokens, "max_num_seqs": llm.max_num_seqs},
             "llama.cpp": peer and {**peer, "settings": peer_runs[-1]["settings"] if peer_runs else {},
                                    "outputs": [x["output"] for x in peer_runs]},
             "machine": machine, "read_GB_s": statistics.median(p["GB_s"] for p in machine["read"]) if machine["read"] else None,
