@@ -398,9 +398,12 @@ def test_q4_0_blocks_are_llama_quantize_s(case, tmp_path):
 @pytest.mark.skipif(not LCPP_PYTHON.is_file(), reason="llama-cpp-python is not built (../shared/peers/README.md)")
 def test_llama_cpp_runs_the_q4_0_export(case, tmp_path):
     """llama.cpp runs the q4_0 file as the function sluice computes with the file's own (dequantized)
-    weights: its logits within LCPP_Q4_0_BOUND of the logit range (llama.cpp also rounds each
-    activation row to Q8_0 blocks before a Q4_0 matmul, and keeps its KV cache in f16), and the
-    same greedy pick at all but a few of the 40 positions (random weights give near ties)."""
+    weights: logits within 6e-2 of the logit range at worst and 1e-2 on average, and the same
+    greedy pick at all but a few of the 40 positions (random weights give near ties). The bound is
+    llama.cpp's, not the file's: it rounds each activation row to Q8_0 blocks before a quantized
+    matmul and keeps its KV cache in f16 (measured here: q4_0 3.2% / 2.1% at worst, 0.4% / 0.3% on
+    average, for qwen3 / llama; its own q8_0 runs 4.1% / 1.8% at worst). Against sluice's fp32
+    weights the greedy picks part at about half the positions: 4 bits on random weights."""
     name, d, model = case
     path = export_gguf(d, tmp_path / "m.gguf", "q4_0")["path"]
     cfg, got = model.config, _read(gguf.GGUFReader(path))
@@ -414,11 +417,9 @@ def test_llama_cpp_runs_the_q4_0_export(case, tmp_path):
     theirs_logits = _llama_cpp_logits(path, ids, tmp_path)
     with torch.inference_mode():
         ours = deq(torch.tensor([ids]))[0]
-    assert (theirs_logits - ours).abs().max() < LCPP_Q4_0_BOUND * ours.abs().max()
+    diff, scale = (theirs_logits - ours).abs(), ours.abs().max()
+    assert diff.max() < 6e-2 * scale and diff.mean() < 1e-2 * scale
     assert (theirs_logits.argmax(-1) == ours.argmax(-1)).sum() >= 36
-
-
-LCPP_Q4_0_BOUND = 3e-2
 
 
 def _llama_cpp_logits(path, ids, tmp_path):
