@@ -30,8 +30,8 @@ def _tick() -> int:
         return 100
 
 
-def _snapshot() -> dict[int, tuple[int, str, float]] | None:
-    """pid -> (parent pid, name, CPU seconds so far) of every process; None without /proc."""
+def _snapshot() -> dict[int, tuple[int, str, float, int]] | None:
+    """pid -> (parent pid, name, CPU seconds so far, start time) of every process; None without /proc."""
     proc = Path("/proc")
     if not (proc / "self" / "stat").is_file():
         return None
@@ -40,19 +40,20 @@ def _snapshot() -> dict[int, tuple[int, str, float]] | None:
         if not d.name.isdigit():
             continue
         try:
-            ppid, name, ticks = parse_stat((d / "stat").read_text())
+            ppid, name, ticks, start = parse_stat((d / "stat").read_text())
         except (OSError, ValueError, IndexError):  # it ended between the listing and the read
             continue
-        out[int(d.name)] = (ppid, name, ticks / tick)
+        out[int(d.name)] = (ppid, name, ticks / tick, start)
     return out
 
 
-def parse_stat(raw: str) -> tuple[int, str, int]:
-    """/proc/PID/stat -> (parent pid, name, user + system CPU time in clock ticks). The line is
-    "pid (name) state ppid ...": the name may hold spaces and parentheses, so it ends at the last ")"."""
+def parse_stat(raw: str) -> tuple[int, str, int, int]:
+    """/proc/PID/stat -> (parent pid, name, user + system CPU time in clock ticks, start time). The
+    line is "pid (name) state ppid ...": the name may hold spaces and parentheses, so it ends at the
+    last ")"."""
     name = raw[raw.index("(") + 1:raw.rindex(")")]
     rest = raw[raw.rindex(")") + 2:].split()
-    return int(rest[1]), name, int(rest[11]) + int(rest[12])  # fields 4, 14 and 15 of proc(5)
+    return int(rest[1]), name, int(rest[11]) + int(rest[12]), int(rest[19])  # fields 4, 14, 15, 22 of proc(5)
 
 
 def _own_tree(snap: dict[int, tuple[int, str, float]]) -> set[int]:
@@ -71,11 +72,12 @@ def _own_tree(snap: dict[int, tuple[int, str, float]]) -> set[int]:
 def _busy(before: dict, after: dict, seconds: float) -> list[dict]:
     """Processes outside this run's tree by cores used between the snapshots, the busiest first."""
     own, rows = _own_tree(after), []
-    for pid, (_, name, cpu) in after.items():
+    for pid, (_, name, cpu, start) in after.items():
         if pid in own:
             continue
-        # a process that started after the first snapshot used all of its CPU time since then
-        used = cpu - before[pid][2] if pid in before and before[pid][1] == name else cpu
+        # The same process is the same pid and start time (a name changes: exec, a kernel worker's
+        # current queue); one that started after the first snapshot used all its CPU time since.
+        used = cpu - before[pid][2] if pid in before and before[pid][3] == start else cpu
         cores = used / seconds if seconds > 0 else 0.0
         if cores >= LIST_CORES:
             rows.append({"pid": pid, "name": name, "cores": round(cores, 3)})
