@@ -127,6 +127,41 @@ def test_a_broken_output_is_one_clear_error(text, named):
         parse_table(text)
 
 
+def _fake_peer(tmp_path: Path, full_from_run: int, status: int = 0) -> Path:
+    """A stand-in for llama-batched-bench printing the captured table, its last row lost (as
+    llama.cpp's undrained logger loses it at exit) on every run before `full_from_run`."""
+    lines = (FIXTURES / "llama-batched-bench.txt").read_text().splitlines()
+    last = max(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    (tmp_path / "full.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "cut.txt").write_text("\n".join(lines[:last]) + "\n")
+    fake = tmp_path / "llama-batched-bench"
+    fake.write_text(f"#!/bin/sh\necho run >> {tmp_path}/runs\nn=$(wc -l < {tmp_path}/runs)\n"
+                    f"if [ $n -ge {full_from_run} ]; then cat {tmp_path}/full.txt; else cat {tmp_path}/cut.txt; fi\n"
+                    f"exit {status}\n")
+    fake.chmod(0o755)
+    return fake
+
+
+WANT = [(128, 128, 1), (128, 128, 8)]
+
+
+def test_a_lost_last_row_is_run_again(tmp_path):
+    got = batched_bench.run_batched_bench([str(_fake_peer(tmp_path, full_from_run=2))], 60, WANT)
+    assert got["runs"] == 2 and [(x["pp"], x["tg"], x["pl"]) for x in got["rows"]] == WANT
+
+
+def test_a_row_never_printed_is_one_clear_error(tmp_path):
+    with pytest.raises(BenchmarkError, match=r"no row for \(PP, TG, B\) = \(128, 128, 8\) in 3 runs"):
+        batched_bench.run_batched_bench([str(_fake_peer(tmp_path, full_from_run=99))], 60, WANT)
+    assert (tmp_path / "runs").read_text().count("run") == 3
+
+
+def test_a_failing_peer_is_not_run_again(tmp_path):
+    with pytest.raises(BenchmarkError, match=r"failed \(exit status 1\)"):
+        batched_bench.run_batched_bench([str(_fake_peer(tmp_path, full_from_run=1, status=1))], 60, WANT)
+    assert (tmp_path / "runs").read_text().count("run") == 1
+
+
 def test_the_command_asks_for_the_same_shape():
     cmd = command(Path("/x/llama-batched-bench"), Path("/m.gguf"), 2, 128, 128, [1, 8])
     args = dict(zip(cmd[1::2], cmd[2::2]))
@@ -147,5 +182,5 @@ def test_quick_against_llama_batched_bench(tiny_dir, tmp_path, monkeypatch):
     r = json.loads(out.read_text())
     check_result(r, ["sluice", "llama.cpp"])
     lc = r["llama.cpp"]
-    assert lc["precision"] == "f32" and lc["binary"] == str(binary) and len(lc["outputs"]) == 1
+    assert lc["precision"] == "f32" and lc["binary"] == str(binary) and len(lc["outputs"]) == len(lc["runs"]) == 1
     assert lc["settings"]["n_threads"] == r["torch_threads"]

@@ -131,12 +131,10 @@ def run(args) -> dict:
                     samples[(name, b)]["pp"].append(b * P / out["pp_s"])
                     samples[(name, b)]["tg"].append(out["decode_tokens"] / out["tg_s"])
             else:
-                ran = run_batched_bench(peer["command"], timeout)
+                ran = run_batched_bench(peer["command"], timeout, [(P, G, b) for b in batches])
                 peer_runs.append(ran)
                 for b in batches:
-                    row = next((x for x in ran["rows"] if (x["pp"], x["tg"], x["pl"]) == (P, G, b)), None)
-                    if row is None:
-                        raise BenchmarkError(f"llama-batched-bench gave no row for PP {P}, TG {G}, B {b}")
+                    row = next(x for x in ran["rows"] if (x["pp"], x["tg"], x["pl"]) == (P, G, b))
                     samples[(name, b)]["pp"].append(row["speed_pp"])
                     samples[(name, b)]["tg"].append(row["speed_tg"])
             print(f"sluice bench batch: round {r + 1}/{s['reps']} {name}: tg " + ", ".join(
@@ -158,7 +156,7 @@ def run(args) -> dict:
                       "layers": cfg.num_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
             "sluice": {"max_num_batched_tokens": llm.max_num_batched_tokens, "max_num_seqs": llm.max_num_seqs},
             "llama.cpp": peer and {**peer, "settings": peer_runs[-1]["settings"] if peer_runs else {},
-                                   "outputs": [x["output"] for x in peer_runs]},
+                                   "outputs": [x["output"] for x in peer_runs], "runs": [x["runs"] for x in peer_runs]},
             "machine": machine, "read_GB_s": statistics.median(p["GB_s"] for p in machine["read"]) if machine["read"] else None,
             "rows": rows, "loadavg_at_end": load["loadavg_at_end"], "disturbed": load["disturbed"], "load": load}
 

@@ -98,15 +98,34 @@ def command(binary: Path, gguf: Path, threads: int, prompt: int, gen: int, batch
             "-npl", ",".join(map(str, batches))]
 
 
-def run_batched_bench(cmd: list[str], timeout_s: float) -> dict:
-    """Run it once; its parsed table, its command line and the whole output (kept in the results)."""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        raise BenchmarkError(f"llama-batched-bench ran past {timeout_s:.0f} s: {' '.join(cmd)}") from None
-    except OSError as e:
-        raise BenchmarkError(f"llama-batched-bench could not start ({e}); {BUILD_HINT}") from None
-    text = proc.stdout + "\n" + proc.stderr
-    if proc.returncode != 0:
-        raise BenchmarkError(f"llama-batched-bench failed (exit status {proc.returncode})" + _tail(text))
-    return {**parse_table(text), "command": cmd, "output": proc.stdout}
+def run_batched_bench(cmd: list[str], timeout_s: float, want: list[tuple[int, int, int]], tries: int = 3) -> dict:
+    """Run it until its table holds every (PP, TG, B) in `want`; its parsed table, its command line,
+    how many runs that took and its printed output (kept in the results).
+
+    It prints through llama.cpp's logger, a queue that a thread of its own writes out, and the
+    process exits without draining it (llama.cpp issue 22142): on a busy machine its last rows can
+    be lost although it measured them. So a run whose table lacks a row is run again, up to `tries`
+    times, and the number of runs is recorded."""
+    got = None
+    for attempt in range(1, tries + 1):
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            raise BenchmarkError(f"llama-batched-bench ran past {timeout_s:.0f} s: {' '.join(cmd)}") from None
+        except OSError as e:
+            raise BenchmarkError(f"llama-batched-bench could not start ({e}); {BUILD_HINT}") from None
+        text = proc.stdout + "\n" + proc.stderr
+        if proc.returncode != 0:
+            raise BenchmarkError(f"llama-batched-bench failed (exit status {proc.returncode})" + _tail(text))
+        try:
+            got = parse_table(text)
+        except BenchmarkError:
+            if attempt == tries:
+                raise
+            continue
+        found = {(r["pp"], r["tg"], r["pl"]) for r in got["rows"]}
+        if all(w in found for w in want):
+            return {**got, "command": cmd, "runs": attempt, "output": proc.stdout}
+    missing = [w for w in want if w not in {(r["pp"], r["tg"], r["pl"]) for r in got["rows"]}]
+    raise BenchmarkError(f"llama-batched-bench printed no row for (PP, TG, B) = {', '.join(map(str, missing))} "
+                         f"in {tries} runs (its table: {[(r['pp'], r['tg'], r['pl']) for r in got['rows']]})")
