@@ -30,7 +30,7 @@ def commit_date(commit: str) -> str:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else commit
 
 
-# --- sluice bench (bench/speed.py): the newest result per machine kind and setting ---------------
+# --- sluice bench (bench/speed.py, bench/batch_decode.py): the newest result per machine kind and setting
 
 def machine_kind(cpu: dict, threads: int | None = None) -> str:
     flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if cpu.get(f)] or ["no AVX2"]
@@ -42,21 +42,43 @@ def speed_setting(r: dict) -> str:
     s, m = r["settings"], r["model"]
     model = "bundled" if m["dir"].endswith("sluice-stdlib") else f"Qwen3-0.6B shape ({m['params_read_per_token'] / 1e6:.0f} M)"
     weights = s["quantize"] or {"float32": "fp32", "bfloat16": "bf16"}.get(s["dtype"], s["dtype"])
-    return model + ", " + weights + (", --compile" if s["compile"] else "")
+    return model + ", " + weights + (", --compile" if s.get("compile") else "")
+
+
+def _newest(found: dict, key: str, r: dict) -> None:
+    """Keep r under key if it is newer than what is there, an undisturbed run always before a
+    disturbed one (files from before the flag existed count as undisturbed: they cannot say)."""
+    old = found.get(key)
+    if old is None or (bool(r.get("disturbed")), old["date"]) < (bool(old.get("disturbed")), r["date"]):
+        found[key] = r
 
 
 @cache
 def speed_current() -> dict[str, dict[str, dict]]:
-    """machine kind -> setting -> the newest bench-speed-*.json result for it."""
+    """machine kind -> setting -> the newest bench-speed-*.json (batch 1) or bench-batch-*.json
+    (bench/batch_decode.py, its setting marked ", batched") result for it."""
     best: dict[str, dict[str, dict]] = {}
-    for path in sorted(RESULTS.glob("bench-speed-*.json")):
-        r = json.loads(path.read_text())
-        r["file"] = path.name
-        kind = best.setdefault(machine_kind(r["cpu"], r["torch_threads"]), {})
-        key = speed_setting(r)
-        if key not in kind or r["date"] > kind[key]["date"]:
-            kind[key] = r
+    for pattern, suffix in (("bench-speed-*.json", ""), ("bench-batch-*.json", ", batched")):
+        for path in sorted(RESULTS.glob(pattern)):
+            r = json.loads(path.read_text())
+            r["file"] = path.name
+            _newest(best.setdefault(machine_kind(r["cpu"], r["torch_threads"]), {}), speed_setting(r) + suffix, r)
     return best
+
+
+def _table_rows(key: str, r: dict) -> list[tuple[str, str, dict]]:
+    """(setting, test, {engine: tok/s}) of one results file: pp and tg of a speed run (tg first),
+    tg at each batch size of a batch run."""
+    if r.get("benchmark") == "batch_decode":
+        setting = key.removesuffix(", batched")
+        by = {}
+        for row in r["rows"]:
+            by.setdefault(f"{row['test']}, batch {row['batch']}", {})[row["engine"]] = row["tok_s"]["mean"]
+        return [(setting, test, v) for test, v in sorted(by.items(), key=lambda kv: int(kv[0].rsplit(" ", 1)[1]))]
+    by = {}
+    for row in r["rows"]:
+        by.setdefault(row["test"], {})[row["engine"]] = row["tok_s"]["mean"]
+    return [(key, t, by[t]) for t in sorted(by, key=lambda t: t.startswith("pp"))]
 
 
 def speed_table() -> str:
@@ -66,13 +88,13 @@ def speed_table() -> str:
                 "| model, weights | test | sluice tok/s | llama.cpp | transformers | sluice / llama.cpp | measured | results file |",
                 "|---|---|---:|---:|---:|---:|---|---|"]
         for key, r in sorted(settings.items()):
-            rows = {(row["engine"], row["test"]): row["tok_s"]["mean"] for row in r["rows"]}
-            for test in sorted({t for _, t in rows}, key=lambda t: t.startswith("pp")):
-                sl, lc, tf = (rows.get((e, test)) for e in ("sluice", "llama.cpp", "transformers"))
-                cell = (lambda v: commas(v, 1) if v is not None else "")
+            mark = ", **disturbed**" if r.get("disturbed") else ""
+            for setting, test, v in _table_rows(key, r):
+                sl, lc, tf = (v.get(e) for e in ("sluice", "llama.cpp", "transformers"))
+                cell = (lambda x: commas(x, 1) if x is not None else "")
                 ratio = f"{sl / lc:.2f}x" if sl and lc else ""
-                out.append(f"| {key} | {test} | {cell(sl)} | {cell(lc)} | {cell(tf)} | {ratio} | "
-                           f"{r['date'][:10]}, {r['code']['commit']} | [{r['file']}](results/{r['file']}) |")
+                out.append(f"| {setting} | {test} | {cell(sl)} | {cell(lc)} | {cell(tf)} | {ratio} | "
+                           f"{r['date'][:10]}, {r['code']['commit']}{mark} | [{r['file']}](results/{r['file']}) |")
     return "\n".join(out[1:])
 
 
@@ -81,6 +103,8 @@ def speed_values() -> dict[str, str]:
     for kind, settings in speed_current().items():
         tag = "avx512" if "avx512f" in kind else "avx2"
         for key, r in settings.items():
+            if r.get("benchmark") == "batch_decode":
+                continue  # in the table only
             model = "bundled" if key.startswith("bundled") else "q06"
             w = key.split(", ")[1] + ("-compile" if "--compile" in key else "")
             for row in r["rows"]:

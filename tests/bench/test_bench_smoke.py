@@ -5,6 +5,7 @@ are skipped here: compiling costs tens of seconds on a small CPU, longer than ev
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,11 @@ pytestmark = pytest.mark.slow  # each runs a benchmark script
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def _run(script: str, *args: str) -> None:
+def _run(script: str, *args: str, env: dict | None = None) -> None:
     # A hang-stopper, not a speed limit: 10x+ the 1-3 minutes a quick run takes on a quiet machine
     # (decode_speed.py went past the old 300 s on a busy one, and failed for it).
     proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", *args],
-                          capture_output=True, text=True, timeout=1800)
+                          capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert any(h in proc.stdout for h in ("| engine |", "| config |", "| row |", "| family |"))  # the markdown table
 
@@ -144,3 +145,21 @@ def test_int8_step_quick(tmp_path):
     for row in r["rows"].values():
         assert row["native"]["tok_s_median"] > 0 and row["torch"]["tok_s_median"] > 0
         assert row["native_over_torch_median"] > 0 and len(row["native_over_torch_per_round"]) == row["rounds"]
+
+
+def test_batch_decode_quick(tiny_dir, tmp_path):
+    """bench/batch_decode.py --quick; against llama-batched-bench too where it is built (CI: not)."""
+    from sluice.benchmarks.batched_bench import find_batched_bench
+    from sluice.errors import BenchmarkError
+    try:
+        peer = ["--vs", "llama.cpp", "--batched-bench", str(find_batched_bench(None))]
+    except BenchmarkError:
+        peer = []
+    out = tmp_path / "batch.json"
+    # TMPDIR: the GGUF the benchmark exports for llama.cpp is cached under the temp directory
+    _run("batch_decode.py", "--model", str(tiny_dir), *peer, "--json", str(out), env={**os.environ, "TMPDIR": str(tmp_path)})
+    r = json.loads(out.read_text())
+    engines = ["sluice", "llama.cpp"] if peer else ["sluice"]
+    assert r["settings"]["quick"] and r["settings"]["batch"] == [1, 4] and isinstance(r["disturbed"], bool)
+    assert {(x["engine"], x["batch"]) for x in r["rows"]} == {(e, b) for e in engines for b in (1, 4)}
+    assert all(x["tok_s"]["mean"] > 0 and x["pp_tok_s"]["mean"] > 0 for x in r["rows"])

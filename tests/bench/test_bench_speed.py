@@ -51,6 +51,11 @@ def check_result(r: dict, engines: list[str]) -> None:
         assert len(info["tokens"]) == min(G + 1, 32) and 0 <= info["tokens_agree_with_sluice"] <= G + 1
     assert rows[("sluice", f"tg{G}")]["vs_sluice"] == 1.0
     assert r["engines"]["sluice"]["tokens_agree_with_sluice"] == G + 1
+    # the machine's load: both load averages, and whether anything else competed (disturbance.py)
+    load = r["load"]
+    assert len(r["loadavg_at_start"]) == len(r["loadavg_at_end"]) == 3 and r["loadavg_at_end"] == load["loadavg_at_end"]
+    assert isinstance(r["disturbed"], bool) and r["disturbed"] == load["disturbed"] == bool(load["disturbed_reasons"])
+    assert load["cores"] >= 1 and load["run_seconds"] > 0 and isinstance(load["busy_during_run"], list)
 
 
 def test_cli_vs_transformers(tiny_dir, tmp_path, capsys):
@@ -175,6 +180,22 @@ def test_vs_llama_cpp(tiny_dir, tmp_path, monkeypatch, gguf_from):
     assert lc["tokens_agree_with_sluice"] >= 3  # the same fp32 model, greedy
     assert lc["weight_bytes"] == r["engines"]["sluice"]["weight_bytes"]  # tied: every tensor, once
     assert len(lc["perf"]) == r["settings"]["reps"]
+
+
+def test_int4_vs_llama_cpp_q4_0(tiny_dir, tmp_path, monkeypatch):
+    """--quantize int4 --vs llama.cpp: llama.cpp gets sluice's q4_0 export of the checkpoint."""
+    python = _llama_python()
+    if python is None:
+        pytest.skip("llama-cpp-python is not installed (see ../shared/peers/README.md)")
+    pytest.importorskip("sluice.model.gguf_export")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = tmp_path / "speed.json"
+    assert main(["bench", "--model", str(tiny_dir), *TINY, "--quantize", "int4", "--vs", "llama.cpp",
+                 "--llama-python", python, "--json", str(out)]) == 0
+    assert [p.name[-10:] for p in (tmp_path / "sluice-bench-gguf").iterdir()] == ["-q4_0.gguf"]
+    r = json.loads(out.read_text())
+    check_result(r, ["sluice", "llama.cpp"])
+    assert r["engines"]["sluice"]["precision"] == "int4" and r["engines"]["llama.cpp"]["precision"] == "q4_0"
 
 
 @pytest.mark.parametrize("flags,mode,k", [

@@ -7,6 +7,7 @@ tokenizer as the checkpoint has them; reduced precisions within their rounding.
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,22 +161,25 @@ def test_f32_round_trip_metadata_and_tokenizer(case, tmp_path):
         assert _field(reader, "tokenizer.ggml.padding_token_id") == tokens.index("<|endoftext|>")
 
 
-@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0", "q4_0"])
 def test_reduced_precision_within_rounding(case, tmp_path, outtype):
     name, d, model = case
     cfg = model.config
     summary, reader = _export(case, tmp_path, outtype)
     got = _read(reader)
     q = gguf.GGMLQuantizationType
-    matrix = {"f16": q.F16, "bf16": q.BF16, "q8_0": q.Q8_0}[outtype]
-    assert _field(reader, "general.file_type") == {"f16": 1, "bf16": 32, "q8_0": 7}[outtype]
+    matrix = {"f16": q.F16, "bf16": q.BF16, "q8_0": q.Q8_0, "q4_0": q.Q4_0}[outtype]
+    assert _field(reader, "general.file_type") == {"f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2}[outtype]
     for theirs, t in _sluice_tensors(model).values():
         arr, qtype = got[theirs]
         back = _hf_layout(theirs, arr, cfg, summary["arch"])
         if t.dim() == 1:  # norm gains and biases stay f32, exactly
             assert qtype == q.F32 and torch.equal(back, t), theirs
-        elif outtype == "q8_0" and t.shape[1] % 32:  # ffn_down of width 112: not whole blocks
+        elif outtype in ("q8_0", "q4_0") and t.shape[1] % 32:  # ffn_down of width 112: not whole blocks
             assert qtype == q.F16 and torch.equal(back, t.half().float()), theirs
+        elif outtype == "q4_0":
+            assert qtype == q.Q4_0, theirs
+            _assert_q4_0_error(t, back, theirs)
         elif outtype == "q8_0":
             assert qtype == q.Q8_0, theirs
             # Each block of 32 stores round(x / d), d = max|x| / 127, with d kept in fp16 (relative
@@ -191,6 +195,21 @@ def test_reduced_precision_within_rounding(case, tmp_path, outtype):
             assert torch.equal(back, rounded), theirs  # round to nearest even, as torch does
     smaller = export_gguf(d, tmp_path / "f32.gguf", "f32")["bytes"]
     assert summary["bytes"] < smaller
+
+
+def _assert_q4_0_error(t, back, name):
+    """Q4_0 stores, per block of 32, d = m / -8 (m the value of largest magnitude, d kept in fp16)
+    and codes min(15, trunc(x / d + 8.5)), read back as (code - 8) * d: within half a step |d| / 2
+    of x, but within a whole step for the values near -m, whose code 16 is clipped to 15; plus up to
+    8 codes times d's fp16 rounding (relative 2^-11)."""
+    blocks = t.reshape(-1, 32)
+    m = blocks.gather(1, blocks.abs().argmax(1, keepdim=True))  # (blocks, 1)
+    step = (m.abs() / 8).expand_as(blocks)
+    err = (back.reshape(-1, 32) - blocks).abs()
+    assert bool((err <= step * (1 + 8 * 2**-11) + 1e-7).all()), name
+    clipped = err > step * (0.5 + 8 * 2**-11) + 1e-7
+    assert bool(((blocks + m).abs()[clipped] <= step[clipped] / 2 + 1e-7).all()), name
+    assert err.max() > 0  # really quantized
 
 
 def test_interleaved_rows_are_what_llama_cpp_rope_expects():
@@ -263,8 +282,15 @@ def test_cli_refuses_an_unsupported_family(tmp_path):
 
 
 def test_cli_refuses_a_bad_outtype(tmp_path):
-    r = sluice_cli("export-gguf", "--out", str(tmp_path / "x.gguf"), "--outtype", "q4_0")
-    assert r.returncode == 2 and "q4_0" in r.stderr and "Traceback" not in r.stderr
+    r = sluice_cli("export-gguf", "--out", str(tmp_path / "x.gguf"), "--outtype", "q4_k")
+    assert r.returncode == 2 and "q4_k" in r.stderr and "Traceback" not in r.stderr
+    assert re.search(r"choose from .*q8_0.*q4_0", r.stderr)  # the choices, listed (quoted or not, by Python version)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_bad_outtype_from_python_names_the_choices(tiny_dir, tmp_path):
+    with pytest.raises(sluice.errors.ConfigError, match="one of f32, f16, bf16, q8_0, q4_0, got 'q4_k'"):
+        export_gguf(tiny_dir, tmp_path / "x.gguf", "q4_k")
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -328,15 +354,79 @@ def test_llama_cpp_computes_the_same_logits(case, tmp_path):
 
 def _assert_llama_cpp_logits(path, model, tmp_path):
     ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    r = subprocess.run([str(LCPP_PYTHON), "-c", _LCPP_LOGITS, path, json.dumps(ids), str(tmp_path / "l.npy")],
-                       capture_output=True, text=True, timeout=300)  # a hang-stopper, 10x+ the ~15 s here
-    assert r.returncode == 0, r.stderr[-2000:]
-    theirs = torch.from_numpy(np.load(tmp_path / "l.npy"))
+    theirs = _llama_cpp_logits(path, ids, tmp_path)
     with torch.inference_mode():
         ours = model(torch.tensor([ids]))[0]
     # llama.cpp keeps its KV cache in f16 by default: differences of ~1e-3 of the logit range.
     assert (theirs - ours).abs().max() < 5e-3 * ours.abs().max()
     assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+# Runs in llama-cpp-python's venv: llama.cpp's own quantizer (llama-quantize --pure), GGUF in, GGUF out.
+_LCPP_QUANTIZE = """
+import ctypes, sys
+import llama_cpp as lc
+p = lc.llama_model_quantize_default_params()
+p.ftype, p.pure, p.nthread = getattr(lc, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3]), True, 2
+sys.exit(lc.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LCPP_PYTHON.is_file(), reason="llama-cpp-python is not built (../shared/peers/README.md)")
+def test_q4_0_blocks_are_llama_quantize_s(case, tmp_path):
+    """llama.cpp's converter writes no Q4_0; its quantizer does. `llama-quantize --pure` of the f32
+    export to Q4_0 gives byte for byte the tensors of sluice's q4_0 export (and the same F16 fallback
+    for rows that are not whole blocks of 32)."""
+    name, d, _ = case
+    f32 = export_gguf(d, tmp_path / "f32.gguf", "f32")["path"]
+    r = subprocess.run([str(LCPP_PYTHON), "-c", _LCPP_QUANTIZE, f32, str(tmp_path / "ref.gguf"), "Q4_0"],
+                       capture_output=True, text=True, timeout=300)  # a hang-stopper, 10x+ the seconds it takes
+    assert r.returncode == 0, r.stderr[-2000:]
+    ours = gguf.GGUFReader(export_gguf(d, tmp_path / "ours.gguf", "q4_0")["path"])
+    theirs = gguf.GGUFReader(tmp_path / "ref.gguf")
+    a, b = {t.name: t for t in ours.tensors}, {t.name: t for t in theirs.tensors}
+    assert set(a) == set(b)
+    assert any(t.tensor_type == gguf.GGMLQuantizationType.Q4_0 for t in b.values())
+    for n in b:
+        assert a[n].tensor_type == b[n].tensor_type and list(a[n].shape) == list(b[n].shape), n
+        assert np.array_equal(np.asarray(a[n].data), np.asarray(b[n].data)), n
+    assert _field(ours, "general.file_type") == _field(theirs, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LCPP_PYTHON.is_file(), reason="llama-cpp-python is not built (../shared/peers/README.md)")
+def test_llama_cpp_runs_the_q4_0_export(case, tmp_path):
+    """llama.cpp runs the q4_0 file as the function sluice computes with the file's own (dequantized)
+    weights: logits within 6e-2 of the logit range at worst and 1e-2 on average, and the same
+    greedy pick at all but a few of the 40 positions (random weights give near ties). The bound is
+    llama.cpp's, not the file's: it rounds each activation row to Q8_0 blocks before a quantized
+    matmul and keeps its KV cache in f16 (measured here: q4_0 3.2% / 2.1% at worst, 0.4% / 0.3% on
+    average, for qwen3 / llama; its own q8_0 runs 4.1% / 1.8% at worst). Against sluice's fp32
+    weights the greedy picks part at about half the positions: 4 bits on random weights."""
+    name, d, model = case
+    path = export_gguf(d, tmp_path / "m.gguf", "q4_0")["path"]
+    cfg, got = model.config, _read(gguf.GGUFReader(path))
+    deq = sluice.load(d, "float32")  # a fresh copy: the fixture's model is shared
+    with torch.no_grad():
+        for sname, (theirs, t) in _sluice_tensors(model).items():
+            deq.get_parameter(sname).copy_(_hf_layout(theirs, got[theirs][0], cfg, "llama" if name == "llama" else "qwen3"))
+    if cfg.tie_word_embeddings:
+        assert deq.lm_head.weight.data_ptr() == deq.embed.weight.data_ptr()  # the head reads the copied table
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    theirs_logits = _llama_cpp_logits(path, ids, tmp_path)
+    with torch.inference_mode():
+        ours = deq(torch.tensor([ids]))[0]
+    diff, scale = (theirs_logits - ours).abs(), ours.abs().max()
+    assert diff.max() < 6e-2 * scale and diff.mean() < 1e-2 * scale
+    assert (theirs_logits.argmax(-1) == ours.argmax(-1)).sum() >= 36
+
+
+def _llama_cpp_logits(path, ids, tmp_path):
+    r = subprocess.run([str(LCPP_PYTHON), "-c", _LCPP_LOGITS, path, json.dumps(ids), str(tmp_path / "l.npy")],
+                       capture_output=True, text=True, timeout=300)  # a hang-stopper, 10x+ the ~15 s here
+    assert r.returncode == 0, r.stderr[-2000:]
+    return torch.from_numpy(np.load(tmp_path / "l.npy"))
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ times tokens/s, as GB/s and as a share of the read bandwidth measured between ro
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 from ..engine.gemv import cpu_flags
 from ..errors import BenchmarkError
 from .common import environment
+from .disturbance import LoadWatch
 
 PEERS = ("transformers", "llama.cpp")
 DTYPES = ("float32", "bfloat16")
@@ -89,6 +89,14 @@ def read_bandwidth(nbytes: int, reps: int = 3) -> dict:
     return {"GB_s": x.nbytes / min(times) / 1e9, "GB_s_median": x.nbytes / statistics.median(times) / 1e9}
 
 
+def params_read_per_token(model_dir: Path) -> int:
+    """Parameters one decode step reads: every matrix whole, the embedding one row unless tied."""
+    from ..model.config import ModelConfig
+    from ..observatory.costs import step_costs
+    fp32 = step_costs(ModelConfig.from_hf(model_dir), 1, 1, torch.float32)
+    return sum(c["read_bytes"] for k, c in fp32.items() if k not in ("attention", "sampling")) // 4
+
+
 def _load(s: dict, model_dir: Path, params_read: int) -> dict:
     """Every engine asked for, in order (sluice first), with its load time."""
     from .speed_engines import LlamaCppEngine, SluiceEngine, TransformersEngine, find_llama_python, gguf_for
@@ -121,16 +129,13 @@ def run(args) -> dict:
     s = settings(args)
     if s["threads"]:
         torch.set_num_threads(s["threads"])
+    watch = LoadWatch()
     env = environment()
     from ..model.hub import resolve_model_dir
     from ..model.loading import bundled_model_dir
-    from ..observatory.costs import step_costs
     from ..observatory.machine import stream_copy
-    from ..model.config import ModelConfig
     model_dir = resolve_model_dir(s["model"]) if s["model"] else bundled_model_dir()
-    # Parameters one decode step reads: every matrix whole, the embedding one row unless tied.
-    fp32 = step_costs(ModelConfig.from_hf(model_dir), 1, 1, torch.float32)
-    params_read = sum(c["read_bytes"] for k, c in fp32.items() if k not in ("attention", "sampling")) // 4
+    params_read = params_read_per_token(model_dir)
     loaded = _load(s, model_dir, params_read)
     engines = loaded["engines"]
     try:
@@ -200,7 +205,13 @@ def run(args) -> dict:
                       "layers": cfg.num_layers, "kv_per_layer": cfg.num_kv_heads * cfg.head_dim, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
             "prompt_head": prompts[-1][:16], "machine": machine, "read_GB_s": read_bw, "engines": engine_info,
             "rows": rows, "speculation": _spec_summary(s["speculation"], spec_rounds, spec_k),
-            "loadavg_at_end": list(os.getloadavg())}
+            **_load_record(watch.result())}
+
+
+def _load_record(load: dict) -> dict:
+    """What a results file says of the machine's load: the two load averages at the top level (as
+    every results file has them), whether the run was disturbed, and the whole record under "load"."""
+    return {"loadavg_at_end": load["loadavg_at_end"], "disturbed": load["disturbed"], "load": load}
 
 
 def _spec_summary(spec: dict | None, rounds: list[dict], k) -> dict | None:
@@ -230,6 +241,9 @@ def print_tables(r: dict) -> None:
           f"per token); CPU: {cpu.get('model', '?')}, {r['torch_threads']} threads; avx512_bf16 "
           f"{cpu.get('avx512_bf16')}, amx_bf16 {cpu.get('amx_bf16')}; torch {r['versions']['torch']}; "
           f"read bandwidth between rounds (median) {bw}; {s['reps']} rounds\n")
+    load = r.get("load")
+    if load and load["disturbed"]:
+        print("DISTURBED RUN (keep these numbers out of the docs): " + "; ".join(load["disturbed_reasons"]) + "\n")
     print("| engine | precision | test | t/s | vs sluice | GB/s | of read bw |")
     print("|---|---|---|---:|---:|---:|---:|")
     for row in r["rows"]:

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import BenchmarkError
 
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0"}
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0", "int4": "q4_0"}
 LLAMA_INSTALL = ("install llama-cpp-python where a python can import it (`pip install llama-cpp-python`, "
                  "or in this repository `bash ../shared/peers/build-llama-cpp.sh .peers` for a native "
                  "build in .peers/lcpp-venv) and pass that python with --llama-python PATH")

@@ -1,5 +1,5 @@
 """`sluice bench [<name>]`: the speed table against peers by default (benchmarks/speed.py), or a named
-benchmark as a sub-subcommand (norms today).
+benchmark as a sub-subcommand (norms; batch: batched decode, benchmarks/batch_decode.py).
 
 Kept free of torch imports: the arguments are declared here, the work is imported when it runs.
 bench/<name>.py scripts reuse the same argument functions, so both accept the same flags.
@@ -41,7 +41,7 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory or cached repo id (default: the bundled model)")
     p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     p.add_argument("--quantize", default=None, metavar="int8|int4",
-                   help="sluice's weight-only quantization (llama.cpp then gets a q8_0 GGUF for int8)")
+                   help="sluice's weight-only quantization (llama.cpp then gets a q8_0 GGUF for int8, q4_0 for int4)")
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens of the pp test (default 512)")
     p.add_argument("--gen", type=int, default=128, help="new tokens of the tg test (default 128)")
     p.add_argument("--reps", type=int, default=3, help="timed rounds per engine, interleaved (default 3)")
@@ -66,6 +66,32 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
                    help="guesses per target forward when speculating (default 4; auto adapts)")
 
 
+def add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory or cached repo id (default: the bundled model)")
+    p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    p.add_argument("--quantize", default=None, metavar="int8|int4",
+                   help="sluice's weight-only quantization (llama.cpp then gets a q8_0 / q4_0 GGUF)")
+    p.add_argument("--batch", default=None, metavar="B[,B...]",
+                   help="sequences decoding together, comma-separated (default 8)")
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens of every sequence (default 128)")
+    p.add_argument("--gen", type=int, default=None, help="decode steps after the prompt (default 128)")
+    p.add_argument("--reps", type=int, default=None, help="timed rounds per engine, interleaved (default 3)")
+    p.add_argument("--vs", action="append", metavar="llama.cpp",
+                   help="also run llama.cpp's own batched decode, llama-batched-bench")
+    p.add_argument("--gguf", default=None, metavar="FILE",
+                   help="the checkpoint as GGUF for llama.cpp (default: exported by sluice, cached)")
+    p.add_argument("--batched-bench", default=None, metavar="PATH",
+                   help="the llama-batched-bench binary (default: on PATH, else .peers/lcpp-tools/bin/; "
+                        "bench/build_batched_bench.sh builds it)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads; llama.cpp gets the same count (default: torch's choice)")
+    p.add_argument("--probe-mib", type=int, default=None,
+                   help="size of the read-bandwidth probe between rounds (default 2048; 0 = none)")
+    p.add_argument("--quick", action="store_true",
+                   help="prompt 16, gen 8, batches 1 and 4, one round: a smoke test, not a measurement")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write every sample here as JSON")
+
+
 def cmd_bench_speed(args) -> int:
     from ..benchmarks.common import save_json
     from ..benchmarks.speed import print_tables, run
@@ -78,6 +104,15 @@ def cmd_bench_speed(args) -> int:
 def cmd_bench_norms(args) -> int:
     from ..benchmarks.common import save_json
     from ..benchmarks.norms import print_tables, run
+    result = run(args)
+    print_tables(result)
+    save_json(args.json, result)
+    return 0
+
+
+def cmd_bench_batch(args) -> int:
+    from ..benchmarks.batch_decode import print_tables, run
+    from ..benchmarks.common import save_json
     result = run(args)
     print_tables(result)
     save_json(args.json, result)
@@ -105,3 +140,12 @@ def add_bench_parser(sub) -> None:
                          epilog="exit status: 0 ok, 2 bad input (the message names it)")
     add_norms_arguments(q)
     q.set_defaults(func=cmd_bench_norms)
+    q = bench.add_parser("batch", help="batched greedy decode tokens/s against llama.cpp's llama-batched-bench",
+                         description="Batched decode: B sequences of --prompt random tokens each, prefilled "
+                                     "in one step, then --gen greedy steps of B rows; decode tokens/s summed "
+                                     "over the rows, against llama.cpp's own batched decode "
+                                     "(llama-batched-bench, same GGUF, same threads) with --vs llama.cpp "
+                                     "(docs/benchmarks.md).",
+                         epilog="exit status: 0 ok, 2 bad input (the message names it)")
+    add_batch_arguments(q)
+    q.set_defaults(func=cmd_bench_batch)

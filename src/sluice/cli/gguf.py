@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # model.gguf_export.OUTTYPES, repeated to keep this import-free
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # model.gguf_export.OUTTYPES, repeated to keep this import-free
 
 
 def cmd_export_gguf(args) -> int:
@@ -45,7 +45,7 @@ def add_export_gguf_parser(sub) -> None:
                         "(default: the bundled model sluice trained itself)")
     p.add_argument("--out", required=True, metavar="FILE", help="the .gguf file to write (replaced if it exists)")
     p.add_argument("--outtype", default="bf16", choices=OUTTYPES,
-                   help="type of the 2-D weights (norms and biases stay f32); q8_0 falls back to f16 "
-                        "for matrices whose rows are not a multiple of 32 (default: bf16)")
+                   help="type of the 2-D weights (norms and biases stay f32); q8_0 and q4_0 fall back to "
+                        "f16 for matrices whose rows are not a multiple of 32 (default: bf16)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=cmd_export_gguf)

@@ -12,7 +12,8 @@ Two details decide whether llama.cpp computes the same function:
   (x[2i], x[2i+1]), so the converter reorders the rows of q and k inside every head; "qwen2" and
   "qwen3" use llama.cpp's NEOX rope type, which rotates halves like HF, so their rows stay as they are.
 - Precision. Norm gains and other 1-D tensors stay float32, as llama.cpp keeps them; only the
-  2-D matrices take the requested type.
+  2-D matrices take the requested type. q4_0 is `llama-quantize --pure`'s: every matrix Q4_0
+  (its default mix makes the output Q6_K), the bytes per weight of sluice's int4.
 
 The file is written tensor by tensor to a temporary file next to the target and renamed at the
 end, so an interrupted export leaves nothing half-written under the target name.
@@ -32,7 +33,7 @@ from ..errors import ConfigError, SluiceError
 from .gguf_vocab import add_generation_defaults, add_tokenizer
 from .weights import scheme_of, sluice_to_hf
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 # HF architecture -> (llama.cpp architecture, whether q/k rows are reordered for its RoPE).
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", True),
@@ -50,7 +51,7 @@ _BLOCK_TENSORS = {
 _TOP_TENSORS = {"embed": "TOKEN_EMBD", "final_norm": "OUTPUT_NORM", "lm_head": "OUTPUT"}
 # (llama file type, matrix tensor type) per outtype; file types are gguf.LlamaFileType's values.
 _FILE_TYPES = {"f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"),
-               "bf16": ("MOSTLY_BF16", "BF16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0")}
+               "bf16": ("MOSTLY_BF16", "BF16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0"), "q4_0": ("MOSTLY_Q4_0", "Q4_0")}
 
 
 class ExportError(SluiceError):
@@ -145,15 +146,15 @@ def _block_index(name: str) -> int:
 
 
 def _tensor_type(t: torch.Tensor, matrix_type: str):
-    """The GGML type a tensor is stored as: 1-D always F32; Q8_0 needs rows that are whole blocks
-    of 32 and falls back to F16 otherwise, as llama.cpp's converter does."""
+    """The GGML type a tensor is stored as: 1-D always F32; Q8_0 and Q4_0 need rows that are whole
+    blocks of 32 and fall back to F16 otherwise, as llama.cpp's converter and llama-quantize do."""
     import gguf
 
     q = gguf.GGMLQuantizationType
     if t.dim() < 2:
         return q.F32
     qtype = q[matrix_type]
-    if qtype == q.Q8_0 and t.shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0]:
+    if qtype in (q.Q8_0, q.Q4_0) and t.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
         return q.F16
     return qtype
 
@@ -171,7 +172,7 @@ def _encode(t: torch.Tensor, qtype) -> np.ndarray:
     data = t.detach().to(torch.float32).cpu().numpy()
     if qtype == gguf.GGMLQuantizationType.F32:
         return np.ascontiguousarray(data)
-    return gguf.quants.quantize(data, qtype)  # F16, BF16 (round to nearest even) and Q8_0, in numpy
+    return gguf.quants.quantize(data, qtype)  # F16, BF16 (round to nearest even), Q8_0, Q4_0, in numpy
 
 
 def _add_hparams(writer, cfg, arch: str, file_type: int, name: str, n_params: int) -> None:
@@ -219,7 +220,7 @@ def _load_dtype(model_dir: Path, outtype: str) -> torch.dtype:
 def export_gguf(model_dir: str | Path | None, out_path: str | Path, outtype: str = "bf16",
                 progress=None) -> dict:
     """Write the checkpoint in `model_dir` (None = the bundled model; a cached repo id works too)
-    to `out_path` as GGUF. outtype: f32, f16, bf16 or q8_0 for the 2-D weights.
+    to `out_path` as GGUF. outtype: f32, f16, bf16, q8_0 or q4_0 for the 2-D weights.
     Returns a summary: arch, tensors, bytes, outtype, path, seconds, and the tokenizer's details.
     `progress(done, total)` is called after each tensor, if given."""
     import gguf

@@ -1,0 +1,80 @@
+"""docs/benchmarks.md's "Current results" table (bench/docs_results.py): per machine kind the newest
+result of each setting, an undisturbed run before a disturbed one, disturbed runs marked, and the
+batch-decode results (bench/batch_decode.py) beside the batch-1 ones. Made-up results files."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+CPU = {"model": "AMD EPYC", "logical_cpus": 2, "avx2": True, "avx512f": False}
+
+
+@pytest.fixture
+def dr(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("docs_results_under_test", BENCH / "docs_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    yield mod
+    sys.modules.pop("docs_results_under_test", None)
+
+
+def _speed(path: Path, date: str, commit: str, tg: float, disturbed=None, cpu=CPU) -> None:
+    r = {"benchmark": "speed", "cpu": cpu, "torch_threads": 2, "date": date, "code": {"commit": commit},
+         "settings": {"dtype": "bfloat16", "quantize": None, "compile": False},
+         "model": {"dir": "/tmp/q06", "params_read_per_token": 596e6},
+         "rows": [{"engine": e, "test": t, "tok_s": {"mean": v}}
+                  for e, k in (("sluice", 1.0), ("llama.cpp", 2.0))
+                  for t, v in (("pp512", 100 * k), ("tg128", tg * k))]}
+    if disturbed is not None:
+        r["disturbed"] = disturbed
+    path.write_text(json.dumps(r))
+
+
+def test_newest_undisturbed_result_per_setting_and_marks(dr, tmp_path):
+    _speed(tmp_path / "bench-speed-a.json", "2026-12-01 10:00:00 +0000", "aaaaaaa", 5.0)  # no flag: an old file
+    _speed(tmp_path / "bench-speed-b.json", "2026-12-02 10:00:00 +0000", "bbbbbbb", 6.0, disturbed=False)
+    _speed(tmp_path / "bench-speed-c.json", "2026-12-03 10:00:00 +0000", "ccccccc", 1.0, disturbed=True)
+    table = dr.speed_table()
+    assert "bbbbbbb" in table and "aaaaaaa" not in table and "ccccccc" not in table  # newer, and undisturbed
+    assert "| Qwen3-0.6B shape (596 M), bf16 | tg128 | 6.0 | 12.0 |  | 0.50x | 2026-12-02, bbbbbbb |" in table
+    assert table.index("tg128") < table.index("pp512")
+    assert "disturbed" not in table
+    for f in ("bench-speed-a.json", "bench-speed-b.json"):
+        (tmp_path / f).unlink()
+    dr.speed_current.cache_clear()
+    table = dr.speed_table()  # only a disturbed run left: shown, and marked
+    assert "2026-12-03, ccccccc, **disturbed** | [bench-speed-c.json](results/bench-speed-c.json) |" in table
+
+
+def test_machine_kinds_get_tables_of_their_own(dr, tmp_path):
+    _speed(tmp_path / "bench-speed-a.json", "2026-12-01 10:00:00 +0000", "aaaaaaa", 5.0)
+    xeon = {"model": "Intel Xeon", "logical_cpus": 2, "avx2": True, "avx512f": True, "avx512_bf16": True}
+    _speed(tmp_path / "bench-speed-x.json", "2026-11-01 10:00:00 +0000", "xxxxxxx", 9.0, cpu=xeon)
+    table = dr.speed_table()
+    assert "**AMD EPYC, 2 logical CPUs, avx2; torch 2 threads**" in table
+    assert "**Intel Xeon, 2 logical CPUs, avx2 avx512f avx512_bf16; torch 2 threads**" in table
+    assert "aaaaaaa" in table and "xxxxxxx" in table  # the older Xeon run is that kind's newest
+
+
+def test_batch_decode_rows_join_the_table(dr, tmp_path):
+    _speed(tmp_path / "bench-speed-a.json", "2026-12-01 10:00:00 +0000", "aaaaaaa", 5.0)
+    r = {"benchmark": "batch_decode", "cpu": CPU, "torch_threads": 2, "date": "2026-12-02 10:00:00 +0000",
+         "code": {"commit": "bbbbbbb"}, "disturbed": False,
+         "settings": {"dtype": "bfloat16", "quantize": None},
+         "model": {"dir": "/tmp/q06", "params_read_per_token": 596e6},
+         "rows": [{"engine": e, "batch": b, "test": "tg128", "tok_s": {"mean": v}}
+                  for b in (8, 1) for e, v in (("sluice", 10.0 * b), ("llama.cpp", 20.0 * b))]}
+    (tmp_path / "bench-batch-q06.json").write_text(json.dumps(r))
+    table = dr.speed_table()
+    one = "| Qwen3-0.6B shape (596 M), bf16 | tg128, batch 1 | 10.0 | 20.0 |  | 0.50x | 2026-12-02, bbbbbbb |"
+    eight = "| Qwen3-0.6B shape (596 M), bf16 | tg128, batch 8 | 80.0 | 160.0 |  | 0.50x | 2026-12-02, bbbbbbb |"
+    assert one in table and eight in table and table.index(one) < table.index(eight)
+    assert "| Qwen3-0.6B shape (596 M), bf16 | tg128 | 5.0 |" in table  # the batch-1 run stays
+    values = dr.speed_values()
+    assert values["speed.avx2.q06.bf16.tg"] == "5"  # the batch run adds no batch-1 value
