@@ -184,3 +184,18 @@ def test_quick_against_llama_batched_bench(tiny_dir, tmp_path, monkeypatch):
     lc = r["llama.cpp"]
     assert lc["precision"] == "f32" and lc["binary"] == str(binary) and len(lc["outputs"]) == len(lc["runs"]) == 1
     assert lc["settings"]["n_threads"] == r["torch_threads"]
+
+
+def test_no_prompt_is_fed_twice(tiny_dir, monkeypatch):
+    """sluice's prefix cache serves a prompt it has seen: every call (warmup and rounds, each batch size)
+    gets prompts of its own, so pp times a prefill."""
+    from sluice.benchmarks import batch_decode
+    fed = []
+    real = batch_decode._sluice_round
+
+    def spy(llm, prompts, gen):
+        fed.extend(tuple(p) for p in prompts)
+        return real(llm, prompts, gen)
+    monkeypatch.setattr(batch_decode, "_sluice_round", spy)
+    assert main(["bench", "batch", "--model", str(tiny_dir), *QUICK, "--reps", "2", "--probe-mib", "0"]) == 0
+    assert len(fed) == 2 * (1 + 4) + 1 + 4 and len(set(fed)) == len(fed)  # warmup + 2 rounds, B = 1 and 4

@@ -115,11 +115,15 @@ def run(args) -> dict:
     if P + G + 1 > llm.max_model_len:
         raise BenchmarkError(f"--prompt {P} + --gen {G} does not fit the model's context of {llm.max_model_len} tokens")
     limit = min(cfg.vocab_size, llm.tokenizer.vocab_size)
-    ids = torch.randint(0, limit, (max(batches), P), generator=torch.Generator().manual_seed(PROMPT_SEED)).tolist()
+    # New prompts for every call: sluice's prefix cache would serve a prompt it has seen, and time no prefill.
+    gen_ids = torch.Generator().manual_seed(PROMPT_SEED)
+
+    def fresh(b: int) -> list[list[int]]:
+        return torch.randint(0, limit, (b, P), generator=gen_ids).tolist()
     precision = s["quantize"] or {"float32": "f32", "bfloat16": "bf16"}[s["dtype"]]
     print("sluice bench batch: warmup sluice", file=sys.stderr, flush=True)
     for b in batches:  # untimed: pages in the weights, builds or loads the kernels for b rows
-        _sluice_round(llm, ids[:b], min(G, 4))
+        _sluice_round(llm, fresh(b), min(G, 4))
     samples = {(e, b): {"pp": [], "tg": []} for e in ("sluice", "llama.cpp") for b in batches}
     machine, peer_runs, engines = {"read": []}, [], ["sluice"] + (["llama.cpp"] if peer else [])
     timeout = 600 + 10 * max(batches) * (P + G)  # a hang-stopper for the peer, far past its run
@@ -127,7 +131,7 @@ def run(args) -> dict:
         for name in engines[r % len(engines):] + engines[:r % len(engines)]:
             if name == "sluice":
                 for b in batches:
-                    out = _sluice_round(llm, ids[:b], G)
+                    out = _sluice_round(llm, fresh(b), G)
                     samples[(name, b)]["pp"].append(b * P / out["pp_s"])
                     samples[(name, b)]["tg"].append(out["decode_tokens"] / out["tg_s"])
             else:
