@@ -62,7 +62,9 @@ def speed_current() -> dict[str, dict[str, dict]]:
         for path in sorted(RESULTS.glob(pattern)):
             r = json.loads(path.read_text())
             r["file"] = path.name
-            _newest(best.setdefault(machine_kind(r["cpu"], r["torch_threads"]), {}), speed_setting(r) + suffix, r)
+            # one row set per prompt length too: a pp512 run does not hide the tg128-after-128 one
+            prompt = f"|{r['settings']['prompt']}" if not suffix else ""
+            _newest(best.setdefault(machine_kind(r["cpu"], r["torch_threads"]), {}), speed_setting(r) + suffix + prompt, r)
     return best
 
 
@@ -78,7 +80,7 @@ def _table_rows(key: str, r: dict) -> list[tuple[str, str, dict]]:
     by = {}
     for row in r["rows"]:
         by.setdefault(row["test"], {})[row["engine"]] = row["tok_s"]["mean"]
-    return [(key, t, by[t]) for t in sorted(by, key=lambda t: t.startswith("pp"))]
+    return [(key.split("|")[0], t, by[t]) for t in sorted(by, key=lambda t: t.startswith("pp"))]
 
 
 def speed_table() -> str:
@@ -106,7 +108,7 @@ def speed_values() -> dict[str, str]:
             if r.get("benchmark") == "batch_decode":
                 continue  # in the table only
             model = "bundled" if key.startswith("bundled") else "q06"
-            w = key.split(", ")[1] + ("-compile" if "--compile" in key else "")
+            w = key.split("|")[0].split(", ")[1] + ("-compile" if "--compile" in key else "")
             for row in r["rows"]:
                 if row["engine"] == "sluice":
                     v[f"speed.{tag}.{model}.{w}.{row['test'][:2]}"] = commas(row["tok_s"]["mean"])
