@@ -63,7 +63,7 @@ def speed_current() -> dict[str, dict[str, dict]]:
             r = json.loads(path.read_text())
             r["file"] = path.name
             # one row set per prompt length too: a pp512 run does not hide the tg128-after-128 one
-            prompt = f"|{r['settings']['prompt']}" if not suffix else ""
+            prompt = f"|{r['settings'].get('prompt')}" if not suffix else ""
             _newest(best.setdefault(machine_kind(r["cpu"], r["torch_threads"]), {}), speed_setting(r) + suffix + prompt, r)
     return best
 

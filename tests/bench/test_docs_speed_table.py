@@ -24,13 +24,13 @@ def dr(tmp_path, monkeypatch):
     sys.modules.pop("docs_results_under_test", None)
 
 
-def _speed(path: Path, date: str, commit: str, tg: float, disturbed=None, cpu=CPU) -> None:
+def _speed(path: Path, date: str, commit: str, tg: float, disturbed=None, cpu=CPU, prompt=512) -> None:
     r = {"benchmark": "speed", "cpu": cpu, "torch_threads": 2, "date": date, "code": {"commit": commit},
-         "settings": {"dtype": "bfloat16", "quantize": None, "compile": False},
+         "settings": {"dtype": "bfloat16", "quantize": None, "compile": False, "prompt": prompt},
          "model": {"dir": "/tmp/q06", "params_read_per_token": 596e6},
          "rows": [{"engine": e, "test": t, "tok_s": {"mean": v}}
                   for e, k in (("sluice", 1.0), ("llama.cpp", 2.0))
-                  for t, v in (("pp512", 100 * k), ("tg128", tg * k))]}
+                  for t, v in ((f"pp{prompt}", 100 * k), ("tg128", tg * k))]}
     if disturbed is not None:
         r["disturbed"] = disturbed
     path.write_text(json.dumps(r))
@@ -78,3 +78,12 @@ def test_batch_decode_rows_join_the_table(dr, tmp_path):
     assert "| Qwen3-0.6B shape (596 M), bf16 | tg128 | 5.0 |" in table  # the batch-1 run stays
     values = dr.speed_values()
     assert values["speed.avx2.q06.bf16.tg"] == "5"  # the batch run adds no batch-1 value
+
+
+def test_a_run_at_another_prompt_length_does_not_hide_one(dr, tmp_path):
+    """pp512 and tg128-after-128 are two runs of one setting: the newer does not replace the other."""
+    _speed(tmp_path / "bench-speed-a.json", "2026-12-01 10:00:00 +0000", "aaaaaaa", 5.0, prompt=128)
+    _speed(tmp_path / "bench-speed-b.json", "2026-12-02 10:00:00 +0000", "bbbbbbb", 6.0, prompt=512)
+    table = dr.speed_table()
+    assert "| pp128 | 100.0 |" in table and "| pp512 | 100.0 |" in table
+    assert "aaaaaaa" in table and "bbbbbbb" in table
