@@ -1,0 +1,340 @@
+// One step of the batch sampler in one call (engine/sample.py wraps it; engine/sampling.py's torch path is
+// the reference it must equal, token for token).
+//
+// Why: the torch path is ~40 small ops a step (0.36 ms at 8 rows), while the work is a few scans of each
+// row. The catch is exactness. The steps that only pick or compare (penalties, max, temperature, top-k,
+// the candidates' order) are done here with the same single float operations torch does, so they give
+// the same bits. The steps that go through a transcendental (the softmax under top_p / min_p, the log
+// noise of the race) are computed here in double, with a bound on how far torch's float results can be
+// from the exact ones; a decision is taken only when the bound shows torch takes the same one. Where it
+// cannot (a mass within ~1e-5 of top_p, two race keys within ~1e-5), or where the row is odd (NaN / inf,
+// top_p with top_k off: its cumulative sum runs over the whole sorted row), the call changes nothing and
+// says "defer", and the caller runs the torch path. Those are rare, so the answer is always torch's.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "simd.h"
+
+// torch rounds every elementwise op on its own; a fused multiply-add here would round differently.
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+// Bounds on torch's float error (Sleef's exp / log claim 1 ulp; these allow 64 and 32 ulp, 2^-23 each).
+constexpr double kExpErr = 0x1p-17;  // relative, per exp
+constexpr double kLogErr = 0x1p-18;  // relative, per log
+constexpr double kUlp = 0x1p-23;
+constexpr double kNoiseMax = 16.6356;  // -log(-log(1 - 2^-24)): no race noise is larger
+constexpr double kSkipMargin = 1e-3;   // a token whose key bound is this far below the leader cannot win
+
+inline uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// noise.py's definition: the 24 random bits of token t at a draw with base b (u = bits * 2^-24).
+inline uint32_t noise_bits(uint64_t base, int64_t t) {
+  return static_cast<uint32_t>(mix(base + (static_cast<uint64_t>(t) + 1) * kGolden) >> 40);
+}
+
+// The race key of a scaled logit s: s - log E, E = -log max(u, FLT_MIN), in double.
+inline double race_key(double s, uint32_t bits, double& log_e) {
+  const double u = std::max(static_cast<double>(bits) * 0x1p-24, static_cast<double>(std::numeric_limits<float>::min()));
+  log_e = std::log(-std::log(u));
+  return s - log_e;
+}
+
+// How far torch's float key (s - log(-log u), three roundings and two logs) can be from race_key's.
+inline double key_tolerance(double key, double log_e) {
+  return kLogErr * (1.0 + std::fabs(log_e)) + 2 * kUlp * std::fabs(key) + 1e-30;
+}
+
+// An upper bound on the noise term -log E of `bits`: -log(-log u) <= -log(1 - u), and
+// -log(1 - u) = (24 - log2 m) ln 2 with m = 2^24 - bits >= 1, so floor(log2 m) bounds it (in integers).
+inline double noise_bound(uint32_t bits) {
+  const uint32_t m = (1u << 24) - bits;
+  return (24 - (31 - __builtin_clz(m))) * 0.6931471805599453 + 1e-9;
+}
+
+// The row's largest value, whether all are finite (v - v is NaN exactly for NaN and inf), first index of the max.
+void scan_max(const float* p, int64_t V, float& best, bool& finite, int64_t& first) {
+  int64_t j = 0;
+  best = kNegInf;
+  finite = true;
+#ifdef __AVX512F__
+  __m512 m = _mm512_set1_ps(kNegInf);
+  __mmask16 bad = 0;
+  for (; j + 16 <= V; j += 16) {
+    const __m512 v = _mm512_loadu_ps(p + j);
+    const __m512 d = _mm512_sub_ps(v, v);
+    bad |= _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, v);
+  }
+  best = _mm512_reduce_max_ps(m);
+  finite = bad == 0;
+#elif defined(SLUICE_AVX2)
+  __m256 m = _mm256_set1_ps(kNegInf);
+  int bad = 0;
+  for (; j + 8 <= V; j += 8) {
+    const __m256 v = _mm256_loadu_ps(p + j);
+    const __m256 d = _mm256_sub_ps(v, v);
+    bad |= _mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float l : lanes) best = std::max(best, l);
+  finite = bad == 0;
+#endif
+  for (; j < V; ++j) {
+    finite = finite && std::isfinite(p[j]);
+    best = std::max(best, p[j]);
+  }
+  first = 0;
+  while (finite && p[first] != best) ++first;
+}
+
+struct Cand {
+  float value;
+  int64_t id;
+};
+inline bool ranks_before(const Cand& a, const Cand& b) { return a.value > b.value || (a.value == b.value && a.id < b.id); }
+
+// The k + 1 best of a finite row, in the order of a stable descending sort (select.cpp's top_candidates).
+void top_k1(const float* p, int64_t V, int64_t k, std::vector<Cand>& heap) {
+  heap.clear();
+  int64_t j = 0;
+  for (; j < V && static_cast<int64_t>(heap.size()) < k + 1; ++j) {
+    heap.push_back({p[j], j});
+    std::push_heap(heap.begin(), heap.end(), ranks_before);
+  }
+  auto offer = [&](int64_t i) {
+    if (p[i] > heap.front().value) {
+      std::pop_heap(heap.begin(), heap.end(), ranks_before);
+      heap.back() = {p[i], i};
+      std::push_heap(heap.begin(), heap.end(), ranks_before);
+    }
+  };
+#ifdef __AVX512F__
+  for (; j + 16 <= V; j += 16) {
+    __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + j), _mm512_set1_ps(heap.front().value), _CMP_GT_OQ);
+    for (int l = 0; hit; ++l, hit >>= 1)
+      if (hit & 1) offer(j + l);
+  }
+#elif defined(SLUICE_AVX2)
+  for (; j + 8 <= V; j += 8) {
+    int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(heap.front().value), _CMP_GT_OQ));
+    for (int l = 0; hit; ++l, hit >>= 1)
+      if (hit & 1) offer(j + l);
+  }
+#endif
+  for (; j < V; ++j) offer(j);
+  std::sort(heap.begin(), heap.end(), ranks_before);
+}
+
+struct Row {
+  float temperature, top_p, min_p, penalty, presence, frequency;
+  int64_t top_k;  // 0: a greedy row; V: top_k off
+};
+
+struct Rival {  // a token that may win the race: its key, how far torch's can be from it
+  double key, tol;
+  int64_t id;
+};
+
+struct Scratch {
+  std::vector<float> pen;  // the penalised row
+  std::vector<Cand> heap, cand;
+  std::vector<Rival> rivals;
+};
+
+// Sampled row: the exponential race over the tokens the filters keep. Returns the token, or -1 to defer.
+int64_t race_row(const float* v, int64_t V, float m, int64_t first, const Row& r, uint64_t base, Scratch& w) {
+  const float T = r.temperature;
+  auto scaled = [&](float x) { return (x - m) / T; };  // sampling._scaled, one rounding per op as torch
+  const bool top_p = r.top_p < 1.f, min_p = r.min_p > 0.f;
+  if (min_p && r.min_p < 1e-30f) return -1;  // its threshold probabilities would be subnormal floats
+  if (r.top_k >= V) {  // every token is a candidate
+    if (top_p) return -1;  // the cumulative sum would run over the whole sorted row: the torch path
+    // min_p keeps p_i >= min_p p_max, i.e. exp(s_i) >= min_p (p_max = exp(0) / sum): a threshold on s.
+    const double t = min_p ? std::log(static_cast<double>(r.min_p)) : -INFINITY;
+    const double slack = 2 * kExpErr + 8 * kUlp;
+    // The first max (s = 0) always races; a token whose key cannot reach its key is skipped unhashed.
+    double lead_le;
+    const double lead = race_key(0.0, noise_bits(base, first), lead_le);
+    const double skip_below = lead - key_tolerance(lead, lead_le) - kSkipMargin;
+    w.rivals.clear();
+    Rival best{lead, key_tolerance(lead, lead_le), first};
+    for (int64_t i = 0; i < V; ++i) {
+      const float s = scaled(v[i]);
+      if (i == first || static_cast<double>(s) + kNoiseMax < skip_below) continue;
+      const uint32_t bits = noise_bits(base, i);
+      if (s + noise_bound(bits) < skip_below) continue;
+      if (min_p) {
+        if (s < t - slack) continue;
+        if (s <= t + slack) return -1;  // exp(s) too near min_p to say which side torch's floats fall
+      }
+      double le;
+      const double key = race_key(s, bits, le);
+      w.rivals.push_back({key, key_tolerance(key, le), i});
+    }
+    w.rivals.push_back(best);
+    for (const Rival& c : w.rivals)
+      if (c.key > best.key) best = c;
+    for (const Rival& c : w.rivals)
+      if (c.id != best.id && c.key + c.tol >= best.key - best.tol) return -1;
+    return best.id;
+  }
+  // top_k on: the k best by penalised value are the k best by scaled value (scaling is monotone); a
+  // token outside them whose scaled value rounds onto the k-th's ties with it, and top_k keeps ties.
+  const int64_t k = r.top_k;
+  top_k1(v, V, k, w.heap);
+  const float kth = scaled(w.heap[k - 1].value);
+  w.cand.clear();
+  if (scaled(w.heap[k].value) >= kth) {
+    for (int64_t i = 0; i < V; ++i)
+      if (scaled(v[i]) >= kth) w.cand.push_back({scaled(v[i]), i});
+  } else {
+    for (int64_t i = 0; i < k; ++i) w.cand.push_back({scaled(w.heap[i].value), w.heap[i].id});
+  }
+  std::sort(w.cand.begin(), w.cand.end(), ranks_before);  // the stable descending sort of the scaled values
+  const size_t n = w.cand.size();
+  std::vector<double> e(n);
+  std::vector<char> keep(n, 1);
+  if (top_p || min_p) {
+    double sum = 0;
+    for (size_t j = 0; j < n; ++j) sum += e[j] = std::exp(static_cast<double>(w.cand[j].value));
+    // torch's probabilities: exp to kExpErr each, a float sum of n terms in some order, a reciprocal, a
+    // product; its cumulative sum accumulates in double (float would add n more roundings: allowed too).
+    const double rel = 2 * kExpErr + 2 * (n + 8) * kUlp;
+    double before = 0;
+    for (size_t j = 1; j < n; ++j) {
+      before += e[j - 1] / sum;
+      if (top_p) {
+        const double p = r.top_p, tol = rel * std::max(before, p) + 0x1p-100;
+        if (std::fabs(before - p) <= tol) return -1;
+        keep[j] = before < p;
+      }
+      if (min_p && keep[j]) {  // p_j >= min_p p_0, p_0 = exp(0) / sum: exp(s_j) against min_p
+        const double q = r.min_p, tol = (2 * kExpErr + 8 * kUlp) * std::max(e[j], q) + 0x1p-100;
+        if (std::fabs(e[j] - q) <= tol) return -1;
+        keep[j] = e[j] >= q;
+      }
+    }
+  }
+  int64_t win = -1;
+  double win_key = -INFINITY, win_tol = 0;
+  std::vector<double> key(n), tol(n);
+  for (size_t j = 0; j < n; ++j) {
+    if (!keep[j] || w.cand[j].value == kNegInf) {
+      key[j] = -INFINITY;
+      continue;
+    }
+    double le;
+    key[j] = race_key(w.cand[j].value, noise_bits(base, w.cand[j].id), le);
+    tol[j] = key_tolerance(key[j], le);
+    if (key[j] > win_key) win = static_cast<int64_t>(j), win_key = key[j], win_tol = tol[j];
+  }
+  for (size_t j = 0; j < n; ++j)
+    if (static_cast<int64_t>(j) != win && key[j] != -INFINITY && key[j] + tol[j] >= win_key - win_tol) return -1;
+  return w.cand[win].id;
+}
+
+}  // namespace
+
+// x (B, V) fp32 logits; rows (B, 6) fp32: temperature, top_p, min_p, repetition penalty, presence,
+// frequency; top_k (B,) int64: 0 for a greedy row, V when off; seen (B, V) bool and counts (B, V) fp32,
+// or empty tensors when no row uses them; keys, draws (B,): each row's RowStream (noise.py) at this draw.
+// Returns (tokens (B,) int64, deferred): when deferred, nothing was written and the tokens mean nothing;
+// else seen and counts hold the tokens, as Sampler.__call__ leaves them.
+std::tuple<torch::Tensor, bool> draw(torch::Tensor x, torch::Tensor rows, torch::Tensor top_k, torch::Tensor seen,
+                                     torch::Tensor counts, std::vector<uint64_t> keys,
+                                     std::vector<int64_t> draws) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.is_contiguous(),
+              "draw: x must be a contiguous (B, V) fp32 CPU tensor");
+  const int64_t B = x.size(0), V = x.size(1);
+  TORCH_CHECK(rows.sizes() == torch::IntArrayRef({B, 6}) && rows.scalar_type() == torch::kFloat32 && rows.is_contiguous(),
+              "draw: rows must be (B, 6) fp32");
+  TORCH_CHECK(top_k.sizes() == torch::IntArrayRef({B}) && top_k.scalar_type() == torch::kLong, "draw: top_k (B,) int64");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == B && static_cast<int64_t>(draws.size()) == B && V > 0,
+              "draw: one stream a row, rows of at least one value");
+  const bool use_seen = seen.numel() > 0, use_counts = counts.numel() > 0;
+  TORCH_CHECK(!use_seen || (seen.sizes() == x.sizes() && seen.scalar_type() == torch::kBool && seen.is_contiguous()),
+              "draw: seen (B, V) bool");
+  TORCH_CHECK(!use_counts || (counts.sizes() == x.sizes() && counts.scalar_type() == torch::kFloat32 &&
+                              counts.is_contiguous()), "draw: counts (B, V) fp32");
+  auto tokens = torch::empty({B}, torch::kInt64);
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  const float* rp = rows.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  bool* sp = use_seen ? seen.data_ptr<bool>() : nullptr;
+  float* cp = use_counts ? counts.data_ptr<float>() : nullptr;
+  std::vector<char> deferred(B, 0);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    for (int64_t b = begin; b < end; ++b) {
+      const Row r{rp[b * 6], rp[b * 6 + 1], rp[b * 6 + 2], rp[b * 6 + 3], rp[b * 6 + 4], rp[b * 6 + 5], kp[b]};
+      const float* v = xp + b * V;
+      float m;
+      bool finite;
+      int64_t first;
+      scan_max(v, V, m, finite, first);
+      if (!finite) {  // NONFINITE: the torch path decides what its state records
+        deferred[b] = 1;
+        continue;
+      }
+      if (use_seen || use_counts) {  // sampling.penalize_seen, then _penalize_counts, op by op
+        w.pen.resize(V);
+        const bool* s = use_seen ? sp + b * V : nullptr;
+        const float* c = use_counts ? cp + b * V : nullptr;
+        for (int64_t i = 0; i < V; ++i) {
+          float y = v[i];
+          if (s) y = s[i] ? (y < 0 ? y * r.penalty : y / r.penalty) : y;
+          if (c) {
+            y = y - r.presence * (c[i] > 0 ? 1.f : 0.f);
+            y = y - r.frequency * c[i];
+          }
+          w.pen[i] = y;
+        }
+        v = w.pen.data();
+        scan_max(v, V, m, finite, first);
+        if (!finite) {  // a penalty pushed a finite logit to inf
+          deferred[b] = 1;
+          continue;
+        }
+      }
+      const uint64_t base = mix(keys[b] + (static_cast<uint64_t>(draws[b]) + 1) * kGolden);  // RowStream.base(RACE)
+      tp[b] = r.top_k == 0 ? first : race_row(v, V, m, first, r, base, w);
+      deferred[b] = tp[b] < 0;
+    }
+  });
+  for (int64_t b = 0; b < B; ++b)
+    if (deferred[b]) return {tokens, true};
+  for (int64_t b = 0; b < B; ++b) {
+    if (use_seen) sp[b * V + tp[b]] = true;
+    if (use_counts) cp[b * V + tp[b]] += 1.f;
+  }
+  return {tokens, false};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("draw", &draw, "one step of the batch sampler, or deferred to the torch path");
+  m.def("has_avx2", &has_avx2);
+  m.def("has_avx512", &has_avx512);
+}
