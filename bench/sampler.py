@@ -98,12 +98,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=400)
     ap.add_argument("--quick", action="store_true", help="a few repeats of 1 and 8 rows: the smoke test")
+    ap.add_argument("--threads", type=int, help="torch's thread count (default: as it is); 1 keeps a busy "
+                    "machine's OpenMP waits out of a comparison")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = 12 if args.quick else args.repeats
     sizes = (1, 8) if args.quick else (1, 4, 8)
     print(f"native sampling kernel: {sample.why_unavailable() or 'loaded'}; threads {torch.get_num_threads()}")
-    result = {"env": environment(), "quick": args.quick, "repeats": repeats, "rows": []}
+    result = {"env": environment(), "quick": args.quick, "repeats": repeats, "threads": torch.get_num_threads(),
+              "rows": []}
     print("| config | rows | vocab | native us (p10) | torch us (p10) | torch / native | fallbacks |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for V in (8192, 151_936):

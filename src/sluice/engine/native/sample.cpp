@@ -34,11 +34,11 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
-// Bounds on torch's float error (Sleef's exp / log claim 1 ulp; these allow 64 and 32 ulp, 2^-23 each).
-constexpr double kExpErr = 0x1p-17;  // relative, per exp
-constexpr double kLogErr = 0x1p-18;  // relative, per log
+// Bounds on torch's float error: Sleef's exp and log (torch's vectorised ones) claim 1 ulp, these allow 4
+// (softmax over 40 values measured <= 6 * 2^-24 from exact, all its roundings together).
+constexpr double kExpErr = 0x1p-21;  // relative, per exp
+constexpr double kLogErr = 0x1p-21;  // relative, per log
 constexpr double kUlp = 0x1p-23;
-constexpr double kNoiseMax = 16.6356;  // -log(-log(1 - 2^-24)): no race noise is larger
 constexpr double kSkipMargin = 1e-3;   // a token whose key bound is this far below the leader cannot win
 
 inline uint64_t mix(uint64_t z) {
@@ -64,11 +64,31 @@ inline double key_tolerance(double key, double log_e) {
   return kLogErr * (1.0 + std::fabs(log_e)) + 2 * kUlp * std::fabs(key) + 1e-30;
 }
 
-// An upper bound on the noise term -log E of `bits`: -log(-log u) <= -log(1 - u), and
-// -log(1 - u) = (24 - log2 m) ln 2 with m = 2^24 - bits >= 1, so floor(log2 m) bounds it (in integers).
-inline double noise_bound(uint32_t bits) {
-  const uint32_t m = (1u << 24) - bits;
-  return (24 - (31 - __builtin_clz(m))) * 0.6931471805599453 + 1e-9;
+// An upper bound on the noise term -log E of a token (the race's pruning): -log(-log u) <= -log(1 - u),
+// and -log(1 - u) = (24 - log2 m) ln 2 with m = 2^24 - bits >= 1, at most (24 - floor(log2 m)) ln 2. In
+// float ops only (exact: m < 2^25; ln 2 rounded up), so a loop of it vectorises.
+inline float noise_bound(uint32_t bits) {
+  const float mm = static_cast<float>((1u << 24) - bits);
+  int32_t e;
+  std::memcpy(&e, &mm, sizeof e);
+  return static_cast<float>(24 - ((e >> 23) - 127)) * 0.6931472f;
+}
+
+struct Rival {  // a token that may win the race: its key, how far torch's can be from it
+  double key, tol;
+  int64_t id;
+};
+
+// The race's winner among `rivals` (the first is the leader the other tokens were pruned against: their
+// keys fall short of its by more than both tolerances), or -1 when some rival's key comes within the two
+// tolerances of the winner's (torch's float keys may then rank them either way).
+int64_t certain_winner(const std::vector<Rival>& rivals) {
+  Rival best = rivals[0];
+  for (const Rival& c : rivals)
+    if (c.key > best.key) best = c;
+  for (const Rival& c : rivals)
+    if (c.id != best.id && c.key + c.tol >= best.key - best.tol) return -1;
+  return best.id;
 }
 
 // The row's largest value, whether all are finite (v - v is NaN exactly for NaN and inf), first index of the max.
@@ -106,7 +126,15 @@ void scan_max(const float* p, int64_t V, float& best, bool& finite, int64_t& fir
     best = std::max(best, p[j]);
   }
   first = 0;
-  while (finite && p[first] != best) ++first;
+  if (!finite) return;
+#ifdef __AVX512F__
+  for (const __m512 bv = _mm512_set1_ps(best); first + 16 <= V; first += 16)
+    if (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + first), bv, _CMP_EQ_OQ)) return void(first += __builtin_ctz(hit));
+#elif defined(SLUICE_AVX2)
+  for (const __m256 bv = _mm256_set1_ps(best); first + 8 <= V; first += 8)
+    if (int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + first), bv, _CMP_EQ_OQ))) return void(first += __builtin_ctz(hit));
+#endif
+  while (p[first] != best) ++first;  // a finite row holds its max
 }
 
 struct Cand {
@@ -115,36 +143,56 @@ struct Cand {
 };
 inline bool ranks_before(const Cand& a, const Cand& b) { return a.value > b.value || (a.value == b.value && a.id < b.id); }
 
-// The k + 1 best of a finite row, in the order of a stable descending sort (select.cpp's top_candidates).
-void top_k1(const float* p, int64_t V, int64_t k, std::vector<Cand>& heap) {
-  heap.clear();
+// The largest of p[0:n] (finite values).
+inline float max_of(const float* p, int64_t n) {
   int64_t j = 0;
-  for (; j < V && static_cast<int64_t>(heap.size()) < k + 1; ++j) {
-    heap.push_back({p[j], j});
-    std::push_heap(heap.begin(), heap.end(), ranks_before);
-  }
-  auto offer = [&](int64_t i) {
-    if (p[i] > heap.front().value) {
-      std::pop_heap(heap.begin(), heap.end(), ranks_before);
-      heap.back() = {p[i], i};
-      std::push_heap(heap.begin(), heap.end(), ranks_before);
-    }
-  };
+  float best = kNegInf;
 #ifdef __AVX512F__
-  for (; j + 16 <= V; j += 16) {
-    __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + j), _mm512_set1_ps(heap.front().value), _CMP_GT_OQ);
-    for (int l = 0; hit; ++l, hit >>= 1)
-      if (hit & 1) offer(j + l);
-  }
-#elif defined(SLUICE_AVX2)
-  for (; j + 8 <= V; j += 8) {
-    int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(heap.front().value), _CMP_GT_OQ));
-    for (int l = 0; hit; ++l, hit >>= 1)
-      if (hit & 1) offer(j + l);
+  if (n >= 16) {
+    __m512 m = _mm512_loadu_ps(p);
+    for (j = 16; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(p + j));
+    best = _mm512_reduce_max_ps(m);
   }
 #endif
-  for (; j < V; ++j) offer(j);
-  std::sort(heap.begin(), heap.end(), ranks_before);
+  for (; j < n; ++j) best = std::max(best, p[j]);
+  return best;
+}
+
+// Appends every i with p[i] >= t to out, in id order.
+void at_least(const float* p, int64_t V, float t, std::vector<Cand>& out) {
+  int64_t j = 0;
+#ifdef __AVX512F__
+  const __m512 tv = _mm512_set1_ps(t);
+  for (; j + 16 <= V; j += 16)
+    for (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + j), tv, _CMP_GE_OQ); hit; hit &= hit - 1) {
+      const int l = __builtin_ctz(hit);
+      out.push_back({p[j + l], j + l});
+    }
+#elif defined(SLUICE_AVX2)
+  const __m256 tv = _mm256_set1_ps(t);
+  for (; j + 8 <= V; j += 8)
+    for (int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), tv, _CMP_GE_OQ)); hit; hit &= hit - 1) {
+      const int l = __builtin_ctz(hit);
+      out.push_back({p[j + l], j + l});
+    }
+#endif
+  for (; j < V; ++j)
+    if (p[j] >= t) out.push_back({p[j], j});
+}
+
+// The k + 1 best of a finite row (k + 1 <= V), in the order of a stable descending sort. The (k+1)-th
+// largest of the maxima of >= k + 1 chunks has k + 1 values at or above it, so every one of the k + 1
+// best is too: two scans and a sort of the few values above that threshold (a heap over the row cost
+// ~25 us a row at k = 40, its ~200 replacements each a few cache-missing sifts).
+void top_k1(const float* p, int64_t V, int64_t k, std::vector<Cand>& out, std::vector<float>& maxima) {
+  const int64_t want = k + 1, chunk = std::max<int64_t>(1, V / (4 * want)), n = (V + chunk - 1) / chunk;
+  maxima.resize(n);
+  for (int64_t c = 0; c < n; ++c) maxima[c] = max_of(p + c * chunk, std::min(chunk, V - c * chunk));
+  std::nth_element(maxima.begin(), maxima.begin() + (want - 1), maxima.end(), std::greater<float>());
+  out.clear();
+  at_least(p, V, maxima[want - 1], out);
+  std::partial_sort(out.begin(), out.begin() + want, out.end(), ranks_before);
+  out.resize(want);
 }
 
 struct Row {
@@ -152,14 +200,12 @@ struct Row {
   int64_t top_k;  // 0: a greedy row; V: top_k off
 };
 
-struct Rival {  // a token that may win the race: its key, how far torch's can be from it
-  double key, tol;
-  int64_t id;
-};
-
 struct Scratch {
   std::vector<float> pen;  // the penalised row
   std::vector<Cand> heap, cand;
+  std::vector<float> maxima, hi;
+  std::vector<double> e;
+  std::vector<char> keep;
   std::vector<Rival> rivals;
 };
 
@@ -174,36 +220,34 @@ int64_t race_row(const float* v, int64_t V, float m, int64_t first, const Row& r
     // min_p keeps p_i >= min_p p_max, i.e. exp(s_i) >= min_p (p_max = exp(0) / sum): a threshold on s.
     const double t = min_p ? std::log(static_cast<double>(r.min_p)) : -INFINITY;
     const double slack = 2 * kExpErr + 8 * kUlp;
-    // The first max (s = 0) always races; a token whose key cannot reach its key is skipped unhashed.
+    // The first max (s = 0) always races: its key is the one to beat.
     double lead_le;
     const double lead = race_key(0.0, noise_bits(base, first), lead_le);
     const double skip_below = lead - key_tolerance(lead, lead_le) - kSkipMargin;
-    w.rivals.clear();
-    Rival best{lead, key_tolerance(lead, lead_le), first};
+    // An upper bound on every token's key (its scaled value plus the noise bound above), in one loop without
+    // branches that the compiler vectorises; only tokens whose bound reaches the lead's key are looked at.
+    w.hi.resize(V);
+    float* hi = w.hi.data();
+    for (int64_t i = 0; i < V; ++i) hi[i] = (v[i] - m) / T + noise_bound(noise_bits(base, i));
+    const float reach = static_cast<float>(skip_below) - 1e-3f;  // covers hi's float roundings
+    w.rivals.assign(1, {lead, key_tolerance(lead, lead_le), first});
     for (int64_t i = 0; i < V; ++i) {
+      if (hi[i] < reach || i == first) continue;
       const float s = scaled(v[i]);
-      if (i == first || static_cast<double>(s) + kNoiseMax < skip_below) continue;
-      const uint32_t bits = noise_bits(base, i);
-      if (s + noise_bound(bits) < skip_below) continue;
       if (min_p) {
         if (s < t - slack) continue;
         if (s <= t + slack) return -1;  // exp(s) too near min_p to say which side torch's floats fall
       }
       double le;
-      const double key = race_key(s, bits, le);
+      const double key = race_key(s, noise_bits(base, i), le);
       w.rivals.push_back({key, key_tolerance(key, le), i});
     }
-    w.rivals.push_back(best);
-    for (const Rival& c : w.rivals)
-      if (c.key > best.key) best = c;
-    for (const Rival& c : w.rivals)
-      if (c.id != best.id && c.key + c.tol >= best.key - best.tol) return -1;
-    return best.id;
+    return certain_winner(w.rivals);
   }
   // top_k on: the k best by penalised value are the k best by scaled value (scaling is monotone); a
   // token outside them whose scaled value rounds onto the k-th's ties with it, and top_k keeps ties.
   const int64_t k = r.top_k;
-  top_k1(v, V, k, w.heap);
+  top_k1(v, V, k, w.heap, w.maxima);
   const float kth = scaled(w.heap[k - 1].value);
   w.cand.clear();
   if (scaled(w.heap[k].value) >= kth) {
@@ -214,14 +258,16 @@ int64_t race_row(const float* v, int64_t V, float m, int64_t first, const Row& r
   }
   std::sort(w.cand.begin(), w.cand.end(), ranks_before);  // the stable descending sort of the scaled values
   const size_t n = w.cand.size();
-  std::vector<double> e(n);
-  std::vector<char> keep(n, 1);
+  std::vector<double>& e = w.e;
+  std::vector<char>& keep = w.keep;
+  e.resize(n);
+  keep.assign(n, 1);
   if (top_p || min_p) {
     double sum = 0;
     for (size_t j = 0; j < n; ++j) sum += e[j] = std::exp(static_cast<double>(w.cand[j].value));
     // torch's probabilities: exp to kExpErr each, a float sum of n terms in some order, a reciprocal, a
     // product; its cumulative sum accumulates in double (float would add n more roundings: allowed too).
-    const double rel = 2 * kExpErr + 2 * (n + 8) * kUlp;
+    const double rel = 2 * kExpErr + (2 * n + 8) * kUlp / 2;
     double before = 0;
     for (size_t j = 1; j < n; ++j) {
       before += e[j - 1] / sum;
@@ -237,22 +283,20 @@ int64_t race_row(const float* v, int64_t V, float m, int64_t first, const Row& r
       }
     }
   }
-  int64_t win = -1;
-  double win_key = -INFINITY, win_tol = 0;
-  std::vector<double> key(n), tol(n);
-  for (size_t j = 0; j < n; ++j) {
-    if (!keep[j] || w.cand[j].value == kNegInf) {
-      key[j] = -INFINITY;
-      continue;
-    }
-    double le;
-    key[j] = race_key(w.cand[j].value, noise_bits(base, w.cand[j].id), le);
-    tol[j] = key_tolerance(key[j], le);
-    if (key[j] > win_key) win = static_cast<int64_t>(j), win_key = key[j], win_tol = tol[j];
+  // The race among the kept: the top candidate (always kept) leads, and a bound on each other's key
+  // spares most of them the logs.
+  double le;
+  const double lead = race_key(w.cand[0].value, noise_bits(base, w.cand[0].id), le), lead_tol = key_tolerance(lead, le);
+  const float reach = static_cast<float>(lead - lead_tol - kSkipMargin) - 1e-3f;
+  w.rivals.assign(1, {lead, lead_tol, w.cand[0].id});
+  for (size_t j = 1; j < n; ++j) {
+    if (!keep[j] || w.cand[j].value == kNegInf) continue;
+    const uint32_t bits = noise_bits(base, w.cand[j].id);
+    if (w.cand[j].value + noise_bound(bits) < reach) continue;
+    const double key = race_key(w.cand[j].value, bits, le);
+    w.rivals.push_back({key, key_tolerance(key, le), w.cand[j].id});
   }
-  for (size_t j = 0; j < n; ++j)
-    if (static_cast<int64_t>(j) != win && key[j] != -INFINITY && key[j] + tol[j] >= win_key - win_tol) return -1;
-  return w.cand[win].id;
+  return certain_winner(w.rivals);
 }
 
 }  // namespace
