@@ -124,3 +124,14 @@ def test_speculative_quick(tmp_path):
     cost = r["bundled_cost"]
     assert cost["t_step_ms"] > 0 and [p["k"] for p in cost["per_k"]] == [1, 2, 4, 8]
     assert all(0 <= p["break_even_acceptance"] <= 1 for p in cost["per_k"] if p["break_even_acceptance"] is not None)
+
+
+def test_sampler_quick(tmp_path):
+    out = tmp_path / "sampler.json"
+    _run("sampler.py", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["env"]["cpu"] is not None
+    mixes = {x["mix"] for x in r["rows"]}
+    assert len(mixes) == 6 and {(x["rows"], x["vocab"]) for x in r["rows"]} == {(b, v) for b in (1, 8) for v in (8192, 151936)}
+    for x in r["rows"]:
+        assert x["native_us"] > 0 and x["torch_us"] > 0 and 0 <= x["fallback_fraction"] <= 1

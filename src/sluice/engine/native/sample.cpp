@@ -91,49 +91,58 @@ int64_t certain_winner(const std::vector<Rival>& rivals) {
   return best.id;
 }
 
-// The row's largest value, whether all are finite (v - v is NaN exactly for NaN and inf), first index of the max.
-void scan_max(const float* p, int64_t V, float& best, bool& finite, int64_t& first) {
-  int64_t j = 0;
-  best = kNegInf;
-  finite = true;
+// The lanes this build has (simd.h's choice: AVX-512, else AVX2) and the few operations the scans need.
 #ifdef __AVX512F__
-  __m512 m = _mm512_set1_ps(kNegInf);
-  __mmask16 bad = 0;
-  for (; j + 16 <= V; j += 16) {
-    const __m512 v = _mm512_loadu_ps(p + j);
-    const __m512 d = _mm512_sub_ps(v, v);
-    bad |= _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q);
-    m = _mm512_max_ps(m, v);
-  }
-  best = _mm512_reduce_max_ps(m);
-  finite = bad == 0;
-#elif defined(SLUICE_AVX2)
-  __m256 m = _mm256_set1_ps(kNegInf);
-  int bad = 0;
-  for (; j + 8 <= V; j += 8) {
-    const __m256 v = _mm256_loadu_ps(p + j);
-    const __m256 d = _mm256_sub_ps(v, v);
-    bad |= _mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q));
-    m = _mm256_max_ps(m, v);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  for (float l : lanes) best = std::max(best, l);
-  finite = bad == 0;
+constexpr int kW = 16;
+using Lanes = __m512;
+inline Lanes load(const float* p) { return _mm512_loadu_ps(p); }
+inline Lanes splat(float x) { return _mm512_set1_ps(x); }
+inline Lanes lanes_max(Lanes a, Lanes b) { return _mm512_max_ps(a, b); }
+inline float top(Lanes a) { return _mm512_reduce_max_ps(a); }
+inline uint32_t ge(Lanes a, Lanes b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+inline uint32_t eq(Lanes a, Lanes b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+inline uint32_t nonfinite(Lanes a) { return _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), _mm512_sub_ps(a, a), _CMP_UNORD_Q); }
+#else  // AVX2: the extension refuses a build without it
+constexpr int kW = 8;
+using Lanes = __m256;
+inline Lanes load(const float* p) { return _mm256_loadu_ps(p); }
+inline Lanes splat(float x) { return _mm256_set1_ps(x); }
+inline Lanes lanes_max(Lanes a, Lanes b) { return _mm256_max_ps(a, b); }
+inline float top(Lanes a) {
+  alignas(32) float l[8];
+  _mm256_store_ps(l, a);
+  return *std::max_element(l, l + 8);
+}
+inline uint32_t ge(Lanes a, Lanes b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
+inline uint32_t eq(Lanes a, Lanes b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+inline uint32_t nonfinite(Lanes a) { return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(a, a), _mm256_sub_ps(a, a), _CMP_UNORD_Q)); }
 #endif
-  for (; j < V; ++j) {
+
+// The largest of p[0:n] and whether all are finite (v - v is NaN exactly for a NaN or an inf).
+inline float max_of(const float* p, int64_t n, bool& finite) {
+  int64_t j = 0;
+  Lanes m = splat(kNegInf);
+  uint32_t bad = 0;
+  for (; j + kW <= n; j += kW) {
+    bad |= nonfinite(load(p + j));
+    m = lanes_max(m, load(p + j));
+  }
+  float best = top(m);
+  finite = bad == 0;
+  for (; j < n; ++j) {
     finite = finite && std::isfinite(p[j]);
     best = std::max(best, p[j]);
   }
+  return best;
+}
+
+// The row's largest value, whether all are finite, and the first index of the max (of a finite row).
+void scan_max(const float* p, int64_t V, float& best, bool& finite, int64_t& first) {
+  best = max_of(p, V, finite);
   first = 0;
   if (!finite) return;
-#ifdef __AVX512F__
-  for (const __m512 bv = _mm512_set1_ps(best); first + 16 <= V; first += 16)
-    if (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + first), bv, _CMP_EQ_OQ)) return void(first += __builtin_ctz(hit));
-#elif defined(SLUICE_AVX2)
-  for (const __m256 bv = _mm256_set1_ps(best); first + 8 <= V; first += 8)
-    if (int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + first), bv, _CMP_EQ_OQ))) return void(first += __builtin_ctz(hit));
-#endif
+  for (const Lanes bv = splat(best); first + kW <= V; first += kW)
+    if (const uint32_t hit = eq(load(p + first), bv)) return void(first += __builtin_ctz(hit));
   while (p[first] != best) ++first;  // a finite row holds its max
 }
 
@@ -143,39 +152,14 @@ struct Cand {
 };
 inline bool ranks_before(const Cand& a, const Cand& b) { return a.value > b.value || (a.value == b.value && a.id < b.id); }
 
-// The largest of p[0:n] (finite values).
-inline float max_of(const float* p, int64_t n) {
-  int64_t j = 0;
-  float best = kNegInf;
-#ifdef __AVX512F__
-  if (n >= 16) {
-    __m512 m = _mm512_loadu_ps(p);
-    for (j = 16; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(p + j));
-    best = _mm512_reduce_max_ps(m);
-  }
-#endif
-  for (; j < n; ++j) best = std::max(best, p[j]);
-  return best;
-}
-
 // Appends every i with p[i] >= t to out, in id order.
 void at_least(const float* p, int64_t V, float t, std::vector<Cand>& out) {
   int64_t j = 0;
-#ifdef __AVX512F__
-  const __m512 tv = _mm512_set1_ps(t);
-  for (; j + 16 <= V; j += 16)
-    for (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + j), tv, _CMP_GE_OQ); hit; hit &= hit - 1) {
-      const int l = __builtin_ctz(hit);
-      out.push_back({p[j + l], j + l});
+  for (const Lanes tv = splat(t); j + kW <= V; j += kW)
+    for (uint32_t hit = ge(load(p + j), tv); hit; hit &= hit - 1) {
+      const int64_t i = j + __builtin_ctz(hit);
+      out.push_back({p[i], i});
     }
-#elif defined(SLUICE_AVX2)
-  const __m256 tv = _mm256_set1_ps(t);
-  for (; j + 8 <= V; j += 8)
-    for (int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), tv, _CMP_GE_OQ)); hit; hit &= hit - 1) {
-      const int l = __builtin_ctz(hit);
-      out.push_back({p[j + l], j + l});
-    }
-#endif
   for (; j < V; ++j)
     if (p[j] >= t) out.push_back({p[j], j});
 }
@@ -187,7 +171,8 @@ void at_least(const float* p, int64_t V, float t, std::vector<Cand>& out) {
 void top_k1(const float* p, int64_t V, int64_t k, std::vector<Cand>& out, std::vector<float>& maxima) {
   const int64_t want = k + 1, chunk = std::max<int64_t>(1, V / (4 * want)), n = (V + chunk - 1) / chunk;
   maxima.resize(n);
-  for (int64_t c = 0; c < n; ++c) maxima[c] = max_of(p + c * chunk, std::min(chunk, V - c * chunk));
+  bool finite;
+  for (int64_t c = 0; c < n; ++c) maxima[c] = max_of(p + c * chunk, std::min(chunk, V - c * chunk), finite);
   std::nth_element(maxima.begin(), maxima.begin() + (want - 1), maxima.end(), std::greater<float>());
   out.clear();
   at_least(p, V, maxima[want - 1], out);
