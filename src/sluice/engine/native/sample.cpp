@@ -216,8 +216,11 @@ int64_t race_row(const float* v, int64_t V, float m, int64_t first, const Row& r
     for (int64_t i = 0; i < V; ++i) hi[i] = (v[i] - m) / T + noise_bound(noise_bits(base, i));
     const float reach = static_cast<float>(skip_below) - 1e-3f;  // covers hi's float roundings
     w.rivals.assign(1, {lead, key_tolerance(lead, lead_le), first});
-    for (int64_t i = 0; i < V; ++i) {
-      if (hi[i] < reach || i == first) continue;
+    w.cand.clear();
+    at_least(hi, V, reach, w.cand);
+    for (const Cand& c : w.cand) {
+      const int64_t i = c.id;
+      if (i == first) continue;
       const float s = scaled(v[i]);
       if (min_p) {
         if (s < t - slack) continue;
@@ -330,17 +333,20 @@ std::tuple<torch::Tensor, bool> draw(torch::Tensor x, torch::Tensor rows, torch:
       }
       if (use_seen || use_counts) {  // sampling.penalize_seen, then _penalize_counts, op by op
         w.pen.resize(V);
-        const bool* s = use_seen ? sp + b * V : nullptr;
+        const uint8_t* s = use_seen ? reinterpret_cast<const uint8_t*>(sp + b * V) : nullptr;  // bool: no vectors
         const float* c = use_counts ? cp + b * V : nullptr;
-        for (int64_t i = 0; i < V; ++i) {
-          float y = v[i];
-          if (s) y = s[i] ? (y < 0 ? y * r.penalty : y / r.penalty) : y;
-          if (c) {
-            y = y - r.presence * (c[i] > 0 ? 1.f : 0.f);
-            y = y - r.frequency * c[i];
+        float* out = w.pen.data();
+        // Two loops without branches, so each vectorises; torch evaluates every branch of its where()s too.
+        if (s) {
+          for (int64_t i = 0; i < V; ++i) {
+            const float y = v[i], down = y < 0 ? y * r.penalty : y / r.penalty;
+            out[i] = s[i] != 0 ? down : y;
           }
-          w.pen[i] = y;
+        } else {
+          std::copy(v, v + V, out);
         }
+        if (c)
+          for (int64_t i = 0; i < V; ++i) out[i] = out[i] - r.presence * (c[i] > 0 ? 1.f : 0.f) - r.frequency * c[i];
         v = w.pen.data();
         scan_max(v, V, m, finite, first);
         if (!finite) {  // a penalty pushed a finite logit to inf
