@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few repeats of 1 and 8 rows: the smoke test")
     ap.add_argument("--threads", type=int, help="torch's thread count (default: as it is); 1 keeps a busy "
                     "machine's OpenMP waits out of a comparison")
+    ap.add_argument("--vocab", default="8192,151936", help="comma-separated vocabulary sizes")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.threads:
@@ -111,7 +112,7 @@ def main() -> None:
               "rows": []}
     print("| config | rows | vocab | native us (p10) | torch us (p10) | torch / native | fallbacks |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for V in (8192, 151_936):
+    for V in map(int, args.vocab.split(",")):
         for mix in MIXES:
             for B in sizes:
                 r = time_pair(mix, B, V, max(6, repeats // (8 if V > 8192 else 1)))
