@@ -26,6 +26,9 @@ come from engine/noise.py: counter-based, E_i a function of the row's seed, its 
 token id i, so a row makes noise only for the tokens that race (the top-k candidates when top_k is
 on), and every sampler in sluice (this one, the joined one, the fused head, the tensor-parallel
 shards, speculative decoding's) gives a token the same noise at the same draw.
+
+The tensor math is filtering.py's (the torch path, and the reference); a step runs as one native call
+(sample.py) wherever that kernel can prove it draws the same tokens, and through filtering.py elsewhere.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from __future__ import annotations
 import torch
 
 from . import sample
+# filter_logits, filtered_probs and penalize_seen are imported from here across sluice, so re-exported.
 from .filtering import (COLUMNS, filter_flags, filter_logits, filtered_probs, penalize_counts,  # noqa: F401
-                        penalize_seen, race, row_tensors, row_values, uses_counts)  # (filter_logits, filtered_probs re-exported)
+                        penalize_seen, race, row_tensors, row_values, uses_counts)
 from .noise import RowStream
 # SamplingParams lives in sampling_params.py; it is imported from here across sluice, so re-exported.
 from .sampling_params import DEFAULT_MAX_TOKENS, SamplingParams  # noqa: F401  (re-exported)

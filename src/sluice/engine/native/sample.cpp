@@ -115,7 +115,10 @@ inline float top(Lanes a) {
 }
 inline uint32_t ge(Lanes a, Lanes b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
 inline uint32_t eq(Lanes a, Lanes b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
-inline uint32_t nonfinite(Lanes a) { return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(a, a), _mm256_sub_ps(a, a), _CMP_UNORD_Q)); }
+inline uint32_t nonfinite(Lanes a) {
+  const Lanes d = _mm256_sub_ps(a, a);
+  return _mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q));
+}
 #endif
 
 // The largest of p[0:n] and whether all are finite (v - v is NaN exactly for a NaN or an inf).
