@@ -163,3 +163,15 @@ def test_batch_decode_quick(tiny_dir, tmp_path):
     assert r["settings"]["quick"] and r["settings"]["batch"] == [1, 4] and isinstance(r["disturbed"], bool)
     assert {(x["engine"], x["batch"]) for x in r["rows"]} == {(e, b) for e in engines for b in (1, 4)}
     assert all(x["tok_s"]["mean"] > 0 and x["pp_tok_s"]["mean"] > 0 for x in r["rows"])
+
+
+def test_sampler_quick(tmp_path):
+    out = tmp_path / "sampler.json"
+    _run("sampler.py", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and r["env"]["cpu"] is not None
+    mixes = {x["mix"] for x in r["rows"]}
+    sizes = {(x["rows"], x["vocab"]) for x in r["rows"]}
+    assert len(mixes) == 6 and sizes == {(b, v) for b in (1, 8) for v in (8192, 151936)}
+    for x in r["rows"]:
+        assert x["native_us"] > 0 and x["torch_us"] > 0 and 0 <= x["fallback_fraction"] <= 1

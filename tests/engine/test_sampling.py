@@ -355,11 +355,11 @@ def _filter_by_full_sort(x, rows, use_top_k, use_top_p, use_min_p):
 
 
 def test_top_k_prefix_filter_equals_the_full_sort_bit_for_bit():
-    """filter_logits sorts only the k largest when every sampled row has top_k (sampling._descending): the
+    """filter_logits sorts only the k largest when every sampled row has top_k (filtering._descending): the
     result must be the full stable sort's exactly, ties included (logits rounded to halves make many,
     also across the k-th value, where the full sort has to take over)."""
     import random
-    from sluice.engine.sampling import _flags, _row_tensors, filter_logits
+    from sluice.engine.filtering import filter_flags as _flags, filter_logits, row_tensors as _row_tensors
     rng = random.Random(0)
     for trial in range(400):
         V, B = rng.choice([64, 1000, 8192]), rng.randint(1, 5)
@@ -378,11 +378,11 @@ def test_top_k_prefix_filter_equals_the_full_sort_bit_for_bit():
 
 def test_a_top_k_race_over_the_candidates_equals_the_full_row_race():
     """With top_k on every sampled row (k <= V/4) the Sampler races only the sort's first k candidates
-    (sampling._race). Its token must be the full-row formula's, bit for bit: argmax over the
+    (filtering.race). Its token must be the full-row formula's, bit for bit: argmax over the
     vocabulary of filtered(x) - log E, the filters from the full-sort reference (filter_logits with top_k
     too large for the prefix) and E the whole row's noise from the row's own seed. Tie-heavy logits included."""
     from sluice.engine.noise import RowStream, log_exp_noise, uniforms_range
-    from sluice.engine.sampling import _flags, _row_tensors, filter_logits
+    from sluice.engine.filtering import filter_flags as _flags, filter_logits, row_tensors as _row_tensors
 
     V, g = 2000, torch.Generator().manual_seed(5)
     settings = [dict(top_k=40, top_p=0.9), dict(top_k=7, min_p=0.2), dict(top_k=100, top_p=0.6, min_p=0.01),
