@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from scipy.stats import chisquare
 
 import sluice
-from sluice.engine import batch_sampling
-from sluice.engine.fused_head import AUTO_PROBATION
+from sluice.engine import batch_sampling, sample
+from sluice.engine.fused_head import AUTO_PROBATION, params_want_fused
 from sluice.engine.fused_head import FusedHead
 from sluice.engine.sampling import Sampler, SamplingParams, filtered_probs
 
@@ -217,6 +217,7 @@ def test_auto_returns_to_the_plain_head_when_rows_keep_falling_back(tiny_dir, mo
             heads.append(self)
 
     monkeypatch.setattr(batch_sampling, "FusedHead", Spy)  # the scheduler's draw makes one a step
+    monkeypatch.setattr(sample, "kernel", lambda: None)  # "auto" is fused only without the native sampler
     # A random model is flat: top-p's nucleus is most of the 512 tokens, far over 64 candidates.
     p = SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)  # not greedy
     assert len(sluice.LLM(str(tiny_dir)).generate([[5, 6, 7]], p)[0].token_ids) == 30
@@ -225,6 +226,18 @@ def test_auto_returns_to_the_plain_head_when_rows_keep_falling_back(tiny_dir, mo
     heads.clear()
     sluice.LLM(str(tiny_dir), fused_head=True).generate([[5, 6, 7]], p)
     assert sum(h.calls for h in heads) == 30  # forced: every token through the fused head
+
+
+def test_auto_takes_the_plain_head_where_the_native_sampler_runs(monkeypatch):
+    """The native sampler draws filtered rows from the step's logits faster than the fused head (see
+    params_want_fused): "auto" keeps the plain head then, and the fused one where it is missing."""
+    filtered = [SamplingParams(temperature=0.8, top_k=40, top_p=0.95).with_defaults(None)]
+    plain = [SamplingParams(temperature=0.8).with_defaults(None)]
+    if sample.kernel() is not None:
+        assert not params_want_fused("auto", filtered)
+    assert params_want_fused(True, filtered) and not params_want_fused(False, filtered)
+    monkeypatch.setattr(sample, "kernel", lambda: None)
+    assert params_want_fused("auto", filtered) and not params_want_fused("auto", plain)
 
 
 def test_top_p_one_row_keeps_far_tail_next_to_a_filtered_row(monkeypatch):

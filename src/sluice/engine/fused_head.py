@@ -51,13 +51,21 @@ def params_want_fused(fused_head: bool | str, params: list[SamplingParams]) -> b
     params say (fixed for a row's life: the scheduler keeps the answer); head_allows_fused has the
     model's say, and Scheduler._fused asks both.
 
-    "auto" takes the fused path where bench/fused_head.py measured it faster on CPU: a batch with a
-    sampled row that uses top-k, top-p or min-p (no full-vocabulary sort); greedy and
-    plain-temperature batches keep the plain path, where the two are even (docs/benchmarks.md, "The
-    softmax toll booth"). A fused "auto" batch whose rows keep falling back (over a quarter of them
-    after AUTO_PROBATION steps: a model too flat for the candidates to prove its cuts, paying for the
-    LM head twice) returns to the plain path (scheduler.Scheduler._fused)."""
-    return fused_head is True or (fused_head == "auto" and any(_has_filter(p) for p in params))
+    "auto" takes the fused path only where the plain one would sort the vocabulary in torch: a batch
+    with a sampled row that uses top-k, top-p or min-p, on a machine without the native batch sampler
+    (sample.py). With it, the plain path (the native step's logits, then one native draw) measured
+    1.6-2.4x the fused one's decode tok/s, on the bundled model (1 and 8 rows, top_k 40 / top_p 0.95,
+    and top_p alone) and on the Qwen3-0.6B shape (152k vocabulary; 1 and 8 rows); bench/fused_head.py
+    had measured the fused path faster against the torch sort. A fused "auto" batch whose rows keep
+    falling back (over a quarter of them after AUTO_PROBATION steps: a model too flat for the
+    candidates to prove its cuts, paying for the LM head twice) returns to the plain path
+    (scheduler.Scheduler._fused)."""
+    if fused_head is True:
+        return True
+    if fused_head != "auto" or not any(_has_filter(p) for p in params):
+        return False
+    from . import sample
+    return sample.kernel() is None
 
 
 def head_allows_fused(model) -> bool:
