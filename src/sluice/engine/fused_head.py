@@ -54,9 +54,10 @@ def params_want_fused(fused_head: bool | str, params: list[SamplingParams]) -> b
     "auto" takes the fused path only where the plain one would sort the vocabulary in torch: a batch
     with a sampled row that uses top-k, top-p or min-p, on a machine without the native batch sampler
     (sample.py). With it, the plain path (the native step's logits, then one native draw) measured
-    1.6-2.4x the fused one's decode tok/s, on the bundled model (1 and 8 rows, top_k 40 / top_p 0.95,
-    and top_p alone) and on the Qwen3-0.6B shape (152k vocabulary; 1 and 8 rows); bench/fused_head.py
-    had measured the fused path faster against the torch sort. A fused "auto" batch whose rows keep
+    1.6-2.4x the fused one's decode tok/s with top_k 40 / top_p 0.95, on the bundled model and on the
+    Qwen3-0.6B shape (152k vocabulary), 1 and 8 rows; with top_p alone (which the native draw hands to
+    torch's sort) still ~1.1x at 8 rows. bench/fused_head.py had measured the fused path faster than
+    the torch sort alone. A fused "auto" batch whose rows keep
     falling back (over a quarter of them after AUTO_PROBATION steps: a model too flat for the
     candidates to prove its cuts, paying for the LM head twice) returns to the plain path
     (scheduler.Scheduler._fused)."""
