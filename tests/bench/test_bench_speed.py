@@ -26,7 +26,8 @@ def check_result(r: dict, engines: list[str]) -> None:
     P, G = s["prompt"], s["gen"]
     assert r["benchmark"] == "speed" and r["versions"]["torch"] and r["torch_threads"] >= 1
     assert isinstance(r["cpu_flags"], list) and "model" in r["cpu"]
-    assert len(r["machine"]["read"]) == s["reps"] and r["read_GB_s"] > 0
+    # rotated rounds: a probe after each round of all engines; --sequential: after every engine's round
+    assert len(r["machine"]["read"]) == s["reps"] * (len(engines) if s["sequential"] else 1) and r["read_GB_s"] > 0
     assert r["read_GB_s"] == statistics.median(p["GB_s"] for p in r["machine"]["read"])
     assert [(row["engine"], row["test"]) for row in r["rows"]] == [
         (e, t) for e in engines for t in (f"pp{P}", f"tg{G}")]
@@ -276,3 +277,42 @@ def test_each_round_prefills_a_new_prompt(tiny_dir, tmp_path, monkeypatch):
     assert len(prompts) == 4 and len(set(prompts)) == 4  # the warmup's and three rounds'
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["prompt_head"] == list(prompts[-1][:16])
+
+
+def test_sequential_holds_one_engine_at_a_time(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--sequential: each engine loads, warms up, runs all its rounds and closes before the next loads, so
+    a checkpoint too big to hold twice (Llama-3-8B in bf16 on 24 GiB) can still be compared."""
+    from sluice.benchmarks import speed_engines
+    live, most = set(), []
+    for cls in (speed_engines.SluiceEngine, speed_engines.TransformersEngine):
+        real_init, real_close = cls.__init__, cls.close
+
+        def init(self, *a, _real=real_init, **k):
+            _real(self, *a, **k)
+            live.add(self.name)
+            most.append(len(live))
+
+        def close(self, _real=real_close):
+            live.discard(self.name)
+            _real(self)
+        monkeypatch.setattr(cls, "__init__", init)
+        monkeypatch.setattr(cls, "close", close)
+    out = tmp_path / "seq.json"
+    assert main(["bench", "--model", str(tiny_dir), *TINY, "--vs", "transformers", "--sequential",
+                 "--json", str(out)]) == 0
+    assert max(most) == 1 and not live
+    assert "one engine in memory at a time" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["settings"]["sequential"] is True
+    check_result(r, ["sluice", "transformers"])
+    assert r["engines"]["transformers"]["tokens_agree_with_sluice"] == 6  # the same prompts reached both
+
+
+def test_engines_that_do_not_fit_side_by_side_are_refused(tiny_dir, monkeypatch, capsys):
+    """Before anything loads: rotated rounds need every engine in memory at once."""
+    from sluice.benchmarks import speed, speed_engines
+    monkeypatch.setattr(speed, "mem_available", lambda: 1000)
+    monkeypatch.setattr(speed_engines.SluiceEngine, "__init__", lambda *a, **k: pytest.fail("loaded"))
+    assert main(["bench", "--model", str(tiny_dir), *TINY, "--vs", "transformers"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "need about" in err and "add --sequential" in err and "\n" not in err

@@ -14,6 +14,7 @@ times tokens/s, as GB/s and as a share of the read bandwidth measured between ro
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import time
@@ -57,7 +58,7 @@ def settings(args) -> dict:
     return {"model": args.model, "dtype": args.dtype, "quantize": args.quantize, "prompt": args.prompt,
             "gen": args.gen, "reps": args.reps, "vs": vs, "threads": args.threads, "compile": args.compile,
             "gguf": args.gguf, "llama_python": args.llama_python, "probe_mib": args.probe_mib,
-            "prompt_seed": PROMPT_SEED, "speculation": spec}
+            "prompt_seed": PROMPT_SEED, "speculation": spec, "sequential": bool(getattr(args, "sequential", False))}
 
 
 def _speculation(draft_model, prompt_lookup: bool, tokens) -> dict | None:
@@ -97,28 +98,44 @@ def params_read_per_token(model_dir: Path) -> int:
     return sum(c["read_bytes"] for k, c in fp32.items() if k not in ("attention", "sampling")) // 4
 
 
-def _load(s: dict, model_dir: Path, params_read: int) -> dict:
-    """Every engine asked for, in order (sluice first), with its load time."""
+def _makers(s: dict, model_dir: Path, params_read: int) -> dict:
+    """Every engine asked for, in order (sluice first), as a function that loads it."""
     from .speed_engines import LlamaCppEngine, SluiceEngine, TransformersEngine, find_llama_python, gguf_for
-    engines, load_s = {}, {}
-    # Find llama.cpp and its GGUF before the minutes of loading, so a refusal comes at once.
+    makers = {"sluice": lambda: SluiceEngine(model_dir, s["dtype"], s["quantize"], s["compile"], s["speculation"])}
+    if "transformers" in s["vs"]:
+        makers["transformers"] = lambda: TransformersEngine(model_dir, s["dtype"], params_read)
     if "llama.cpp" in s["vs"]:
+        # Found (and the GGUF exported) before the minutes of loading, so a refusal comes at once.
         llama_python = find_llama_python(s["llama_python"])
         gguf = gguf_for(model_dir, s["quantize"] or s["dtype"], s["gguf"])
-    t0 = time.perf_counter()
-    engines["sluice"] = SluiceEngine(model_dir, s["dtype"], s["quantize"], s["compile"], s["speculation"])
-    load_s["sluice"] = time.perf_counter() - t0
-    if "transformers" in s["vs"]:
-        t0 = time.perf_counter()
-        engines["transformers"] = TransformersEngine(model_dir, s["dtype"], params_read)
-        load_s["transformers"] = time.perf_counter() - t0
-    if "llama.cpp" in s["vs"]:
-        t0 = time.perf_counter()
         n_ctx = s["prompt"] + s["gen"] + 8
-        engines["llama.cpp"] = LlamaCppEngine(llama_python, gguf, torch.get_num_threads(), n_ctx,
-                                              n_batch=min(s["prompt"], 2048), params_read=params_read)
-        load_s["llama.cpp"] = time.perf_counter() - t0
-    return {"engines": engines, "load_s": load_s}
+        makers["llama.cpp"] = lambda: LlamaCppEngine(llama_python, gguf, torch.get_num_threads(), n_ctx,
+                                                     n_batch=min(s["prompt"], 2048), params_read=params_read)
+    return makers
+
+
+def _check_memory(s: dict, params: int, available: int | None) -> None:
+    """Refuse, before loading anything, engines that would not fit in memory side by side: a
+    Llama-3-8B in bf16 is 16 GB per engine, and a llama.cpp whose mapped GGUF is pushed out of the
+    page cache reads its weights from disk every token, which times the disk, not the engine."""
+    if s["sequential"] or available is None:
+        return
+    itemsize = 1 if s["quantize"] else torch.empty((), dtype=getattr(torch, s["dtype"])).element_size()
+    need = params * itemsize * (1 + len(s["vs"]))
+    if need > 0.9 * available:
+        raise BenchmarkError(f"{1 + len(s['vs'])} engines side by side need about {need / 1e9:.1f} GB of weights, "
+                             f"and {available / 1e9:.1f} GB of memory is available: add --sequential to load "
+                             f"one engine at a time")
+
+
+def mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _summary(xs: list[float]) -> dict:
@@ -136,43 +153,79 @@ def run(args) -> dict:
     from ..observatory.machine import stream_copy
     model_dir = resolve_model_dir(s["model"]) if s["model"] else bundled_model_dir()
     params_read = params_read_per_token(model_dir)
-    loaded = _load(s, model_dir, params_read)
-    engines = loaded["engines"]
+    from ..model.config import ModelConfig
+    cfg = ModelConfig.from_hf(model_dir)
+    P, G = s["prompt"], s["gen"]
+    if P + G + 1 > cfg.max_position_embeddings:
+        raise BenchmarkError(f"--prompt {P} + --gen {G} does not fit the model's context of "
+                             f"{cfg.max_position_embeddings} tokens")
+    _check_memory(s, params_read + cfg.vocab_size * cfg.hidden_size, mem_available())
+    makers = _makers(s, model_dir, params_read)
+    engines, load_s, spec_k = {}, {}, None
+    probe_bytes = s["probe_mib"] << 20
+    machine = {"stream_copy": stream_copy(min(probe_bytes, 512 << 20) or (64 << 20), reps=5), "read": []}
+    names = list(makers)
+    samples, tokens = {n: {"pp_s": [], "tg_s": []} for n in names}, {}
+    perf, spec_rounds = {n: [] for n in names}, []
+
+    def load(name: str):
+        t0 = time.perf_counter()
+        engines[name] = makers[name]()
+        load_s[name] = time.perf_counter() - t0
+        return engines[name]
+
+    def warmup(name: str) -> None:  # untimed: page the weights in, build kernels, compile
+        print(f"sluice bench: warmup {name}", file=sys.stderr, flush=True)
+        # a compiled step is traced per cache size, which the request's length decides
+        engines[name].round(prompts[0], G if name == "sluice" and s["compile"] else min(G, 4))
+
+    def timed(name: str, r: int) -> None:
+        out = engines[name].round(prompts[r + 1], G)
+        samples[name]["pp_s"].append(out["pp_s"])
+        samples[name]["tg_s"].append(out["tg_s"])
+        tokens[name] = out["tokens"]
+        if out.get("perf"):
+            perf[name].append(out["perf"])
+        if out.get("speculation"):
+            spec_rounds.append(out["speculation"])
+        print(f"sluice bench: round {r + 1}/{s['reps']} {name}: pp {P / out['pp_s']:.1f} tok/s, "
+              f"tg {G / out['tg_s']:.2f} tok/s", file=sys.stderr, flush=True)
+
+    def probe() -> None:
+        if probe_bytes:
+            machine["read"].append(read_bandwidth(probe_bytes))
+
+    # One prompt per round (and one for the warmup), the same for every engine in a round: sluice keeps
+    # the prompts' KV blocks in its prefix cache, so a prompt seen before would not be prefilled again.
+    gen_ids = torch.Generator().manual_seed(PROMPT_SEED)
     try:
-        sl = engines["sluice"]
-        cfg, spec_k = sl.llm.model.config, sl.llm.num_speculative_tokens  # the engine closes before the summary
-        P, G = s["prompt"], s["gen"]
-        if P + G + 1 > cfg.max_position_embeddings:
-            raise BenchmarkError(f"--prompt {P} + --gen {G} does not fit the model's context of "
-                                 f"{cfg.max_position_embeddings} tokens")
-        limit = min(getattr(e, "vocab_limit", cfg.vocab_size) for e in engines.values())
-        # One prompt per round (and one for the warmup), the same for every engine in a round: sluice keeps
-        # the prompts' KV blocks in its prefix cache, so a prompt seen before would not be prefilled again.
-        gen_ids = torch.Generator().manual_seed(PROMPT_SEED)
+        spec_k = load("sluice").llm.num_speculative_tokens
+        limit = engines["sluice"].vocab_limit
+        if not s["sequential"]:
+            for name in names[1:]:
+                limit = min(limit, getattr(load(name), "vocab_limit", limit))
         prompts = [torch.randint(0, limit, (P,), generator=gen_ids).tolist() for _ in range(s["reps"] + 1)]
-        prompt = prompts[0]
-        probe_bytes = s["probe_mib"] << 20
-        machine = {"stream_copy": stream_copy(min(probe_bytes, 512 << 20) or (64 << 20), reps=5), "read": []}
-        for name, e in engines.items():  # untimed: page the weights in, build kernels, compile
-            print(f"sluice bench: warmup {name}", file=sys.stderr, flush=True)
-            # a compiled step is traced per cache size, which the request's length decides
-            e.round(prompt, G if name == "sluice" and s["compile"] else min(G, 4))
-        names, samples, tokens = list(engines), {n: {"pp_s": [], "tg_s": []} for n in engines}, {}
-        perf, spec_rounds = {n: [] for n in engines}, []
-        for r in range(s["reps"]):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                out = engines[name].round(prompts[r + 1], G)
-                samples[name]["pp_s"].append(out["pp_s"])
-                samples[name]["tg_s"].append(out["tg_s"])
-                tokens[name] = out["tokens"]
-                if out.get("perf"):
-                    perf[name].append(out["perf"])
-                if out.get("speculation"):
-                    spec_rounds.append(out["speculation"])
-                print(f"sluice bench: round {r + 1}/{s['reps']} {name}: pp {P / out['pp_s']:.1f} tok/s, "
-                      f"tg {G / out['tg_s']:.2f} tok/s", file=sys.stderr, flush=True)
-            if probe_bytes:
-                machine["read"].append(read_bandwidth(probe_bytes))
+        if s["sequential"]:
+            # One engine in memory at a time: its warmup and all its rounds, then it closes. Drift between
+            # the engines' blocks is not averaged out as rotated rounds do: a probe follows every round.
+            for name in names:
+                e = engines[name] if name in engines else load(name)
+                if getattr(e, "vocab_limit", limit) < limit:
+                    raise BenchmarkError(f"--sequential: {name} knows {e.vocab_limit} token ids, "
+                                         f"sluice {limit}: the prompts would not fit it")
+                warmup(name)
+                for r in range(s["reps"]):
+                    timed(name, r)
+                    probe()
+                e.close()
+                gc.collect()
+        else:
+            for name in names:
+                warmup(name)
+            for r in range(s["reps"]):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    timed(name, r)
+                probe()
         # Bytes per decode token: the weights it reads and the KV cache up to the mean context of
         # the decode steps, each in the engine's own storage (llama.cpp keeps its KV cache in f16).
         kv_elems_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # keys + values
@@ -181,7 +234,7 @@ def run(args) -> dict:
         engine_info, rows = {}, []
         for name, e in engines.items():
             step_bytes = e.weight_bytes + kv_elems_per_token * e.kv_itemsize * mean_context
-            engine_info[name] = {"precision": e.precision, "load_s": loaded["load_s"][name],
+            engine_info[name] = {"precision": e.precision, "load_s": load_s[name],
                                  "weight_bytes": e.weight_bytes, "kv_itemsize": e.kv_itemsize,
                                  "decode_bytes_per_token": step_bytes,
                                  "tokens": tokens[name][:32],
@@ -240,7 +293,8 @@ def print_tables(r: dict) -> None:
     print(f"\nmodel: {r['model']['dir']} ({r['model']['params_read_per_token'] / 1e6:.1f} M parameters read "
           f"per token); CPU: {cpu.get('model', '?')}, {r['torch_threads']} threads; avx512_bf16 "
           f"{cpu.get('avx512_bf16')}, amx_bf16 {cpu.get('amx_bf16')}; torch {r['versions']['torch']}; "
-          f"read bandwidth between rounds (median) {bw}; {s['reps']} rounds\n")
+          f"read bandwidth between rounds (median) {bw}; {s['reps']} rounds"
+          + (", one engine in memory at a time (--sequential)" if s.get("sequential") else ", rotated") + "\n")
     load = r.get("load")
     if load and load["disturbed"]:
         print("DISTURBED RUN (keep these numbers out of the docs): " + "; ".join(load["disturbed_reasons"]) + "\n")

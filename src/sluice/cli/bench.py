@@ -57,6 +57,9 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-mib", type=int, default=2048,
                    help="size of the read-bandwidth probe between rounds (default 2048; 0 = none)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every sample here as JSON")
+    p.add_argument("--sequential", action="store_true",
+                   help="load one engine at a time (its warmup and rounds, then it closes), for checkpoints "
+                        "too big to hold twice in memory; by default engines are loaded together and rounds rotate")
     # Speculative decoding, for sluice only (the peers decode plainly): tg then counts emitted tokens,
     # and the acceptance rate and tokens per target forward are printed under the table.
     p.add_argument("--draft-model", default=None, metavar="PATH|bundled",
