@@ -38,9 +38,21 @@ def machine_kind(cpu: dict, threads: int | None = None) -> str:
     return f"{cpu.get('model', '?')}, {n} logical CPUs, {' '.join(flags)}" + (f"; torch {threads} thread{'s' if threads > 1 else ''}" if threads else "")
 
 
+# (layers, hidden, vocabulary) of the random checkpoints bench/random_checkpoint.py builds -> (name, key)
+SHAPES = {(28, 1024, 151936): ("Qwen3-0.6B shape", "q06"), (32, 4096, 128256): ("Llama-3-8B shape", "llama3-8b")}
+
+
+def model_name(m: dict) -> tuple[str, str]:
+    """A results file's model as the table names it, and as a docs-number key names it."""
+    if m["dir"].endswith("sluice-stdlib"):
+        return "bundled", "bundled"
+    name, key = SHAPES.get((m.get("layers"), m.get("hidden"), m.get("vocab")), ("random checkpoint", "other"))
+    return f"{name} ({m['params_read_per_token'] / 1e6:,.0f} M)", key
+
+
 def speed_setting(r: dict) -> str:
-    s, m = r["settings"], r["model"]
-    model = "bundled" if m["dir"].endswith("sluice-stdlib") else f"Qwen3-0.6B shape ({m['params_read_per_token'] / 1e6:.0f} M)"
+    s = r["settings"]
+    model = model_name(r["model"])[0]
     weights = s["quantize"] or {"float32": "fp32", "bfloat16": "bf16"}.get(s["dtype"], s["dtype"])
     return model + ", " + weights + (", --compile" if s.get("compile") else "")
 
@@ -93,7 +105,8 @@ def speed_table() -> str:
             mark = ", **disturbed**" if r.get("disturbed") else ""
             for setting, test, v in _table_rows(key, r):
                 sl, lc, tf = (v.get(e) for e in ("sluice", "llama.cpp", "transformers"))
-                cell = (lambda x: commas(x, 1) if x is not None else "")
+                # two decimals below 10 tok/s, where one would round 1.12 and 0.95 alike
+                cell = (lambda x: commas(x, 1 if x >= 10 else 2) if x is not None else "")
                 ratio = f"{sl / lc:.2f}x" if sl and lc else ""
                 out.append(f"| {setting} | {test} | {cell(sl)} | {cell(lc)} | {cell(tf)} | {ratio} | "
                            f"{r['date'][:10]}, {r['code']['commit']}{mark} | [{r['file']}](results/{r['file']}) |")
@@ -107,7 +120,7 @@ def speed_values() -> dict[str, str]:
         for key, r in settings.items():
             if r.get("benchmark") == "batch_decode":
                 continue  # in the table only
-            model = "bundled" if key.startswith("bundled") else "q06"
+            model = model_name(r["model"])[1]
             w = key.split("|")[0].split(", ")[1] + ("-compile" if "--compile" in key else "")
             for row in r["rows"]:
                 if row["engine"] == "sluice":

@@ -24,10 +24,13 @@ def dr(tmp_path, monkeypatch):
     sys.modules.pop("docs_results_under_test", None)
 
 
-def _speed(path: Path, date: str, commit: str, tg: float, disturbed=None, cpu=CPU, prompt=512) -> None:
+Q06 = {"dir": "/tmp/q06", "params_read_per_token": 596e6, "layers": 28, "hidden": 1024, "vocab": 151936}
+
+
+def _speed(path: Path, date: str, commit: str, tg: float, disturbed=None, cpu=CPU, prompt=512, model=Q06) -> None:
     r = {"benchmark": "speed", "cpu": cpu, "torch_threads": 2, "date": date, "code": {"commit": commit},
          "settings": {"dtype": "bfloat16", "quantize": None, "compile": False, "prompt": prompt},
-         "model": {"dir": "/tmp/q06", "params_read_per_token": 596e6},
+         "model": model,
          "rows": [{"engine": e, "test": t, "tok_s": {"mean": v}}
                   for e, k in (("sluice", 1.0), ("llama.cpp", 2.0))
                   for t, v in ((f"pp{prompt}", 100 * k), ("tg128", tg * k))]}
@@ -42,7 +45,7 @@ def test_newest_undisturbed_result_per_setting_and_marks(dr, tmp_path):
     _speed(tmp_path / "bench-speed-c.json", "2026-12-03 10:00:00 +0000", "ccccccc", 1.0, disturbed=True)
     table = dr.speed_table()
     assert "bbbbbbb" in table and "aaaaaaa" not in table and "ccccccc" not in table  # newer, and undisturbed
-    assert "| Qwen3-0.6B shape (596 M), bf16 | tg128 | 6.0 | 12.0 |  | 0.50x | 2026-12-02, bbbbbbb |" in table
+    assert "| Qwen3-0.6B shape (596 M), bf16 | tg128 | 6.00 | 12.0 |  | 0.50x | 2026-12-02, bbbbbbb |" in table
     assert table.index("tg128") < table.index("pp512")
     assert "disturbed" not in table
     for f in ("bench-speed-a.json", "bench-speed-b.json"):
@@ -67,7 +70,7 @@ def test_batch_decode_rows_join_the_table(dr, tmp_path):
     r = {"benchmark": "batch_decode", "cpu": CPU, "torch_threads": 2, "date": "2026-12-02 10:00:00 +0000",
          "code": {"commit": "bbbbbbb"}, "disturbed": False,
          "settings": {"dtype": "bfloat16", "quantize": None},
-         "model": {"dir": "/tmp/q06", "params_read_per_token": 596e6},
+         "model": Q06,
          "rows": [{"engine": e, "batch": b, "test": "tg128", "tok_s": {"mean": v}}
                   for b in (8, 1) for e, v in (("sluice", 10.0 * b), ("llama.cpp", 20.0 * b))]}
     (tmp_path / "bench-batch-q06.json").write_text(json.dumps(r))
@@ -75,7 +78,7 @@ def test_batch_decode_rows_join_the_table(dr, tmp_path):
     one = "| Qwen3-0.6B shape (596 M), bf16 | tg128, batch 1 | 10.0 | 20.0 |  | 0.50x | 2026-12-02, bbbbbbb |"
     eight = "| Qwen3-0.6B shape (596 M), bf16 | tg128, batch 8 | 80.0 | 160.0 |  | 0.50x | 2026-12-02, bbbbbbb |"
     assert one in table and eight in table and table.index(one) < table.index(eight)
-    assert "| Qwen3-0.6B shape (596 M), bf16 | tg128 | 5.0 |" in table  # the batch-1 run stays
+    assert "| Qwen3-0.6B shape (596 M), bf16 | tg128 | 5.00 |" in table  # the batch-1 run stays
     values = dr.speed_values()
     assert values["speed.avx2.q06.bf16.tg"] == "5"  # the batch run adds no batch-1 value
 
@@ -87,3 +90,19 @@ def test_a_run_at_another_prompt_length_does_not_hide_one(dr, tmp_path):
     table = dr.speed_table()
     assert "| pp128 | 100.0 |" in table and "| pp512 | 100.0 |" in table
     assert "aaaaaaa" in table and "bbbbbbb" in table
+
+
+def test_shapes_are_named_and_kept_apart(dr, tmp_path):
+    """A Llama-3-8B-shaped run is its own row set, named so, with two decimals below 10 tok/s, and its
+    numbers never stand in for the Qwen3-0.6B shape's in the docs' values."""
+    _speed(tmp_path / "bench-speed-q.json", "2026-12-01 10:00:00 +0000", "aaaaaaa", 12.0)
+    l8 = {"dir": "/tmp/l8", "params_read_per_token": 7504.9e6, "layers": 32, "hidden": 4096, "vocab": 128256}
+    _speed(tmp_path / "bench-speed-l.json", "2026-12-02 10:00:00 +0000", "bbbbbbb", 1.12, model=l8)
+    odd = dict(l8, layers=3)
+    _speed(tmp_path / "bench-speed-o.json", "2026-12-03 10:00:00 +0000", "ccccccc", 50.0, model=odd)
+    table = dr.speed_table()
+    assert "| Llama-3-8B shape (7,505 M), bf16 | tg128 | 1.12 | 2.24 |  | 0.50x | 2026-12-02, bbbbbbb |" in table
+    assert "| Qwen3-0.6B shape (596 M), bf16 | tg128 | 12.0 | 24.0 |" in table
+    assert "| random checkpoint (7,505 M), bf16 | tg128 | 50.0 |" in table
+    values = dr.speed_values()
+    assert values["speed.avx2.q06.bf16.tg"] == "12" and values["speed.avx2.llama3-8b.bf16.tg"] == "1"
