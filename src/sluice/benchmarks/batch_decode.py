@@ -25,7 +25,7 @@ import torch
 
 from ..engine.gemv import cpu_flags
 from ..errors import BenchmarkError
-from .common import environment
+from .common import environment, summary
 from .disturbance import LoadWatch
 
 QUICK = {"prompt": 16, "gen": 8, "batch": "1,4", "reps": 1, "probe_mib": 16}
@@ -83,10 +83,6 @@ def _sluice_round(llm, prompts: list[list[int]], gen: int) -> dict:
         raise BenchmarkError("sluice: a row ended before its max_tokens (ignore_eos was not honoured)")
     return {"pp_s": s.prefill_seconds, "tg_s": s.decode_seconds, "decode_tokens": s.generated_tokens - s.rows,
             "first_tokens": [o.token_ids[0] for o in outs]}
-
-
-def _summary(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "samples": xs}
 
 
 def run(args) -> dict:
@@ -149,8 +145,8 @@ def run(args) -> dict:
     for b in batches:
         for name in engines:
             rows.append({"engine": name, "precision": precision if name == "sluice" else peer["precision"],
-                         "batch": b, "test": f"tg{G}", "tok_s": _summary(samples[(name, b)]["tg"]),
-                         "pp_tok_s": _summary(samples[(name, b)]["pp"])})
+                         "batch": b, "test": f"tg{G}", "tok_s": summary(samples[(name, b)]["tg"]),
+                         "pp_tok_s": summary(samples[(name, b)]["pp"])})
     base = {r["batch"]: r["tok_s"]["mean"] for r in rows if r["engine"] == "sluice"}
     for row in rows:
         row["vs_sluice"] = row["tok_s"]["mean"] / base[row["batch"]]

@@ -98,6 +98,11 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int,
     return samples, calls
 
 
+def summary(xs: list[float]) -> dict:
+    """Mean, sample standard deviation (0 for one sample) and the samples themselves, as results files keep them."""
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "samples": xs}
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

@@ -24,7 +24,7 @@ import torch
 
 from ..engine.gemv import cpu_flags
 from ..errors import BenchmarkError
-from .common import environment
+from .common import environment, summary
 from .disturbance import LoadWatch
 
 PEERS = ("transformers", "llama.cpp")
@@ -138,10 +138,6 @@ def mem_available() -> int | None:
     return None
 
 
-def _summary(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "samples": xs}
-
-
 def run(args) -> dict:
     s = settings(args)
     if s["threads"]:
@@ -241,8 +237,8 @@ def run(args) -> dict:
                                  "tokens_agree_with_sluice": _agree(tokens[name], tokens["sluice"]),
                                  **({"info": e.info, "gguf": str(e.gguf), "perf": perf[name]}
                                     if name == "llama.cpp" else {})}
-            pp = _summary([P / t for t in samples[name]["pp_s"]])
-            tg = _summary([G / t for t in samples[name]["tg_s"]])
+            pp = summary([P / t for t in samples[name]["pp_s"]])
+            tg = summary([G / t for t in samples[name]["tg_s"]])
             rows.append({"engine": name, "precision": e.precision, "test": f"pp{P}", "tok_s": pp})
             gbs = step_bytes * tg["mean"] / 1e9
             rows.append({"engine": name, "precision": e.precision, "test": f"tg{G}", "tok_s": tg,
