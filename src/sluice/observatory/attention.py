@@ -93,7 +93,7 @@ class AttentionProbe:
         else:
             visible = mask  # (B, 1, T, S)
         # the query's own slot is the last one it sees (slots are positions, and a token sees itself)
-        own = torch.where(visible, slots, -1).amax(-1).expand(B, 1, T)  # (B, 1, T)
+        own = torch.where(visible, slots, 0).amax(-1).expand(B, 1, T)  # (B, 1, T)
         buf = lambda name: self._buf[name][layer, ..., :B, :T]  # noqa: E731 - (heads, B, T)
         kf = k.float()
         k_norm = torch.linalg.vector_norm(kf, dim=-1)  # (B, K, S)
