@@ -146,3 +146,26 @@ class AttentionProbe:
         # how often the top key is position 0: the sink seen as an argmax rather than as mass
         out["top_is_first"] = mean((s["top_position"] == 0).float())
         return out
+
+
+JSON_CELLS = 250_000  # per-position statistics go into inspect's JSON up to this many (layer, head, position) cells
+
+
+def attention_data(probe: AttentionProbe, model) -> dict:
+    """What `sluice inspect` keeps (batch row 0): head means (L, H), and per position (L, H, T) while
+    the prompt is small enough for the JSON to stay readable."""
+    s, means = probe.per_position(), probe.head_means()
+    L, H, _, T = s["entropy"].shape
+    data = {"num_heads": H, "num_kv_heads": probe.K, "kv_head_of": [h // (H // probe.K) for h in range(H)],
+            "sliding": list(model.sliding), "softcap": model.layers[0].attn.softcap,
+            "q_k_norms": "L2 norms after the q/k norm and RoPE (RoPE is a rotation: it keeps the norm)",
+            "means_over": "queries that see at least two keys (the first position sees only itself)",
+            "head_means": {k: v.tolist() for k, v in means.items()},
+            "keys_visible": s["keys_visible"][:, 0].tolist()}
+    if L * H * T <= JSON_CELLS:
+        data["per_position"] = {k: s[k][:, :, 0].tolist() for k in (*PER_HEAD, "top_position")}
+        data["per_position"]["k_norm"] = s["k_norm"][:, :, 0].tolist()
+    else:
+        data["per_position_omitted"] = (f"{L} x {H} x {T} cells per statistic: left out of the JSON; "
+                                        "sluice.observe(model).attention.per_position() has them")
+    return data

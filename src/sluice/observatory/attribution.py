@@ -193,3 +193,22 @@ def target_ids(target, shape: tuple[int, int], predicted: torch.Tensor | None) -
         return target.long().cpu()
     raise ObservatoryError(f"target must be a token id (int), a ({B}, {T}) integer tensor or None, got "
                            f"{type(target).__name__}{tuple(target.shape) if isinstance(target, torch.Tensor) else ''}")
+
+
+def attribution_data(result: Attribution, text, chosen: bool) -> dict:
+    """What `sluice inspect` keeps of an Attribution (batch row 0); text: token id -> its text;
+    chosen: whether the target was given (else each position's own top-1 prediction)."""
+    g, lg = result.growth, result.logit
+    ids = lg["target"][0].tolist()
+    delta = g["delta_mean_square"][:, 0]  # (2L, T)
+    return {"note": result.note, "components": result.components,
+            "growth": {"definition": "delta_mean_square = mean(|s + b|^2) - mean(|s|^2) for branch output b "
+                                     "added to stream s; along_stream = s.b / |s|",
+                       "branches": result.components[1:1 + delta.shape[0]],
+                       "delta_mean_square": delta.tolist(), "mean_delta": delta.mean(-1).tolist(),
+                       "along_stream": g["along_stream"][:, 0].tolist(),
+                       "mean_square": g["mean_square"][:, 0].tolist()},
+            "logit": {"target": "given" if chosen else "the model's top-1 prediction at each position",
+                      "target_ids": ids, "target_tokens": [text(i) for i in ids],
+                      "contribution": lg["contribution"][:, 0].tolist(), "sum": lg["sum"][0].tolist(),
+                      "logit": lg["logit"][0].tolist(), "sigma": lg["sigma"][0].tolist()}}
