@@ -18,9 +18,9 @@ def cmd_inspect(args) -> int:
         raise ObservatoryError("the prompt is empty: give some text to inspect, e.g. "
                                "sluice inspect \"def read_config(path):\"")
     tp = getattr(args, "tp", 1) or 1  # --tp comes with the tensor-parallel model flags
-    if getattr(args, "target", None) is not None and (args.surgery or args.text or tp > 1):
+    if getattr(args, "target", None) is not None and (args.surgery or args.text):
         raise ObservatoryError("--target chooses the token of the report's logit attribution; it does not apply "
-                               "to --surgery/--text, and attribution is not implemented under --tp")
+                               "to --surgery/--text")
     if tp > 1:
         return _inspect_tp(args, prompt, tp)
     if args.surgery or args.text:  # what-if: before/after table (observatory/surgery_report.py)
@@ -103,7 +103,9 @@ def _inspect_tp(args, prompt: str, tp: int) -> int:
         with err.status(f"loading {args.model or 'the bundled model'} ({args.dtype}), rank {ranks.rank} of {tp}..."):
             model = load_rank(args.model if args.model is not None else _bundled(), ranks, dtype=args.dtype)
             tokenizer = Tokenizer.from_pretrained(model.model_dir)
-        data = inspect(model, tokenizer, prompt)
+        cfg = getattr(model, "full_config", model.config)
+        target = target_id(tokenizer, args.target, cfg.vocab_size) if args.target is not None else None
+        data = inspect(model, tokenizer, prompt, target=target)
         return _emit(args, data, training, out, err) if root else 0
     finally:
         shutdown()

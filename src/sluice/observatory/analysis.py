@@ -148,7 +148,7 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None, target:
         fwd = bar.add_task("forward + probes (layers)", total=cfg.num_layers)
         last: dict[str, torch.Tensor] = {}
         with ExitStack() as stack, torch.inference_mode():
-            obs = stack.enter_context(observe(model, capacity=(1, T), attribution=not sharded))
+            obs = stack.enter_context(observe(model, capacity=(1, T), attribution=True))
             for block in model.layers:
                 h = block.register_forward_hook(lambda *_: bar.advance(fwd))
                 stack.callback(h.remove)
@@ -157,7 +157,7 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None, target:
             logits = model(x)[0]  # (T, V) fp32; (T, V/N) on a tensor-parallel rank
         _probes(data, obs, text)
         nonfinite = data["nonfinite"]["first"] is not None
-        _internals(data, obs, model, target, text, sharded, nonfinite)
+        _internals(data, obs, model, target, text, nonfinite)
         steps = bar.add_task("lens, softmax safety, growth fit", total=3)
         _attempt(data, "lens", nonfinite, lambda: _lens(data, model, x, text))
         bar.advance(steps)
@@ -216,11 +216,8 @@ def _probes(data: dict, obs, text) -> None:
     _attempt(data, "massive_activations", first is not None, lambda: _massive(data, obs))
 
 
-def _internals(data: dict, obs, model, target, text, sharded: bool, nonfinite: bool) -> None:
+def _internals(data: dict, obs, model, target, text, nonfinite: bool) -> None:
     """Per-head attention statistics and the attribution of growth and logit (attention.py, attribution.py)."""
-    if sharded:
-        data["skipped"]["attention"] = data["skipped"]["attribution"] = "not implemented under tensor parallelism"
-        return
     _attempt(data, "attention", nonfinite, lambda: data.update(attention=attention_data(obs.attention, model)))
     _attempt(data, "attribution", nonfinite,
              lambda: data.update(attribution=attribution_data(obs.attribution(target), text, target is not None)))

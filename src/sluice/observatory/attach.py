@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ObservatoryError
 from ..model.layers import Transformer
 from .lens import LensResult, whole_lens
 from .probes import Observation
@@ -33,10 +32,8 @@ def observe(model: Transformer, topk: int = 4, capacity: tuple[int, int] = (1, 1
     reduce over the ranks to the single-process numbers (observatory/sharded.py)."""
     if _is_rank(model):
         from .sharded import ParallelObservation
-        if attribution:
-            raise ObservatoryError("attribution is not implemented under tensor parallelism: observe one process")
-        # a rank holds only its share of the heads; per-head statistics are not gathered
-        return ParallelObservation(model, topk=topk, capacity=capacity, max_bytes=max_bytes, attention=False)
+        return ParallelObservation(model, topk=topk, capacity=capacity, max_bytes=max_bytes, attention=attention,
+                                   attribution=attribution)
     return Observation(model, topk=topk, capacity=capacity, max_bytes=max_bytes, attention=attention,
                        attribution=attribution)
 

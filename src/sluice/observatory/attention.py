@@ -44,6 +44,8 @@ class AttentionProbe:
         self.model, self.max_bytes = model, max_bytes
         self.L, self.H, self.K = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
         self.shape: tuple[int, int] | None = None
+        # on a tensor-parallel rank (sharded.py): local heads -> every head, the same on each rank
+        self.merge = None
         self._capacity = (0, 0)
         self._allocate(*capacity)
         self.handles = [model.register_forward_pre_hook(self._begin, with_kwargs=True)]
@@ -130,7 +132,8 @@ class AttentionProbe:
         if self.shape is None:
             raise ObservatoryError("nothing observed yet: run the model inside `with observe(model)`")
         B, T = self.shape
-        return {name: buf[..., :B, :T].to("cpu", copy=True) for name, buf in self._buf.items()}
+        out = {name: buf[..., :B, :T].to("cpu", copy=True) for name, buf in self._buf.items()}
+        return out if self.merge is None else self.merge(out)
 
     def head_means(self) -> dict[str, torch.Tensor]:
         """(L, H) means over the queries that see at least two keys (all of them when none does),
@@ -156,7 +159,8 @@ def attention_data(probe: AttentionProbe, model) -> dict:
     the prompt is small enough for the JSON to stay readable."""
     s, means = probe.per_position(), probe.head_means()
     L, H, _, T = s["entropy"].shape
-    data = {"num_heads": H, "num_kv_heads": probe.K, "kv_head_of": [h // (H // probe.K) for h in range(H)],
+    K = s["k_norm"].shape[1]  # every KV head, also on a tensor-parallel rank
+    data = {"num_heads": H, "num_kv_heads": K, "kv_head_of": [h // (H // K) for h in range(H)],
             "sliding": list(model.sliding), "softcap": model.layers[0].attn.softcap,
             "q_k_norms": "L2 norms after the q/k norm and RoPE (RoPE is a rotation: it keeps the norm)",
             "means_over": "queries that see at least two keys (the first position sees only itself)",

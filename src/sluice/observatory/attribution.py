@@ -68,6 +68,10 @@ class BranchRecorder:
         self.model, self.max_bytes = model, max_bytes
         self.L, self.C = cfg.num_layers, cfg.hidden_size
         self.parallel = cfg.parallel_residual
+        # on a tensor-parallel rank (sharded.py): the LM head holds vocabulary rows from `vocab_start`,
+        # and `reduce` sums each rank's share of the logit parts
+        self.vocab_size = getattr(model, "full_config", cfg).vocab_size
+        self.vocab_start, self.reduce = 0, None
         self.branch_names = [f"layers.{i}.{b}" for i in range(self.L) for b in ("attn", "mlp")]
         self.shape: tuple[int, int] | None = None
         self._capacity = (0, 0)
@@ -155,7 +159,7 @@ class BranchRecorder:
             sigma = (spread + norm.eps).sqrt()  # (B, T)
         if layer:  # LayerNorm subtracts each vector's mean: linear, so applied to each part
             components = components - components.mean(-1, keepdim=True)
-        rows = _head_rows(model.lm_head, target)  # (B, T, C)
+        rows = _head_rows(model.lm_head, target, self.vocab_start, self.vocab_size)  # (B, T, C)
         direction = rows * gain / sigma[..., None]  # (B, T, C)
         contribution = (components * direction).sum(-1)  # (parts, B, T)
         if layer and norm.bias is not None:
@@ -165,17 +169,23 @@ class BranchRecorder:
             normed = norm(parts[-1].to(model.embed.weight.dtype).to(norm.weight.device)) if norm is not None \
                 else parts[-1]
         own = (normed.double().cpu() * rows).sum(-1)  # (B, T): the model's logit of the target, uncapped
+        if self.reduce is not None:  # rows this rank does not hold are zero here
+            contribution, own = self.reduce(contribution), self.reduce(own)
         return names, {"contribution": contribution.float(), "sum": contribution.sum(0).float(),
                        "logit": own.float(), "target": target.clone(), "sigma": sigma.float()}
 
 
-def _head_rows(head: nn.Module, target: torch.Tensor) -> torch.Tensor:
-    """The LM head's rows for `target` (B, T) -> (B, T, C) fp64 on the CPU (dequantized if need be)."""
+def _head_rows(head: nn.Module, target: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
+    """The LM head's rows for `target` (B, T) -> (B, T, C) fp64 on the CPU (dequantized if need be);
+    zero for ids outside the rows this head holds (start .. start + its rows: a tensor-parallel shard)."""
     weight = head.weight if isinstance(head, nn.Linear) else head.dequantize()
-    if target.min() < 0 or target.max() >= weight.shape[0]:
-        raise ObservatoryError(f"target token ids must lie in [0, {weight.shape[0]}), got "
+    if target.min() < 0 or target.max() >= vocab_size:
+        raise ObservatoryError(f"target token ids must lie in [0, {vocab_size}), got "
                                f"{int(target.min())}..{int(target.max())}")
-    return weight.detach()[target.to(weight.device)].double().cpu()
+    local = target - start
+    held = (local >= 0) & (local < weight.shape[0])
+    rows = weight.detach()[local.clamp(0, weight.shape[0] - 1).to(weight.device)].double().cpu()
+    return rows * held[..., None]
 
 
 def target_ids(target, shape: tuple[int, int], predicted: torch.Tensor | None) -> torch.Tensor:
