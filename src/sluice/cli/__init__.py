@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default=None, metavar="FILE",
                    help="with --surgery: score bits per byte on this file (default: the model's "
                         "held-out text); the prompt is what both models continue greedily")
+    p.add_argument("--target", default=None, metavar="TOKEN",
+                   help="the token whose logit is attributed to each block's attention and MLP: its text "
+                        "(one token, e.g. ' return') or id:N (default: the model's top-1 prediction at each "
+                        "position)")
     p.add_argument("prompt", help="the text to inspect ('-' reads it from stdin)")
     p.set_defaults(func=cmd_inspect)
 

@@ -18,6 +18,9 @@ def cmd_inspect(args) -> int:
         raise ObservatoryError("the prompt is empty: give some text to inspect, e.g. "
                                "sluice inspect \"def read_config(path):\"")
     tp = getattr(args, "tp", 1) or 1  # --tp comes with the tensor-parallel model flags
+    if getattr(args, "target", None) is not None and (args.surgery or args.text):
+        raise ObservatoryError("--target chooses the token of the report's logit attribution; it does not apply "
+                               "to --surgery/--text")
     if tp > 1:
         return _inspect_tp(args, prompt, tp)
     if args.surgery or args.text:  # what-if: before/after table (observatory/surgery_report.py)
@@ -28,8 +31,25 @@ def cmd_inspect(args) -> int:
     with err.status(f"loading {args.model or 'the bundled model'} ({args.dtype})..."):
         model = load(args.model, dtype=args.dtype)
         tokenizer = Tokenizer.from_pretrained(model.model_dir)
-    data = inspect(model, tokenizer, prompt)
+    target = target_id(tokenizer, args.target, model.config.vocab_size) if args.target is not None else None
+    data = inspect(model, tokenizer, prompt, target=target)
     return _emit(args, data, training, out, err)
+
+
+def target_id(tokenizer, text: str, vocab_size: int) -> int:
+    """--target: one token's text, or id:N, -> its id; anything else is refused with the reason."""
+    from ..errors import ObservatoryError
+    if text.startswith("id:") and text[3:].strip().isdigit():
+        i = int(text[3:])
+        if i >= vocab_size:
+            raise ObservatoryError(f"--target {text}: the vocabulary has ids 0..{vocab_size - 1}")
+        return i
+    ids = tokenizer.encode(text, add_special_tokens=False, what="--target") if text else []
+    if len(ids) != 1:
+        pieces = ", ".join(repr(tokenizer.decode([i], skip_special_tokens=False)) for i in ids[:8])
+        raise ObservatoryError(f"--target {text!r} is {len(ids)} tokens ({pieces or 'none'}): give the text of "
+                               "exactly one token, or id:N")
+    return ids[0]
 
 
 def _emit(args, data: dict, training, out, err) -> int:
@@ -83,7 +103,9 @@ def _inspect_tp(args, prompt: str, tp: int) -> int:
         with err.status(f"loading {args.model or 'the bundled model'} ({args.dtype}), rank {ranks.rank} of {tp}..."):
             model = load_rank(args.model if args.model is not None else _bundled(), ranks, dtype=args.dtype)
             tokenizer = Tokenizer.from_pretrained(model.model_dir)
-        data = inspect(model, tokenizer, prompt)
+        cfg = getattr(model, "full_config", model.config)
+        target = target_id(tokenizer, args.target, cfg.vocab_size) if args.target is not None else None
+        data = inspect(model, tokenizer, prompt, target=target)
         return _emit(args, data, training, out, err) if root else 0
     finally:
         shutdown()

@@ -154,6 +154,23 @@ def decode_attention(q, k, v, mask, scale: float) -> torch.Tensor:
     return out.reshape(B, H, 1, D).to(q.dtype)
 
 
+class Attend(nn.Module):
+    """softmax(mask(cap(q k^T * scale))) v with the kernel that suits the call. No weights: it is a
+    module of its own so that a forward hook sees exactly what the softmax is made of (q and k after
+    their norms, RoPE and the cache, the mask with any sliding window, the scale, the soft-cap); the
+    observatory's per-head statistics read it (observatory/attention.py). Unhooked, it is one call.
+
+    q (B, H, T, D), k/v (B, K, S, D), mask (B, 1, T, S) bool, or None for plain causal over S = T."""
+
+    def forward(self, q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+        if softcap is not None:
+            return softcapped_attention(q, k, v, mask, scale, softcap)
+        if q.shape[2] == 1 and mask is not None:  # a decode step (a cache always comes with a mask)
+            return decode_attention(q, k, v, mask, scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -171,6 +188,7 @@ class Attention(nn.Module):
         self.full_width_qk_norm = cfg.qk_norm == "full"
         self.scale = cfg.attn_scale or D ** -0.5
         self.softcap = cfg.attn_softcap  # an attribute, not read from config: surgery may change it
+        self.attend = Attend()
 
     def forward(self, x, cos, sin, mask, kv=None, positions=None):
         B, T, _ = x.shape
@@ -193,13 +211,7 @@ class Attention(nn.Module):
             k, v = kv.write(k, v, positions)
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, K, T, D)
-        if self.softcap is None and T == 1 and kv is not None:  # a decode step
-            out = decode_attention(q, k, v, mask, self.scale)
-        elif self.softcap is not None:
-            out = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                 scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
+        out = self.attend(q, k, v, mask, self.scale, self.softcap)  # (B, H, T, D)
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, C)
 
 

@@ -24,6 +24,8 @@ import torch
 
 from ..errors import ObservatoryError
 from .attach import logit_lens, observe
+from .attention import attention_data
+from .attribution import attribution_data
 from .growth import fit_growth
 from .lens import head_logits
 from .probes import LOGIT_STATS
@@ -112,10 +114,12 @@ class _Tokens:
         return self.cache[i]
 
 
-def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict | None:
+def inspect(model, tokenizer, prompt: str, progress: bool | None = None, target: int | None = None) -> dict | None:
     """Measure everything the observatory knows about one forward of `prompt` (see module doc).
 
-    progress: None = show a progress bar on stderr for long prompts or big models.
+    progress: None = show a progress bar on stderr for long prompts or big models. target: the
+    token id whose logit is attributed to the blocks at every position (None: each position's own
+    top-1 prediction).
     On a tensor-parallel rank model (parallel.load_rank), every rank calls this with the same prompt;
     the probes and the lens reduce over the ranks (observatory/sharded.py) and rank 0 gets the dict
     a single process would build, the other ranks None."""
@@ -144,7 +148,7 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict
         fwd = bar.add_task("forward + probes (layers)", total=cfg.num_layers)
         last: dict[str, torch.Tensor] = {}
         with ExitStack() as stack, torch.inference_mode():
-            obs = stack.enter_context(observe(model, capacity=(1, T)))
+            obs = stack.enter_context(observe(model, capacity=(1, T), attribution=True))
             for block in model.layers:
                 h = block.register_forward_hook(lambda *_: bar.advance(fwd))
                 stack.callback(h.remove)
@@ -153,6 +157,7 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict
             logits = model(x)[0]  # (T, V) fp32; (T, V/N) on a tensor-parallel rank
         _probes(data, obs, text)
         nonfinite = data["nonfinite"]["first"] is not None
+        _internals(data, obs, model, target, text, nonfinite)
         steps = bar.add_task("lens, softmax safety, growth fit", total=3)
         _attempt(data, "lens", nonfinite, lambda: _lens(data, model, x, text))
         bar.advance(steps)
@@ -209,6 +214,13 @@ def _probes(data: dict, obs, text) -> None:
                        f"position {first['position']} (token {tok!r}): {first['positions']:,} token outputs there, "
                        f"{first['total']:,} over all modules; every later number inherits them"})
     _attempt(data, "massive_activations", first is not None, lambda: _massive(data, obs))
+
+
+def _internals(data: dict, obs, model, target, text, nonfinite: bool) -> None:
+    """Per-head attention statistics and the attribution of growth and logit (attention.py, attribution.py)."""
+    _attempt(data, "attention", nonfinite, lambda: data.update(attention=attention_data(obs.attention, model)))
+    _attempt(data, "attribution", nonfinite,
+             lambda: data.update(attribution=attribution_data(obs.attribution(target), text, target is not None)))
 
 
 def _massive(data: dict, obs) -> None:

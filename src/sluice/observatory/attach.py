@@ -21,17 +21,21 @@ def _is_rank(model) -> bool:
 
 
 def observe(model: Transformer, topk: int = 4, capacity: tuple[int, int] = (1, 128),
-            max_bytes: int = 2 << 30) -> Observation:
+            max_bytes: int = 2 << 30, attention: bool = True, attribution: bool = False) -> Observation:
     """Attach the valve probes to `model` (hooks stay until `remove()` or the end of a `with`).
 
     topk: how many largest-magnitude channels to keep per token and layer. capacity: (batch,
     tokens) to preallocate for (a larger forward re-allocates once). max_bytes: refuse statistics
-    buffers larger than this. On one rank of a tensor-parallel model (parallel.load_rank) the probes
+    buffers larger than this. attention: per-head attention statistics (`obs.attention`, which
+    recomputes each layer's scores). attribution: keep the residual's parts for `obs.attribution()`
+    ((2L + 2) x B x T x hidden fp32 values). On one rank of a tensor-parallel model (parallel.load_rank) the probes
     reduce over the ranks to the single-process numbers (observatory/sharded.py)."""
     if _is_rank(model):
         from .sharded import ParallelObservation
-        return ParallelObservation(model, topk=topk, capacity=capacity, max_bytes=max_bytes)
-    return Observation(model, topk=topk, capacity=capacity, max_bytes=max_bytes)
+        return ParallelObservation(model, topk=topk, capacity=capacity, max_bytes=max_bytes, attention=attention,
+                                   attribution=attribution)
+    return Observation(model, topk=topk, capacity=capacity, max_bytes=max_bytes, attention=attention,
+                       attribution=attribution)
 
 
 def logit_lens(model: Transformer, ids: torch.Tensor, topk: int = 5,

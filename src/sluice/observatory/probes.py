@@ -37,6 +37,8 @@ from torch import nn
 from ..errors import ObservatoryError
 from ..model.layers import Transformer
 from ..model.quant import QuantizedLinear
+from .attention import AttentionProbe
+from .attribution import Attribution, BranchRecorder, target_ids
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 LOGIT_STATS = ("max", "min", "std", "logsumexp", "entropy", "top1_prob")
@@ -83,7 +85,7 @@ class Observation:
     """Hooks + buffers. Use `sluice.observe(model)` to make one; a context manager removes the hooks."""
 
     def __init__(self, model: Transformer, topk: int = 4, capacity: tuple[int, int] = (1, 128),
-                 max_bytes: int = 2 << 30):
+                 max_bytes: int = 2 << 30, attention: bool = True, attribution: bool = False):
         if not isinstance(topk, int) or not 1 <= topk <= model.config.hidden_size:
             raise ObservatoryError(f"topk must be an integer in [1, {model.config.hidden_size}], got {topk!r}")
         self.model = model
@@ -110,6 +112,11 @@ class Observation:
             self._handles.append(modules[name].register_forward_hook(self._hook(j, measure.get(name))))
         # The logits as the model returns them (after Gemma 2's final soft-cap, where there is one).
         self._handles.append(model.register_forward_hook(lambda _m, inputs, out: self._logits_stats(inputs, out.detach())))
+        # per-head attention statistics (attention.py) and the residual's parts (attribution.py)
+        self._attention = AttentionProbe(model, capacity, max_bytes) if attention else None
+        self._recorder = BranchRecorder(model, capacity, max_bytes) if attribution else None
+        for extra in (self._attention, self._recorder):
+            self._handles += extra.handles if extra is not None else []
 
     # ------------------------------------------------------------------ buffers
     def bytes_for(self, B: int, T: int) -> int:
@@ -249,6 +256,26 @@ class Observation:
         self.remove()
 
     # ------------------------------------------------------------------ derived views
+    @property
+    def attention(self) -> AttentionProbe:
+        """Per layer and head attention statistics of the last forward (observatory/attention.py)."""
+        if self._attention is None:
+            raise ObservatoryError("attention statistics were not recorded: observe(model, attention=True) "
+                                   "(the default; not available on a tensor-parallel rank)")
+        return self._attention
+
+    def attribution(self, target=None) -> Attribution:
+        """Each block's attention and MLP share of the residual growth and, for `target`, of the final
+        logit, per position (observatory/attribution.py). target: a token id, a (B, T) tensor of ids,
+        or None for the model's own top-1 prediction at each position."""
+        if self._recorder is None:
+            raise ObservatoryError("the residual's parts were not recorded: use observe(model, attribution=True)")
+        parts = self._recorder.parts()
+        predicted = self.stats["top1_id"] if self.logits_len == self.shape[1] else None
+        ids = target_ids(target, self.shape, predicted)
+        names, logit = self._recorder.logit(parts, ids)
+        return Attribution(components=names, growth=self._recorder.growth(parts), logit=logit)
+
     def norm_gain(self) -> torch.Tensor:
         """(norms, B, T): output RMS / input RMS, what each norm multiplies the scale by."""
         s = self.stats

@@ -19,6 +19,7 @@ from matplotlib.colors import to_hex
 
 from ..errors import ObservatoryError
 from .analysis import visible_token
+from .internals_report import ATTENTION_HOW, ATTRIBUTION_HOW, attention_section, attribution_section
 from .plots import LENS_POSITIONS
 
 PROMPT_OPEN = 200  # prompts up to this many tokens are shown unfolded
@@ -26,7 +27,8 @@ NONFINITE_ROWS = 12  # modules listed in the non-finite check; the rest only inh
 # (anchor, title) in report order; tests check that every one is present
 SECTIONS = [("valves", "The four valves"), ("residual", "Residual stream"), ("growth", "Growth fit"),
             ("norms", "Norm gains"), ("branches", "Branch / stream ratios"),
-            ("massive", "Massive activations"), ("logits", "Logit histogram and entropy per position"),
+            ("massive", "Massive activations"), ("attention", "Attention valves per head"),
+            ("attribution", "Attribution by block"), ("logits", "Logit histogram and entropy per position"),
             ("lens", "Logit lens"), ("softmax", "Softmax safety"), ("nonfinite", "Non-finite check"),
             ("training", "Valves over training")]  # the last one only with --training
 
@@ -218,6 +220,8 @@ HOW = {
     "massive": "Per layer, the channels with the largest |x| over all positions. A channel holding many "
                "times the token's RMS is a 'massive activation'; seen at every layer on the same channel, "
                "it is carried along the residual stream.",
+    "attention": ATTENTION_HOW,
+    "attribution": ATTRIBUTION_HOW,
     "logits": "First: the logits of all vocabulary entries at the last position, with the final norm (what "
               "the model really computes) and with it bypassed. Red lines: where exp() overflows. Second: "
               "the next-token entropy and top-1 probability at each position.",
@@ -237,7 +241,8 @@ HOW = {
 
 
 def _body(anchor: str, data: dict, pngs) -> str:
-    needs = {"growth": "growth", "lens": "lens", "softmax": "softmax_safety", "massive": "massive_activations"}
+    needs = {"growth": "growth", "lens": "lens", "softmax": "softmax_safety", "massive": "massive_activations",
+             "attention": "attention", "attribution": "attribution"}
     if anchor in needs and needs[anchor] not in data:
         why = data["skipped"].get(needs[anchor], "not computed")
         return f'<p class="skipped">Skipped: {escape(why)}</p>'
@@ -249,6 +254,8 @@ def _body(anchor: str, data: dict, pngs) -> str:
         "norms": lambda: _img(pngs, "norm_gains", "norm gains"),
         "branches": lambda: _img(pngs, "branch_ratios", "branch/stream ratios"),
         "massive": lambda: _massive(data),
+        "attention": lambda: attention_section(data, lambda name, alt: _img(pngs, name, alt)),
+        "attribution": lambda: attribution_section(data, lambda name, alt: _img(pngs, name, alt), tok_html),
         "logits": lambda: _img(pngs, "logit_histogram", "logit histogram") + _img(pngs, "entropy", "entropy"),
         "lens": lambda: _lens(data),
         "softmax": lambda: _softmax(data),

@@ -81,6 +81,11 @@ class ParallelObservation(Observation):
                 raise ObservatoryError(f"{name} normalises {w.shape[-1]} channels, neither the hidden size "
                                        f"({C}) nor one head: its statistics cannot be reduced over tensor-"
                                        "parallel ranks")
+        if self._attention is not None:
+            self._attention.merge = lambda s: _merge_heads(model, s)
+        if self._recorder is not None:  # the stream is whole on every rank; the LM head's rows are not
+            self._recorder.vocab_start = _start(model)
+            self._recorder.reduce = lambda t: group.all_reduce(t, op=SUM)
 
     def _logits_stats(self, inputs, out):
         B, T = out.shape[:2]
@@ -109,6 +114,25 @@ class ParallelObservation(Observation):
         view = self._buf["nonfinite_sum"][:, :B, :T]
         flag = group.all_reduce((~view.isfinite()).float(), op=MAX)
         view.copy_(torch.where(flag > 0, math.nan, 0.0))
+
+
+def _merge_heads(model, s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A rank's per-head attention statistics (its own heads) -> every head's, on every rank: query
+    heads lie in rank order; a KV head replicated on several ranks is taken from the first of them."""
+    cfg, N = model.full_config, model.world
+    out = dict(s)
+    for name, t in s.items():
+        if name in ("k_norm", "keys_visible"):
+            continue
+        gathered = group.all_gather(t)  # (N, L, H/N, B, T)
+        out[name] = gathered.transpose(0, 1).flatten(1, 2)  # (L, H, B, T)
+    kv = group.all_gather(s["k_norm"])  # (N, L, K_rank, B, T)
+    owner = {}
+    for r in range(N):
+        for j, g in enumerate(kv_heads_of(cfg, r, N)):
+            owner.setdefault(g, (r, j))
+    out["k_norm"] = torch.stack([kv[r, :, j] for r, j in (owner[g] for g in range(cfg.num_kv_heads))], 1)
+    return out
 
 
 def logit_stats(z: torch.Tensor, start: int, V: int) -> tuple[torch.Tensor, torch.Tensor]:
