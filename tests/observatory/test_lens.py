@@ -94,3 +94,4 @@ def test_memory_guard_and_bad_input(tmp_path):
         logit_lens(model, torch.tensor([[5, 1000]]))
     assert not model.embed._forward_hooks  # ...and the hooks are gone anyway
     assert all(not block._forward_hooks for block in model.layers)
+    assert not model.layers[0]._forward_pre_hooks

@@ -7,8 +7,9 @@ in depth the answer forms. The final norm is part of the lens on purpose: the ra
 grows with depth (see growth.py), and without the norm early and late layers would not be comparable
 (`head_logits(..., final_norm=False)` gives the raw version, for the softmax-safety table).
 
-The model runs once; forward hooks on the embedding and on every block copy x_0..x_L into one
-preallocated (L+1, B, T, C) tensor (blocks return the full residual stream, so the hook output is
+The model runs once; a pre-hook on the first block (whose input is x_0: the embedding, scaled and
+plus learned positions where the family has them, the same x_0 as observe()'s) and forward hooks
+on every block copy x_0..x_L into one preallocated (L+1, B, T, C) tensor (blocks return the full residual stream, so the hook output is
 x_l exactly). Logits are then computed one layer at a time: (L+1) x B x T x V logits never exist at
 once, which at a 150k vocabulary would be the largest thing in memory by far.
 """
@@ -25,7 +26,7 @@ from ..model.layers import Transformer
 
 @dataclass
 class LensResult:
-    """What each layer's stream predicts. L = number of blocks; row l = x_l (row 0: embeddings)."""
+    """What each layer's stream predicts. L = number of blocks; row l = x_l (row 0: the first block's input)."""
 
     top_ids: torch.Tensor  # (L+1, B, T, k) int64: the k most likely tokens at layer l
     top_probs: torch.Tensor  # (L+1, B, T, k) fp32: their probabilities under layer l's lens
@@ -70,7 +71,12 @@ def capture_stream(model: Transformer, ids: torch.Tensor, stream: torch.Tensor) 
             stream[l].copy_(out)
         return hook
 
-    handles = [model.embed.register_forward_hook(keep(0))]
+    def keep_input(_module, args, kwargs):
+        stream[0].copy_(args[0] if args else kwargs["x"])
+
+    # x_0 is what the first block receives (Gemma's scaled embedding, GPT-2's wte + wpe), read off
+    # its input as observe() reads it, not the embedding's output (token embedding only)
+    handles = [model.layers[0].register_forward_pre_hook(keep_input, with_kwargs=True)]
     try:
         for i, block in enumerate(model.layers):
             handles.append(block.register_forward_hook(keep(i + 1)))
