@@ -130,11 +130,21 @@ def _valves(data: dict) -> str:
 
 def _growth(data: dict, pngs) -> str:
     g = data["growth"]
-    rows = [["linear (l = 0..L)", f"{_num(g['slope'])} &middot; l + {_num(g['intercept'])}", _num(g["linear_r2"])],
-            ["power law (l = 1..L)", f"{_num(g['coefficient'])} &middot; l<sup>{_num(g['exponent'], '.2f')}</sup>",
+    rows = [["linear", f"{_num(g['slope'])} &middot; l + {_num(g['intercept'])}", _num(g["linear_r2"])],
+            ["power law", f"{_num(g['coefficient'])} &middot; l<sup>{_num(g['exponent'], '.2f')}</sup>",
              _num(g["power_r2_linear"])]]
-    return (_img(pngs, "growth_fit", "growth fit") + _table(["fit", "formula", "R&sup2;"], rows, left=2)
-            + f"<p><b>Verdict:</b> {escape(g['verdict'])}</p>")
+    if "quadratic" in g:
+        rows.insert(1, ["quadratic", f"{_num(g['quadratic'])} &middot; l<sup>2</sup> + &hellip;", _num(g["quadratic_r2"])])
+    bend = ""
+    if "increments" in g:
+        steps = ", ".join(_num(x, ".3g") for x in g["increments"])
+        acc = g["acceleration"]
+        bend = (f"<p>Mean square added by each block (block 0 first): {steps}; the last third of the "
+                f"increments after block 0 over the first third: "
+                f"{_num(acc, '.2f') + 'x' if math.isfinite(acc) else 'undefined (the first third adds nothing)'}.</p>")
+    return (_img(pngs, "growth_fit", "growth fit")
+            + _table(["fit (l = 1..L, the same points)", "formula", "R&sup2;"], rows, left=2)
+            + bend + f"<p><b>Verdict:</b> {escape(g['verdict'])}</p>")
 
 
 def _massive(data: dict) -> str:
@@ -209,7 +219,9 @@ HOW = {
                 "positions (band: min to max); the heat map shows every position, so a token the stream "
                 "treats specially (often the first) stands out.",
     "growth": "If every block added an independent update of similar size, the mean square of x_l would grow "
-              "linearly with depth. Both fits are least squares; the verdict says which describes the data.",
+              "linearly with depth. Every fit is least squares over the same layers 1..L (x_0, the embeddings, is "
+              "left out of all of them), and the increments show whether the curve bends; the verdict "
+              "says which shape describes the data.",
     "norms": "Gain = RMS out / RMS in. Below 1 the norm shrinks the stream (the usual case deep in the model, "
              "where the stream is large); the q/k norms act per attention head.",
     "branches": "RMS of what the attention or MLP branch adds, over the RMS of the stream it is added to: "

@@ -114,12 +114,17 @@ def softmax_table(data: dict) -> Table:
 
 def growth_table(data: dict) -> Table:
     g = data["growth"]
-    t = titled_table("growth of the residual stream's mean square (RMS²) with depth, x_0..x_L",
-                     caption=f"verdict: {g['verdict']}")
+    acc = g.get("acceleration")
+    bend = (f"; increments after block 0 grow {acc:.2f}x (last third / first)"
+            if acc is not None and math.isfinite(acc) else "")
+    t = titled_table("growth of the residual stream's mean square (RMS²) with depth, fitted on x_1..x_L",
+                     caption=f"verdict: {g['verdict']}{bend}")
     for name in ("fit", "formula", "R² (linear space)"):
         t.add_column(name)
     t.add_row("linear", f"{cell_text(g['slope'])} * l + {cell_text(g['intercept'])}", cell_text(g["linear_r2"], ".3f"))
-    t.add_row("power law (l >= 1)", f"{cell_text(g['coefficient'])} * l ^ {cell_text(g['exponent'], '.2f')}",
+    if "quadratic" in g:
+        t.add_row("quadratic", f"{cell_text(g['quadratic'])} * l² + ...", cell_text(g["quadratic_r2"], ".3f"))
+    t.add_row("power law", f"{cell_text(g['coefficient'])} * l ^ {cell_text(g['exponent'], '.2f')}",
               cell_text(g["power_r2_linear"], ".3f"))
     return t
 
