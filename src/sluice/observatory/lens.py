@@ -22,6 +22,7 @@ import torch
 
 from ..errors import ObservatoryError
 from ..model.layers import Transformer
+from .padding import check_mask
 
 
 @dataclass
@@ -87,12 +88,13 @@ def capture_stream(model: Transformer, ids: torch.Tensor, stream: torch.Tensor) 
 
 
 def whole_lens(model: Transformer, ids: torch.Tensor, topk: int = 5,
-               max_bytes: int = 2 << 30) -> LensResult:
+               max_bytes: int = 2 << 30, attention_mask: torch.Tensor | None = None) -> LensResult:
     """The logit lens of a whole (single-process) model on input ids (B, T); attach.logit_lens is the
     entry point, which gives a tensor-parallel rank model observatory/sharded.py's lens instead.
 
     max_bytes: refuse (ObservatoryError, naming the size) when the captured stream plus the logits
-    working set would exceed it."""
+    working set would exceed it. attention_mask (B, T): a right padding (observatory/padding.py);
+    pad positions get NaN (and -1 ids) and stay out of mean_square."""
     if ids.ndim != 2:
         raise ObservatoryError(f"logit_lens takes token ids of shape (B, T), got {tuple(ids.shape)}")
     V = model.config.vocab_size
@@ -100,6 +102,7 @@ def whole_lens(model: Transformer, ids: torch.Tensor, topk: int = 5,
         raise ObservatoryError(f"topk must be in [1, {V}], got {topk}")
     B, T = ids.shape
     L, C = len(model.layers), model.config.hidden_size
+    mask = check_mask(ids, attention_mask) if attention_mask is not None else None
     check_size(model, B, T, max_bytes)
     w = model.embed.weight
     stream = torch.empty(L + 1, B, T, C, dtype=w.dtype, device=w.device)
@@ -124,6 +127,13 @@ def whole_lens(model: Transformer, ids: torch.Tensor, topk: int = 5,
             # logits, so a p_final that underflowed to 0 contributes 0, not NaN
             kl[l].copy_((p_final * (logp_final - logp)).sum(-1))
             entropy[l].copy_(-(logp.exp() * logp).sum(-1))
-            mean_square[l].copy_(stream[l].float().pow(2).mean())
+            real = stream[l] if mask is None else stream[l][mask.to(w.device)]  # (n, C) real tokens
+            mean_square[l].copy_(real.float().pow(2).mean())
+    if mask is not None:
+        pad = ~mask.to(w.device)
+        for t in (top_probs, predicted_prob, kl, entropy):
+            t[:, pad] = float("nan")
+        top_ids[:, pad] = -1
+        predicted = predicted.masked_fill(pad, -1)
     return LensResult(top_ids, top_probs, predicted_prob, kl, entropy, mean_square, final_logits,
                       predicted)
