@@ -24,7 +24,7 @@ import torch
 from ..engine.gemv import cpu_flags
 from ..errors import BenchmarkError
 from .common import environment
-from .disturbance import LoadWatch
+from ..observatory.disturbance import LoadWatch
 
 PEERS = ("transformers", "llama.cpp")
 DTYPES = ("float32", "bfloat16")

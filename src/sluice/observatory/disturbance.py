@@ -1,5 +1,8 @@
 """Was a benchmark run disturbed? What else used the CPU while it ran, read from /proc.
 
+It lives in the observatory (not benchmarks/) because `sluice profile` needs it too, and
+benchmarks/ may import the observatory but not the other way round.
+
 A run's numbers are only worth keeping when nothing else competed for its cores. Two signals:
   * the 1-minute load average at the start above the core count, while other processes were busy
     right then (a load average alone also holds the decaying tail of a run that just ended, or of

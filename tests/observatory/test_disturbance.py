@@ -1,4 +1,4 @@
-"""benchmarks/disturbance.py: which processes competed with a benchmark run, and when a run counts
+"""observatory/disturbance.py: which processes competed with a benchmark run, and when a run counts
 as disturbed. Snapshots are made up here (no timing, no dependence on what else the machine runs),
 but for one check that /proc is read at all."""
 
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from sluice.benchmarks import disturbance
-from sluice.benchmarks.disturbance import LoadWatch, parse_stat
+from sluice.observatory import disturbance
+from sluice.observatory.disturbance import LoadWatch, parse_stat
 
 ME = os.getpid()
 
