@@ -9,6 +9,10 @@ One forward under `observe()` gives the four valves; a hook on the last block ke
 softmax check with the final norm bypassed; the logit lens runs its own forward. When the forward
 produced a NaN or inf, that is the first finding (module, layer, position), and the analyses that
 cannot work on non-finite data are listed under "skipped" with the reason instead of crashing.
+
+Before a long run its cost is printed on stderr (inspect_cost.py: FLOPs, memory, and a time from a
+short calibration), and "cost" in the dict holds that estimate beside the seconds each stage took.
+Progress shows as a live bar on a terminal and as plain lines on stderr otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
+import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
@@ -25,6 +31,7 @@ import torch
 from ..errors import ObservatoryError
 from .attach import logit_lens, observe
 from .growth import fit_growth
+from .inspect_cost import ANNOUNCE_S, LineProgress, describe, estimate
 from .lens import head_logits
 from .probes import LOGIT_STATS
 from .softmax import softmax_safety
@@ -61,7 +68,8 @@ def check_prompt(prompt: str, ids: list[int], max_positions: int) -> None:
 
 
 def _progress(show: bool):
-    """A rich progress display on stderr, or a do-nothing stand-in with the same two methods."""
+    """A rich progress display on stderr, plain lines where stderr is not a terminal (a log shows
+    signs of life), or a do-nothing stand-in with the same methods."""
     if not show:
         class _Quiet:
             def add_task(self, *a, **k):
@@ -73,6 +81,8 @@ def _progress(show: bool):
             def update(self, *a, **k):
                 pass
         return nullcontext(_Quiet())
+    if not sys.stderr.isatty():
+        return LineProgress()
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -129,6 +139,11 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict
     text = _Tokens(tokenizer)
     show = progress if progress is not None else (T >= PROGRESS_TOKENS or cfg.num_params >= PROGRESS_PARAMS)
     show = show and root
+    # calibrating runs the LM head alone, which on a tensor-parallel rank would be a collective
+    cost = estimate(model, T, calibrate=False if sharded else None)
+    if root and (show or cost.get("seconds_estimate", 0) >= ANNOUNCE_S):
+        print(describe(cost), file=sys.stderr, flush=True)
+    seconds, t0 = {}, time.perf_counter()
     data: dict = {"schema": SCHEMA, "prompt": prompt,
                   "model": {"name": Path(getattr(model, "model_dir", "model")).name,
                             "path": str(getattr(model, "model_dir", "")),
@@ -138,7 +153,7 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict
                             "max_position_embeddings": cfg.max_position_embeddings,
                             "dtype": str(model.embed.weight.dtype).removeprefix("torch.")},
                   "tokens": {"ids": ids, "text": [text(i) for i in ids]},
-                  "findings": [], "skipped": {}}
+                  "findings": [], "skipped": {}, "cost": {**cost, "seconds": seconds}}
     x = torch.tensor([ids])
     with _progress(show) as bar:
         fwd = bar.add_task("forward + probes (layers)", total=cfg.num_layers)
@@ -152,12 +167,15 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict
             stack.callback(h.remove)
             logits = model(x)[0]  # (T, V) fp32; (T, V/N) on a tensor-parallel rank
         _probes(data, obs, text)
+        seconds["forward_and_probes"], t0 = time.perf_counter() - t0, time.perf_counter()
         nonfinite = data["nonfinite"]["first"] is not None
-        steps = bar.add_task("lens, softmax safety, growth fit", total=3)
-        _attempt(data, "lens", nonfinite, lambda: _lens(data, model, x, text))
-        bar.advance(steps)
+        lens_task = bar.add_task("logit lens (layers)", total=cfg.num_layers + 1)
+        _attempt(data, "lens", nonfinite, lambda: _lens(data, model, x, text, lambda _l: bar.advance(lens_task)))
+        seconds["lens"], t0 = time.perf_counter() - t0, time.perf_counter()
+        steps = bar.add_task("softmax safety, growth fit", total=2)
         _attempt(data, "softmax_safety", nonfinite,
                  lambda: _softmax(data, model, logits, last["x_L"][0], sharded))
+        seconds["softmax_safety"], t0 = time.perf_counter() - t0, time.perf_counter()
         bar.advance(steps)
         ms = [float(np.mean(np.square(r))) for r in data["residual"]["rms"]]  # mean square per layer
         _attempt(data, "growth", nonfinite, lambda: data.update(growth=fit_growth(ms)))
@@ -218,8 +236,8 @@ def _massive(data: dict, obs) -> None:
     data["massive_activations"] = massive
 
 
-def _lens(data: dict, model, x: torch.Tensor, text) -> None:
-    lens = logit_lens(model, x, topk=LENS_TOPK)
+def _lens(data: dict, model, x: torch.Tensor, text, on_layer=None) -> None:
+    lens = logit_lens(model, x, topk=LENS_TOPK, on_layer=on_layer)
     top_ids = lens.top_ids[:, 0]  # (L+1, T, k)
     data["lens"] = {"topk": LENS_TOPK, "top_ids": top_ids.tolist(),
                     "top_probs": lens.top_probs[:, 0].tolist(),
