@@ -64,3 +64,33 @@ def test_line_progress_thins_its_lines(capsys):
             bar.advance(t)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 + 10 + 1 and lines[-2].endswith("lens: 100/100")
+
+
+def test_only_massive_channels_are_listed(tmp_path):
+    """inspect lists a channel only from MASSIVE_RATIO x its token's RMS: a planted 200 in one
+    channel is listed at every layer that carries it, the ordinary top channels of a random model
+    are not, and the largest ratio is named either way."""
+    from ckpt import build_with_tokenizer
+    build_with_tokenizer(tmp_path, "qwen3", hidden_size=256)  # at hidden 64, one channel tops out at 8x RMS
+    model = sluice.load(tmp_path)
+    tok = sluice.Tokenizer.from_pretrained(tmp_path)
+    prompt = "def add(a, b):\n    return a + b"
+    plain = analysis.inspect(model, tok, prompt, progress=False)
+    assert plain["massive_activations"] == []  # random weights: top channels at ~3x RMS
+    big = plain["massive_rule"]["largest"]
+    assert 1 < big["ratio_to_rms"] < analysis.MASSIVE_RATIO and plain["massive_rule"]["min_ratio_to_rms"] == 10
+
+    def plant(_m, _i, out):
+        out = out.clone()
+        out[0, 2, 7] = 200.0
+        return out
+    handle = model.layers[1].register_forward_hook(plant)
+    try:
+        data = analysis.inspect(model, tok, prompt, progress=False)
+    finally:
+        handle.remove()
+    rows = data["massive_activations"]
+    assert rows and all(r["ratio_to_rms"] >= analysis.MASSIVE_RATIO for r in rows)
+    assert {r["layer"] for r in rows} == set(range(2, model.config.num_layers + 1))  # x_2 on
+    assert all((r["channel"], r["position"]) == (7, 2) for r in rows)
+    assert data["massive_rule"]["largest"]["channel"] == 7

@@ -40,6 +40,10 @@ SCHEMA = "sluice.inspect/1"
 LENS_TOPK = 5
 HIST_BINS = 80
 MASSIVE_PER_LAYER = 3
+# A channel is a massive activation when |x| is at least 10x its token's RMS, i.e. 100x an average
+# channel's energy; the largest of C Gaussian channels is only ~sqrt(2 ln C), 3-4x, so the
+# ordinary top channels of every layer are not listed (the largest one is still named).
+MASSIVE_RATIO = 10.0
 # Progress is drawn on stderr only when the work is long enough to look like a hang without it.
 PROGRESS_TOKENS, PROGRESS_PARAMS = 256, 100e6
 
@@ -230,10 +234,15 @@ def _probes(data: dict, obs, text) -> None:
 
 
 def _massive(data: dict, obs) -> None:
-    massive = obs.massive_activations(top=MASSIVE_PER_LAYER)
-    for row in massive:
+    """Up to MASSIVE_PER_LAYER channels per layer that pass MASSIVE_RATIO, and the largest ratio
+    seen anywhere (massive or not), so a report with none still says how close the model came."""
+    massive = obs.massive_activations(top=MASSIVE_PER_LAYER, min_ratio=MASSIVE_RATIO)
+    tops = obs.massive_activations(top=1)
+    largest = max(tops, key=lambda r: r["ratio_to_rms"]) if tops else None
+    for row in [*massive, *([largest] if largest else [])]:
         row["token"] = data["tokens"]["text"][row["position"]]
     data["massive_activations"] = massive
+    data["massive_rule"] = {"min_ratio_to_rms": MASSIVE_RATIO, "per_layer": MASSIVE_PER_LAYER, "largest": largest}
 
 
 def _lens(data: dict, model, x: torch.Tensor, text, on_layer=None) -> None:

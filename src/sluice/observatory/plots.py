@@ -282,25 +282,27 @@ def training_valves(data: dict, path: Path) -> Path:
     colours = plt.cm.viridis(np.linspace(0, 1, rms.shape[1]))
     for layer in range(rms.shape[1]):
         ax.plot(steps, rms[:, layer], color=colours[layer], label=_layer_labels(rms.shape[1])[layer])
-    ax.set(ylabel="RMS of x_l (mean over tokens)", title="2. residual stream, per layer")
+    ax.set(ylabel="RMS of x_l (mean over tokens)", title="valve 2: residual stream, per layer")
     ax.legend(fontsize=7, ncol=2, title="x_l", title_fontsize=7)
     ax = axes[0, 1]
     ax.plot(steps, tr["final_norm_in"], "o-", label="final norm in (= x_L)")
     ax.plot(steps, tr["final_norm_out"], "s-", label="final norm out")
-    ax.set(ylabel="RMS", title="3. final norm")
+    ax.set(ylabel="RMS", title="valve 3: final norm")
     ax.legend(fontsize=8)
     for ax in axes[0]:
         _log_if_wide(ax, rms)
     ax = axes[1, 0]
     ax.plot(steps, tr["logit_max"], "o-", label="max logit")
     ax.plot(steps, tr["logsumexp"], "s-", label="log Z (log-sum-exp)")
-    ax.set(xlabel="training step", ylabel="logit", title="4. LM head, last position")
+    ax.set(xlabel="training step", ylabel="logit", title="valve 4: LM head, last position")
     ax.legend(fontsize=8)
     ax = axes[1, 1]
-    ax.plot(steps, tr["entropy"], "o-", label="softmax entropy (nats)")
+    # Two different quantities, said as such: the loss is a mean over every held-out token, the
+    # entropy is the one distribution at the window's last position (what the valves log records)
     loss = [v if v is not None else math.nan for v in tr["heldout_loss"]]
-    ax.plot(steps, loss, "s-", label="held-out loss (nats/token)")
-    ax.set(xlabel="training step", ylabel="nats", title="softmax entropy and held-out loss")
+    ax.plot(steps, loss, "s-", label="held-out loss, mean over its tokens (nats/token)")
+    ax.plot(steps, tr["entropy"], "o:", label="softmax entropy at the window's LAST position only (nats)")
+    ax.set(xlabel="training step", ylabel="nats", title="held-out loss; one position's entropy (not a mean)")
     ax.legend(fontsize=8)
     for ax in axes.flat:
         ax.grid(alpha=0.3)
