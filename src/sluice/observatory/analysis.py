@@ -11,8 +11,8 @@ produced a NaN or inf, that is the first finding (module, layer, position), and 
 cannot work on non-finite data are listed under "skipped" with the reason instead of crashing.
 
 Before a long run its cost is printed on stderr (inspect_cost.py: FLOPs, memory, and a time from a
-short calibration), and "cost" in the dict holds that estimate beside the seconds each stage took.
-Progress shows as a live bar on a terminal and as plain lines on stderr otherwise.
+short calibration); the dict itself stays free of timings, so a tensor-parallel run's dict equals a
+single process's. Progress shows as a live bar on a terminal and as plain lines on stderr otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import json
 import math
 import re
 import sys
-import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
@@ -147,7 +146,6 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict
     cost = estimate(model, T, calibrate=False if sharded else None)
     if root and (show or cost.get("seconds_estimate", 0) >= ANNOUNCE_S):
         print(describe(cost), file=sys.stderr, flush=True)
-    seconds, t0 = {}, time.perf_counter()
     data: dict = {"schema": SCHEMA, "prompt": prompt,
                   "model": {"name": Path(getattr(model, "model_dir", "model")).name,
                             "path": str(getattr(model, "model_dir", "")),
@@ -157,7 +155,7 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict
                             "max_position_embeddings": cfg.max_position_embeddings,
                             "dtype": str(model.embed.weight.dtype).removeprefix("torch.")},
                   "tokens": {"ids": ids, "text": [text(i) for i in ids]},
-                  "findings": [], "skipped": {}, "cost": {**cost, "seconds": seconds}}
+                  "findings": [], "skipped": {}}
     x = torch.tensor([ids])
     with _progress(show) as bar:
         fwd = bar.add_task("forward + probes (layers)", total=cfg.num_layers)
@@ -171,15 +169,12 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None) -> dict
             stack.callback(h.remove)
             logits = model(x)[0]  # (T, V) fp32; (T, V/N) on a tensor-parallel rank
         _probes(data, obs, text)
-        seconds["forward_and_probes"], t0 = time.perf_counter() - t0, time.perf_counter()
         nonfinite = data["nonfinite"]["first"] is not None
         lens_task = bar.add_task("logit lens (layers)", total=cfg.num_layers + 1)
         _attempt(data, "lens", nonfinite, lambda: _lens(data, model, x, text, lambda _l: bar.advance(lens_task)))
-        seconds["lens"], t0 = time.perf_counter() - t0, time.perf_counter()
         steps = bar.add_task("softmax safety, growth fit", total=2)
         _attempt(data, "softmax_safety", nonfinite,
                  lambda: _softmax(data, model, logits, last["x_L"][0], sharded))
-        seconds["softmax_safety"], t0 = time.perf_counter() - t0, time.perf_counter()
         bar.advance(steps)
         ms = [float(np.mean(np.square(r))) for r in data["residual"]["rms"]]  # mean square per layer
         _attempt(data, "growth", nonfinite, lambda: data.update(growth=fit_growth(ms)))
