@@ -65,18 +65,16 @@ def valves(d: dict) -> dict[str, str]:
 
 
 def massive(d: dict) -> dict[str, str]:
-    """The channel among the most layers' top 3 (embeddings left out), its values and where they peak."""
-    rows = [r for r in d["massive_activations"] if r["layer"] > 0]
-    counts = {}
-    for r in rows:
-        counts[r["channel"]] = counts.get(r["channel"], 0) + 1
-    ch = max(counts, key=lambda c: (counts[c], -c))
-    mine = [r for r in rows if r["channel"] == ch]
-    vals = sorted(r["value"] for r in mine)
-    tokens = sorted({r["token"] for r in mine})
-    return {"model.massive.channel": str(ch), "model.massive.layers": f"{counts[ch]} of {d['model']['num_layers']}",
-            "model.massive.values": f"{vals[0]:.0f} to {vals[-1]:.0f}",
-            "model.massive.tokens": ", ".join("`" + t.replace("\n", "↵").replace("\n", "↵") + "`" for t in tokens)}
+    """How many channels pass inspect's massive rule (|x| >= 10x the token's RMS), and the largest
+    ratio seen, where: the bundled model's top channels are outliers, not massive activations."""
+    rule, rows = d["massive_rule"], d["massive_activations"]
+    big = rule["largest"]
+    return {"model.massive.rule": f"{rule['min_ratio_to_rms']:.0f}x",
+            "model.massive.count": str(len(rows)),
+            "model.massive.largest": f"{big['ratio_to_rms']:.1f}x",
+            "model.massive.largest_channel": str(big["channel"]),
+            "model.massive.largest_layer": "the embeddings" if big["layer"] == 0 else f"x_{big['layer']}",
+            "model.massive.largest_token": "`" + big["token"].replace("\n", "↵") + "`"}
 
 
 def safety(short: dict) -> dict[str, str]:

@@ -93,3 +93,31 @@ def test_script_bad_input(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, check=False)  # hang-stopper: 10x+ ~8 s
     assert proc.returncode == 2 and "is a directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_disturbed_cells_are_repeated_then_marked(tmp_path, capsys, monkeypatch):
+    """A made-up disturbance (a LoadWatch that always says so): each kernel cell is measured twice,
+    and the JSON, the warning and the table rows say it stayed disturbed; decode rows are marked."""
+    from sluice.observatory import disturbance
+
+    class Busy:
+        rounds = 0
+
+        def __init__(self, start_sample_s=None):
+            Busy.rounds += 1
+
+        def result(self):
+            return {"disturbed": True, "disturbed_reasons": ["other processes used 1.20 cores during the run"]}
+
+    monkeypatch.setattr(disturbance, "LoadWatch", Busy)
+    out = tmp_path / "norms.json"
+    assert main(["bench", "norms", "--quick", "--no-compile", "--dtypes", "float32", "--hidden", "1024",
+                 "--tokens", "1", "--models", "qwen3-0.6b", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    (cell,) = r["kernels"]
+    assert cell["disturbed"] and cell["load"]["attempts"] == 2
+    assert r["decode"] and all(d["disturbed"] and d["load"]["attempts"] == 1 for d in r["decode"])
+    assert Busy.rounds == 2 + 1  # the cell twice, the decode configuration once
+    assert r["disturbed"] and r["disturbed_parts"][0] == "kernels fp32 eager hidden 1024 tokens 1"
+    printed = capsys.readouterr().out
+    assert "DISTURBED RUN" in printed and "| DISTURBED |" in printed

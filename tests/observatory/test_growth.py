@@ -10,12 +10,13 @@ from sluice.errors import ObservatoryError
 from sluice.observatory.growth import fit_growth
 
 KEYS = {"num_layers", "slope", "intercept", "linear_r2", "exponent", "coefficient", "power_r2_log",
-        "power_r2_linear", "verdict"}
+        "power_r2_linear", "verdict", "quadratic", "quadratic_r2", "acceleration"}
+SERIES = {"fit_layers", "increments"}  # lists, compared separately
 
 
 def test_exact_line():
     fit = fit_growth([0.5 + 2.0 * l for l in range(29)])
-    assert set(fit) == KEYS and fit["num_layers"] == 28
+    assert set(fit) == KEYS | SERIES and fit["num_layers"] == 28
     assert fit["slope"] == pytest.approx(2.0, abs=1e-9)
     assert fit["intercept"] == pytest.approx(0.5, abs=1e-9)
     assert abs(fit["linear_r2"] - 1) < 1e-9
@@ -84,3 +85,37 @@ def test_inspect_fits_the_mean_square_of_the_stream(tiny_dir):
         {k: want[k] for k in KEYS - {"verdict"}}, rel=1e-4)
     rms_fit = fit_growth(mean_square.sqrt())  # what the RMS would give: visibly other numbers
     assert data["growth"]["slope"] != pytest.approx(rms_fit["slope"], rel=1e-2)
+
+
+# The bundled model's mean squares of x_0..x_6 on "def read_config(path):" (issue 31): block 0's jump,
+# then increments 6.9, 14.2, 19.4, 20.5, 26.0 that grow with depth.
+BUNDLED = np.cumsum([0.0027, 28.489, 6.911, 14.237, 19.360, 20.539, 26.048])
+
+
+def test_every_fit_uses_the_same_points():
+    """x_0 takes part in no fit: moving it changes no R^2, and the line's R^2 is the one of l = 1..L."""
+    base = fit_growth(BUNDLED)
+    moved = fit_growth(np.r_[BUNDLED[1] * 0.5, BUNDLED[1:]])
+    for k in ("slope", "intercept", "linear_r2", "quadratic", "quadratic_r2", "exponent", "power_r2_linear"):
+        assert moved[k] == pytest.approx(base[k], rel=1e-12), k
+    layers, y = np.arange(1, 7), BUNDLED[1:]
+    line = np.polyval(np.polyfit(layers, y, 1), layers)
+    assert base["linear_r2"] == pytest.approx(1 - ((y - line) ** 2).sum() / ((y - y.mean()) ** 2).sum())
+    assert base["fit_layers"] == [1, 6]
+
+
+def test_an_upward_bend_is_accelerating_not_linear():
+    fit = fit_growth(BUNDLED)
+    assert fit["linear_r2"] == pytest.approx(0.968, abs=1e-3)  # was 0.980 with x_0 in the line's points
+    assert fit["increments"] == pytest.approx(np.diff(BUNDLED).tolist())
+    assert fit["acceleration"] == pytest.approx(26.048 / 6.911, rel=1e-6)  # last / first, 5 increments
+    assert fit["quadratic"] > 0 and fit["quadratic_r2"] > fit["linear_r2"] + 0.01
+    assert fit["verdict"].startswith("accelerating: the per-layer increments grow 3.8x"), fit["verdict"]
+    # mirrored (increments shrinking with depth), the same data decelerates
+    shrinking = np.r_[BUNDLED[:2], BUNDLED[1] + np.cumsum(np.diff(BUNDLED)[1:][::-1])]
+    assert fit_growth(shrinking)["verdict"].startswith("decelerating"), fit_growth(shrinking)["verdict"]
+
+
+def test_acceleration_needs_growing_first_increments():
+    flat_start = [1.0, 2.0, 2.0, 2.0, 5.0, 9.0]  # first third after block 0 adds nothing
+    assert np.isnan(fit_growth(flat_start)["acceleration"])

@@ -94,3 +94,19 @@ def test_memory_guard_and_bad_input(tmp_path):
         logit_lens(model, torch.tensor([[5, 1000]]))
     assert not model.embed._forward_hooks  # ...and the hooks are gone anyway
     assert all(not block._forward_hooks for block in model.layers)
+    assert not model.layers[0]._forward_pre_hooks
+
+
+def test_chunked_positions_give_the_same_lens(pair, monkeypatch):
+    """The lens works through chunks of positions (lens.CHUNK_LOGITS); cutting 2 x 13 positions
+    into chunks of 5 changes no number."""
+    from sluice.observatory import lens as lens_mod
+    _, model = pair
+    ids = _ids(2, 13, seed=2)
+    whole = logit_lens(model, ids, topk=4)
+    monkeypatch.setattr(lens_mod, "CHUNK_LOGITS", 5 * model.config.vocab_size)
+    assert lens_mod.chunk_rows(model.config.vocab_size) == 5
+    chunked = logit_lens(model, ids, topk=4)
+    for name in ("top_ids", "top_probs", "predicted_prob", "kl", "entropy", "mean_square", "predicted"):
+        a, b = getattr(whole, name), getattr(chunked, name)
+        assert torch.allclose(a.float(), b.float(), atol=1e-6), name

@@ -183,3 +183,18 @@ def test_each_component_is_labelled_by_the_roof_it_sits_under():
     assert out["bound"] == "memory"  # the step as a whole: 115 bytes vs 101 FLOPs
     costs["mlp"]["flops"] = 400
     assert predict(costs, 1e9, 1e9, 1)["bound"] == "compute"
+
+
+def test_a_component_with_negligible_work_sits_under_no_roof():
+    """'other' at a few thousand FLOPs and no bytes is not 'compute-bound' (issue 31)."""
+    from sluice.observatory.costs import COMPONENTS
+    from sluice.observatory.roofline import predict
+
+    costs = {k: {"param_bytes": 0, "read_bytes": 1e6, "flops": 1e6} for k in COMPONENTS}
+    costs["other"] = {"param_bytes": 0, "read_bytes": 0, "flops": 3e3}
+    out = predict(costs, bandwidth=1e9, flops=1e12, batch=1)
+    assert out["components"]["other"]["bound"] == "negligible"
+    assert out["components"]["other"]["ms"] == pytest.approx(3e-6)
+    assert {c["bound"] for k, c in out["components"].items() if k != "other"} == {"memory"}
+    costs["other"]["flops"] = 1e9  # real work: labelled again
+    assert predict(costs, 1e9, 1e12, 1)["components"]["other"]["bound"] == "compute"

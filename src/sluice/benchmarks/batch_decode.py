@@ -12,7 +12,7 @@ Both decode B sequences of P..P+G tokens of context. llama.cpp feeds random toke
 the greedy pick (it samples nothing); sluice picks each row's argmax, a small cost it carries.
 Rounds alternate the engines (sluice first on even rounds), with a read-bandwidth probe between
 rounds; rows give mean and standard deviation over rounds. The results also record the CPU flags,
-the load and whether the run was disturbed (benchmarks/disturbance.py).
+the load and whether the run was disturbed (observatory/disturbance.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 
 from ..engine.gemv import cpu_flags
 from ..errors import BenchmarkError
+from ..observatory.disturbance import LoadWatch
 from .common import environment, summary
-from .disturbance import LoadWatch
 
 QUICK = {"prompt": 16, "gen": 8, "batch": "1,4", "reps": 1, "probe_mib": 16}
 PROMPT_SEED = 0

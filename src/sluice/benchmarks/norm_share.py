@@ -33,6 +33,7 @@ from ..engine.kv_cache import KVCache
 from ..engine.runner import Runner
 from ..model.config import ModelConfig
 from ..model.layers import LayerNorm, RMSNorm, Transformer
+from ..observatory.disturbance import watched
 from .common import median, time_interleaved
 
 # config.json values of the two checkpoints (weights are random: speed does not depend on them).
@@ -211,7 +212,9 @@ def measure(s: dict) -> list[dict]:
     rows = []
     for name in s["models"]:
         for dtype_name in s["dtypes"]:
-            rows += measure_one(name, dtype_name, s)
+            # decode configurations are long: marked when disturbed, not repeated
+            got, load = watched(lambda: measure_one(name, dtype_name, s), repeats=0)
+            rows += [{**row, "disturbed": load["disturbed"], "load": load} for row in got]
             gc.collect()  # the previous model's weights go before the next one is built
     return rows
 

@@ -12,6 +12,11 @@ eager and torch.compile'd (fullgraph, static shapes, one fresh compile per cell)
 The variants of a cell are timed round-robin, median of `reps` samples; saving = 1 - rms / layer
 (positive: RMSNorm is faster). GB/s counts the bytes no norm can avoid: read x, write y.
 
+The machine may be shared: each cell runs under a LoadWatch (observatory/disturbance.py) and is
+measured once more when other work disturbed it; a cell still disturbed, and each decode
+configuration measured under contention, is marked ("disturbed" in the JSON, a column and a
+warning in the tables).
+
 Part 2 (norm_share.py): the norms' share of a whole decode step on Qwen3-0.6B and Llama-3-8B shapes.
 """
 
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 
 from ..errors import BenchmarkError
 from ..model.layers import LayerNorm, RMSNorm
+from ..observatory.disturbance import watched
 from .common import environment, median, time_interleaved
 
 HIDDEN, TOKENS = (1024, 2048, 4096, 8192), (1, 16, 256, 4096)
@@ -36,6 +42,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 VARIANTS = ("rms", "rms gemma", "layer", "F.rms_norm", "F.layer_norm")
 EPS = 1e-6
+CELL_LOOK_S = 0.2  # the LoadWatch's look at the machine before each cell (many cells: keep it short)
 
 
 def _ints(text: str | None, default: tuple[int, ...], flag: str) -> tuple[int, ...]:
@@ -141,8 +148,9 @@ def run(args) -> dict:
         for dtype in s["dtypes"]:
             for hidden in s["hidden"]:
                 for tokens in s["tokens"]:
-                    cell = time_cell(dtype, hidden, tokens, compile, s["reps"], s["min_sample_s"])
-                    kernels.append(cell)
+                    cell, load = watched(lambda: time_cell(dtype, hidden, tokens, compile, s["reps"],
+                                                           s["min_sample_s"]), start_sample_s=CELL_LOOK_S)
+                    kernels.append({**cell, "disturbed": load["disturbed"], "load": load})
                     print(f"kernels {SHORT[dtype]} {cell['mode']} hidden {hidden} tokens {tokens}: "
                           f"rms {cell['us']['rms']:.1f} us, layer {cell['us']['layer']:.1f} us "
                           f"[{time.perf_counter() - t_start:.0f} s]", file=sys.stderr, flush=True)
@@ -150,8 +158,12 @@ def run(args) -> dict:
     if s["models"]:
         from .norm_share import measure
         decode = measure(s)
+    disturbed = [f"kernels {SHORT[c['dtype']]} {c['mode']} hidden {c['hidden']} tokens {c['tokens']}"
+                 for c in kernels if c["disturbed"]]
+    disturbed += [f"decode {d['model']} {SHORT.get(d['dtype'], d['dtype'])} {d['mode']}" for d in decode if d.get("disturbed")]
     return {"benchmark": "norms", "quick": s["quick"], "settings": s, **env,
-            "seconds": time.perf_counter() - t_start, "loadavg_at_end": list(os.getloadavg()), "kernels": kernels, "decode": decode}
+            "seconds": time.perf_counter() - t_start, "loadavg_at_end": list(os.getloadavg()),
+            "disturbed": bool(disturbed), "disturbed_parts": disturbed, "kernels": kernels, "decode": decode}
 
 
 # ------------------------------------------------------------------ tables
@@ -163,6 +175,10 @@ def print_tables(r: dict) -> None:
     cpu, code, s = r["cpu"], r["code"], r["settings"]
     quick = " (QUICK: smoke test, the numbers mean nothing)" if r["quick"] else ""
     print(f"\n### RMSNorm versus LayerNorm{quick}\n")
+    if r.get("disturbed"):
+        print(f"DISTURBED RUN (keep these numbers out of the docs): other work used the CPU during "
+              f"{len(r['disturbed_parts'])} measurements, still after a repeat: {', '.join(r['disturbed_parts'])}. "
+              "Their rows say so.\n")
     print(f"CPU: {cpu.get('model', '?')}, {cpu.get('logical_cpus', '?')} logical CPUs, "
           f"{r['torch_threads']} torch threads; AVX2 {cpu.get('avx2')}, AVX-512 {cpu.get('avx512f')}, "
           f"AVX-512 bf16 {cpu.get('avx512_bf16')}, AMX bf16 {cpu.get('amx_bf16')}. torch "
@@ -187,14 +203,15 @@ def print_tables(r: dict) -> None:
                         out.append(f"{_pct(statistics.median(sv))} [{_pct(min(sv))} .. {_pct(max(sv))}]")
                     print(f"| {SHORT[dtype]} {mode} | " + " | ".join(out) + " |")
         print("\n| row | hidden | tokens | rms us | rms gemma us | layer us | F.rms_norm us | F.layer_norm us "
-              "| saving | saving (gemma) | saving (torch F.) | rms GB/s | layer GB/s |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| saving | saving (gemma) | saving (torch F.) | rms GB/s | layer GB/s | CPU shared? |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for c in r["kernels"]:
             us = c["us"]
             print(f"| {SHORT[c['dtype']]} {c['mode']} | {c['hidden']} | {c['tokens']} | "
                   + " | ".join(f"{us[v]:.1f}" for v in VARIANTS)
                   + f" | {_pct(c['saving'])} | {_pct(c['saving_gemma'])} | {_pct(c['saving_torch'])} "
-                  f"| {c['GB_s']['rms']:.1f} | {c['GB_s']['layer']:.1f} |")
+                  f"| {c['GB_s']['rms']:.1f} | {c['GB_s']['layer']:.1f} "
+                  f"| {'DISTURBED' if c.get('disturbed') else 'no'} |")
     if r["decode"]:
         from .norm_share import print_decode_tables
         print_decode_tables(r)

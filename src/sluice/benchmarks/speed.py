@@ -24,8 +24,8 @@ import torch
 
 from ..engine.gemv import cpu_flags
 from ..errors import BenchmarkError
+from ..observatory.disturbance import LoadWatch
 from .common import environment, summary
-from .disturbance import LoadWatch
 
 PEERS = ("transformers", "llama.cpp")
 DTYPES = ("float32", "bfloat16")

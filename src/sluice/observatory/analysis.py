@@ -9,6 +9,10 @@ One forward under `observe()` gives the four valves; a hook on the last block ke
 softmax check with the final norm bypassed; the logit lens runs its own forward. When the forward
 produced a NaN or inf, that is the first finding (module, layer, position), and the analyses that
 cannot work on non-finite data are listed under "skipped" with the reason instead of crashing.
+
+Before a long run its cost is printed on stderr (inspect_cost.py: FLOPs, memory, and a time from a
+short calibration); the dict itself stays free of timings, so a tensor-parallel run's dict equals a
+single process's. Progress shows as a live bar on a terminal and as plain lines on stderr otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
@@ -27,6 +32,7 @@ from .attach import logit_lens, observe
 from .attention import attention_data
 from .attribution import attribution_data
 from .growth import fit_growth
+from .inspect_cost import ANNOUNCE_S, LineProgress, describe, estimate
 from .lens import head_logits
 from .probes import LOGIT_STATS
 from .softmax import softmax_safety
@@ -35,6 +41,10 @@ SCHEMA = "sluice.inspect/1"
 LENS_TOPK = 5
 HIST_BINS = 80
 MASSIVE_PER_LAYER = 3
+# A channel is a massive activation when |x| is at least 10x its token's RMS, i.e. 100x an average
+# channel's energy; the largest of C Gaussian channels is only ~sqrt(2 ln C), 3-4x, so the
+# ordinary top channels of every layer are not listed (the largest one is still named).
+MASSIVE_RATIO = 10.0
 # Progress is drawn on stderr only when the work is long enough to look like a hang without it.
 PROGRESS_TOKENS, PROGRESS_PARAMS = 256, 100e6
 
@@ -63,7 +73,8 @@ def check_prompt(prompt: str, ids: list[int], max_positions: int) -> None:
 
 
 def _progress(show: bool):
-    """A rich progress display on stderr, or a do-nothing stand-in with the same two methods."""
+    """A rich progress display on stderr, plain lines where stderr is not a terminal (a log shows
+    signs of life), or a do-nothing stand-in with the same methods."""
     if not show:
         class _Quiet:
             def add_task(self, *a, **k):
@@ -75,6 +86,8 @@ def _progress(show: bool):
             def update(self, *a, **k):
                 pass
         return nullcontext(_Quiet())
+    if not sys.stderr.isatty():
+        return LineProgress()
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -133,6 +146,10 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None, target:
     text = _Tokens(tokenizer)
     show = progress if progress is not None else (T >= PROGRESS_TOKENS or cfg.num_params >= PROGRESS_PARAMS)
     show = show and root
+    # calibrating runs the LM head alone, which on a tensor-parallel rank would be a collective
+    cost = estimate(model, T, calibrate=False if sharded else None)
+    if root and (show or cost.get("seconds_estimate", 0) >= ANNOUNCE_S):
+        print(describe(cost), file=sys.stderr, flush=True)
     data: dict = {"schema": SCHEMA, "prompt": prompt,
                   "model": {"name": Path(getattr(model, "model_dir", "model")).name,
                             "path": str(getattr(model, "model_dir", "")),
@@ -158,9 +175,9 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None, target:
         _probes(data, obs, text)
         nonfinite = data["nonfinite"]["first"] is not None
         _internals(data, obs, model, target, text, nonfinite)
-        steps = bar.add_task("lens, softmax safety, growth fit", total=3)
-        _attempt(data, "lens", nonfinite, lambda: _lens(data, model, x, text))
-        bar.advance(steps)
+        lens_task = bar.add_task("logit lens (layers)", total=cfg.num_layers + 1)
+        _attempt(data, "lens", nonfinite, lambda: _lens(data, model, x, text, lambda _l: bar.advance(lens_task)))
+        steps = bar.add_task("softmax safety, growth fit", total=2)
         _attempt(data, "softmax_safety", nonfinite,
                  lambda: _softmax(data, model, logits, last["x_L"][0], sharded))
         bar.advance(steps)
@@ -224,14 +241,19 @@ def _internals(data: dict, obs, model, target, text, nonfinite: bool) -> None:
 
 
 def _massive(data: dict, obs) -> None:
-    massive = obs.massive_activations(top=MASSIVE_PER_LAYER)
-    for row in massive:
+    """Up to MASSIVE_PER_LAYER channels per layer that pass MASSIVE_RATIO, and the largest ratio
+    seen anywhere (massive or not), so a report with none still says how close the model came."""
+    massive = obs.massive_activations(top=MASSIVE_PER_LAYER, min_ratio=MASSIVE_RATIO)
+    tops = obs.massive_activations(top=1)
+    largest = max(tops, key=lambda r: r["ratio_to_rms"]) if tops else None
+    for row in [*massive, *([largest] if largest else [])]:
         row["token"] = data["tokens"]["text"][row["position"]]
     data["massive_activations"] = massive
+    data["massive_rule"] = {"min_ratio_to_rms": MASSIVE_RATIO, "per_layer": MASSIVE_PER_LAYER, "largest": largest}
 
 
-def _lens(data: dict, model, x: torch.Tensor, text) -> None:
-    lens = logit_lens(model, x, topk=LENS_TOPK)
+def _lens(data: dict, model, x: torch.Tensor, text, on_layer=None) -> None:
+    lens = logit_lens(model, x, topk=LENS_TOPK, on_layer=on_layer)
     top_ids = lens.top_ids[:, 0]  # (L+1, T, k)
     data["lens"] = {"topk": LENS_TOPK, "top_ids": top_ids.tolist(),
                     "top_probs": lens.top_probs[:, 0].tolist(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ObservatoryError
 from ..model.layers import Transformer
 from .lens import LensResult, whole_lens
 from .probes import Observation
@@ -39,12 +40,18 @@ def observe(model: Transformer, topk: int = 4, capacity: tuple[int, int] = (1, 1
 
 
 def logit_lens(model: Transformer, ids: torch.Tensor, topk: int = 5,
-               max_bytes: int = 2 << 30) -> LensResult:
+               max_bytes: int = 2 << 30, attention_mask: torch.Tensor | None = None,
+               on_layer=None) -> LensResult:
     """Apply the logit lens to every layer for input ids (B, T); see lens.LensResult for what comes back.
 
     max_bytes: refuse (ObservatoryError, naming the size) when the captured stream plus the logits
-    working set would exceed it. A tensor-parallel rank model takes observatory/sharded.py's lens."""
+    working set would exceed it. attention_mask (B, T): right padding, pad positions left out
+    (observatory/padding.py). on_layer(l) is called as each layer is done (progress; not on a rank
+    model). A tensor-parallel rank model takes observatory/sharded.py's lens."""
     if _is_rank(model):
+        if attention_mask is not None:
+            raise ObservatoryError("a padded batch (attention_mask) is not supported under tensor "
+                                   "parallelism: lens one prompt at a time there")
         from .sharded import sharded_lens
         return sharded_lens(model, ids, topk, max_bytes)
-    return whole_lens(model, ids, topk, max_bytes)
+    return whole_lens(model, ids, topk, max_bytes, attention_mask, on_layer)

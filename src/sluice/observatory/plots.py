@@ -52,8 +52,22 @@ def _save(fig, path: Path) -> Path:
 
 
 def _layer_labels(n: int) -> list[str]:
-    """x_0 is the embedding output; x_l for l >= 1 is the output of block l-1."""
+    """x_0 is the first block's input (the embeddings); x_l for l >= 1 is the output of block l-1."""
     return ["emb"] + [str(i) for i in range(1, n)]
+
+
+MAX_LAYER_TICKS = 15  # more labels than this along a 7-inch axis run together
+
+
+def _layer_xticks(ax, n: int) -> None:
+    """Layer labels on the x axis, thinned to at most MAX_LAYER_TICKS (every 2nd at 28 layers),
+    always keeping emb and the last layer."""
+    step = -(-n // MAX_LAYER_TICKS)
+    ticks = list(range(0, n, step))
+    if ticks[-1] != n - 1:
+        ticks[-1:] = [n - 1] if n - 1 - ticks[-1] < step / 2 else [ticks[-1], n - 1]
+    labels = _layer_labels(n)
+    ax.set_xticks(ticks, [labels[i] for i in ticks])
 
 
 def _position_axis(ax, tokens: list[str], first: int = 0) -> None:
@@ -86,7 +100,7 @@ def residual_rms(data: dict, path: Path) -> Path:
         ax.axvspan(layer - 0.5, layer + 0.5, color="red", alpha=0.12, lw=0,
                    label="NaN/inf at some position" if i == 0 else None)
     _log_if_wide(ax, hi)
-    ax.set_xticks(layers, _layer_labels(len(layers)))
+    _layer_xticks(ax, len(layers))
     ax.set(xlabel="residual stream x_l (after block l; emb = embeddings)", ylabel="RMS over hidden channels",
            title="Residual stream RMS per layer")
     ax.grid(alpha=0.3)
@@ -225,21 +239,37 @@ def lens_grid(data: dict, path: Path) -> Path:
 
 
 def growth_fit(data: dict, path: Path) -> Path:
+    """The mean square per layer with the three fits (all on l = 1..L), and beside it the per-layer
+    increments, which show a bend that R^2 alone hides."""
     g = data["growth"]
     ms = _arr([np.mean(np.square(r)) for r in data["residual"]["rms"]])
     layers = np.arange(ms.size)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, inc) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(3, 2))
     ax.plot(layers, ms, "ko", label="measured (mean over positions)")
-    fine = np.linspace(0, layers[-1], 200)
+    fine = np.linspace(1, layers[-1], 200)
     ax.plot(fine, g["slope"] * fine + g["intercept"], "-",
             label=f"linear: {g['slope']:.3g} l + {g['intercept']:.3g} (R² {g['linear_r2']:.3f})")
-    ax.plot(fine[1:], g["coefficient"] * fine[1:] ** g["exponent"], "--",
+    if "quadratic" in g:
+        quad = np.polyfit(layers[1:], ms[1:], 2)  # growth.py's fit, refitted for its two other terms
+        ax.plot(fine, np.polyval(quad, fine), ":",
+                label=f"quadratic: {g['quadratic']:.3g} l² + ... (R² {g['quadratic_r2']:.3f})")
+    ax.plot(fine, g["coefficient"] * fine ** g["exponent"], "--",
             label=f"power law: {g['coefficient']:.3g} l^{g['exponent']:.2f} (R² {g['power_r2_linear']:.3f})")
-    ax.set_xticks(layers, _layer_labels(len(layers)))
-    ax.set(xlabel="residual stream x_l", ylabel="mean square of x_l (RMS²)",
+    _layer_xticks(ax, len(layers))
+    ax.set(xlabel="residual stream x_l (fits over l = 1..L)", ylabel="mean square of x_l (RMS²)",
            title="Does the residual variance grow linearly with depth?")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, title=g["verdict"], title_fontsize=8)
+    ax.legend(fontsize=8, title=g["verdict"].replace("; ", ";\n").replace(" (", "\n("), title_fontsize=7)
+    steps = np.diff(ms)
+    inc.bar(layers[1:], steps, color=["0.7"] + ["C0"] * (steps.size - 1))
+    _layer_xticks(inc, len(layers))
+    inc.set_xlim(0.4, layers[-1] + 0.6)
+    acc = g.get("acceleration")
+    note = f"; last / first third after block 0: {acc:.2f}x" if acc is not None and np.isfinite(acc) else ""
+    inc.set(xlabel="x_l", ylabel="x_l² - x_(l-1)² (mean square added)",
+            title=f"Per-layer increments (grey: block 0){note}")
+    inc.title.set_fontsize(9)
+    inc.grid(alpha=0.3, axis="y")
     return _save(fig, path)
 
 
@@ -253,25 +283,27 @@ def training_valves(data: dict, path: Path) -> Path:
     colours = plt.cm.viridis(np.linspace(0, 1, rms.shape[1]))
     for layer in range(rms.shape[1]):
         ax.plot(steps, rms[:, layer], color=colours[layer], label=_layer_labels(rms.shape[1])[layer])
-    ax.set(ylabel="RMS of x_l (mean over tokens)", title="2. residual stream, per layer")
+    ax.set(ylabel="RMS of x_l (mean over tokens)", title="valve 2: residual stream, per layer")
     ax.legend(fontsize=7, ncol=2, title="x_l", title_fontsize=7)
     ax = axes[0, 1]
     ax.plot(steps, tr["final_norm_in"], "o-", label="final norm in (= x_L)")
     ax.plot(steps, tr["final_norm_out"], "s-", label="final norm out")
-    ax.set(ylabel="RMS", title="3. final norm")
+    ax.set(ylabel="RMS", title="valve 3: final norm")
     ax.legend(fontsize=8)
     for ax in axes[0]:
         _log_if_wide(ax, rms)
     ax = axes[1, 0]
     ax.plot(steps, tr["logit_max"], "o-", label="max logit")
     ax.plot(steps, tr["logsumexp"], "s-", label="log Z (log-sum-exp)")
-    ax.set(xlabel="training step", ylabel="logit", title="4. LM head, last position")
+    ax.set(xlabel="training step", ylabel="logit", title="valve 4: LM head, last position")
     ax.legend(fontsize=8)
     ax = axes[1, 1]
-    ax.plot(steps, tr["entropy"], "o-", label="softmax entropy (nats)")
+    # Two different quantities, said as such: the loss is a mean over every held-out token, the
+    # entropy is the one distribution at the window's last position (what the valves log records)
     loss = [v if v is not None else math.nan for v in tr["heldout_loss"]]
-    ax.plot(steps, loss, "s-", label="held-out loss (nats/token)")
-    ax.set(xlabel="training step", ylabel="nats", title="softmax entropy and held-out loss")
+    ax.plot(steps, loss, "s-", label="held-out loss, mean over its tokens (nats/token)")
+    ax.plot(steps, tr["entropy"], "o:", label="softmax entropy at the window's LAST position only (nats)")
+    ax.set(xlabel="training step", ylabel="nats", title="held-out loss; one position's entropy (not a mean)")
     ax.legend(fontsize=8)
     for ax in axes.flat:
         ax.grid(alpha=0.3)

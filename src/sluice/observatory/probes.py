@@ -4,6 +4,7 @@
         model(ids)
     obs.stats["resid_rms"]   # (L+1, B, T): RMS of x_0 (embeddings) .. x_L, for every token
     obs.summary()            # the short per-layer summary `sluice demo` prints
+    obs.run([ids_a, ids_b])  # prompts of different lengths in one forward (padding.py)
 
 What is measured at each kind of site (a "site" is a module whose output a hook reads):
 1. residual stream x_0..x_L (embedding + block outputs): RMS, variance over channels, max |x|, and
@@ -22,7 +23,10 @@ and write into preallocated fp32 buffers with copy_ (no Python lists that grow, 
 logits stay bit-identical and the hooks trace into a torch.compile'd model. Buffers hold
 `capacity` = (batch, tokens); a larger forward re-allocates them once in a pre-hook on the model,
 after checking the size against `max_bytes`. Statistics describe the *last* forward; with a KV
-cache (decode), its T is the number of new tokens, not their absolute positions.
+cache (decode), its T is the number of new tokens, not their absolute positions. `stats` returns
+copies, so what a caller keeps is not overwritten by the next forward. A forward made by `run()`
+carries an attention mask: pad positions hold NaN (or -1) in `stats` and are left out of every
+aggregate (summary, massive activations, records).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ..model.layers import Transformer
 from ..model.quant import QuantizedLinear
 from .attention import AttentionProbe
 from .attribution import Attribution, BranchRecorder, target_ids
+from .padding import blank_padding, check_mask, masked_mean, pad_prompts
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 LOGIT_STATS = ("max", "min", "std", "logsumexp", "entropy", "top1_prob")
@@ -96,6 +101,8 @@ class Observation:
         self.norm_names, self.branch_names = self.sites.norms, self.sites.branches
         self.shape: tuple[int, int] | None = None  # (B, T) of the last forward
         self.logits_len = 0  # T of the LM head's input (1 when only the last position's logits are made)
+        self.mask: torch.Tensor | None = None  # (B, T) bool of the last forward, True = real token
+        self._next_mask: torch.Tensor | None = None  # set by run() for the forward it makes
         self._capacity = (0, 0)
         self._allocate(*capacity)
         self._handles: list = []
@@ -161,18 +168,43 @@ class Observation:
         if B > self._capacity[0] or T > self._capacity[1]:
             self._allocate(max(B, self._capacity[0]), max(T, self._capacity[1]))
         self.shape = (B, T)
+        self.mask = self._next_mask  # None for a forward not made by run(): every token is real
         for view in self._views(B, T).values():  # a site that does not run must not show stale data
             view.zero_()
 
     @property
     def stats(self) -> dict[str, torch.Tensor]:
-        """The buffers cut to the last forward's (B, T). The logits rows cover `logits_len` positions.
-        "nonfinite" (sites, B, T) int32 is 1 where that module's output at that token has a NaN/inf."""
+        """Copies of the buffers cut to the last forward's (B, T), on the CPU: the next forward does
+        not change them. The logits rows cover `logits_len` positions. "nonfinite" (sites, B, T)
+        int32 is 1 where that module's output at that token has a NaN/inf. "mask" (B, T) bool: the
+        real tokens; pad positions (a `run()` of unequal prompts) hold NaN, or -1 in the id tensors."""
         if self.shape is None:
             raise ObservatoryError("nothing observed yet: run the model inside `with observe(model)`")
-        views = {name: v.cpu() for name, v in self._views(*self.shape).items()}  # the analysis runs on CPU
+        # copy=True: .cpu() of a CPU tensor is the buffer itself, which the next forward overwrites
+        views = {name: v.to("cpu", copy=True) for name, v in self._views(*self.shape).items()}
         views["nonfinite"] = (~torch.isfinite(views.pop("nonfinite_sum"))).to(torch.int32)
+        if self.mask is not None:
+            blank_padding(views, self.mask, self.logits_len)
+        views["mask"] = self.mask.clone() if self.mask is not None else torch.ones(self.shape, dtype=torch.bool)
         return views
+
+    def run(self, prompts, attention_mask=None, pad_id: int = 0) -> torch.Tensor:
+        """One observed forward of several prompts: token id lists of any lengths (right-padded
+        with pad_id here), or ids (B, T) with a right-padding attention_mask (B, T). Returns the
+        logits (B, T, V); the statistics of pad positions are excluded everywhere (module doc)."""
+        if isinstance(prompts, torch.Tensor):
+            ids = prompts
+            mask = check_mask(ids, attention_mask if attention_mask is not None else torch.ones_like(ids, dtype=torch.bool))
+        else:
+            if attention_mask is not None:
+                raise ObservatoryError("attention_mask goes with ids (B, T); token id lists are padded here")
+            ids, mask = pad_prompts(prompts, pad_id)
+        self._next_mask = mask
+        try:
+            with torch.inference_mode():
+                return self.model(ids.to(next(self.model.parameters()).device))
+        finally:
+            self._next_mask = None
 
     def _views(self, B: int, T: int) -> dict[str, torch.Tensor]:
         # (B, T) are the last two dims of every buffer but the top-k ones, which have k after them.
@@ -315,10 +347,12 @@ class Observation:
         return {"module": name, "layer": _layer_of(name), "batch": b, "position": t,
                 "positions": int(counts[j].sum()), "total": int(counts.sum())}
 
-    def massive_activations(self, top: int = 5) -> list[dict]:
+    def massive_activations(self, top: int = 5, min_ratio: float = 0.0) -> list[dict]:
         """Per layer, the channels with the largest |x| over all tokens: channel, signed value, the
         (batch row, token) where it peaks, how many tokens have it in their top-k, and |x| over that
-        token's RMS (a channel holding all of a token's energy would give sqrt(hidden))."""
+        token's RMS (a channel holding all of a token's energy would give sqrt(hidden)). min_ratio:
+        keep only channels whose peak holds at least that many times its token's RMS (massive ones),
+        so a layer with none lists none."""
         s = self.stats
         ch, val, rms = s["resid_top_channels"], s["resid_top_values"], s["resid_rms"]
         rows = []
@@ -326,12 +360,15 @@ class Observation:
             c, v = ch[layer].flatten(), val[layer].flatten()  # (B*T*k,)
             # NaN magnitudes rank last (first_nonfinite() reports them); inf ranks first
             mag = v.abs().nan_to_num(nan=-1.0)
-            counts = torch.bincount(c, minlength=self.model.config.hidden_size)
-            peak = torch.full(counts.shape, -1.0).scatter_reduce(0, c, mag, reduce="amax")
+            real = c >= 0  # pad positions hold channel -1
+            counts = torch.bincount(c[real], minlength=self.model.config.hidden_size)
+            peak = torch.full(counts.shape, -1.0).scatter_reduce(0, c[real], mag[real], reduce="amax")
             for channel in peak.topk(min(top, int((peak >= 0).sum()))).indices.tolist():
                 where = int(((c == channel) & (mag == peak[channel])).nonzero()[0, 0])
                 b, t = divmod(where // self.topk, rms.shape[2])
                 value = float(v[where])
+                if abs(value) < min_ratio * float(rms[layer, b, t]):
+                    continue
                 rows.append({"layer": layer, "channel": channel, "value": value, "batch": b,
                              "position": t, "tokens_in_topk": int(counts[channel]),
                              "ratio_to_rms": abs(value) / max(float(rms[layer, b, t]), 1e-30)})
@@ -342,19 +379,24 @@ class Observation:
         last position (the distribution the next token is drawn from), averaged over the batch."""
         s = self.stats
         index = {n: j for j, n in enumerate(self.norm_names)}
+        mask = self.mask
         def per_layer(key, suffix):  # None where the family has no such norm (OLMo 2: no pre-norms)
-            return [float(s[key][index[f"layers.{i}.{suffix}"]].mean()) if f"layers.{i}.{suffix}" in index
-                    else None for i in range(self.num_layers)]
-        logits = s["logits"][:, :, self.logits_len - 1].mean(-1)  # (6,) at the last position
+            return [float(masked_mean(s[key][index[f"layers.{i}.{suffix}"]], mask))
+                    if f"layers.{i}.{suffix}" in index else None for i in range(self.num_layers)]
+        # each row's last real position (its last one, without padding)
+        last = (mask.sum(1) - 1 if mask is not None and self.logits_len == self.shape[1]
+                else torch.full((self.shape[0],), self.logits_len - 1))
+        logits = s["logits"][:, torch.arange(self.shape[0]), last].mean(-1)  # (6,) at the last position
         final = index.get("final_norm")
-        return {"residual_rms": s["resid_rms"].mean((1, 2)).tolist(),
-                "residual_absmax": s["resid_absmax"].amax((1, 2)).tolist(),
+        real = s["mask"]
+        return {"residual_rms": masked_mean(s["resid_rms"], mask).tolist(),
+                "residual_absmax": s["resid_absmax"][:, real].amax(-1).tolist(),
                 "attn_norm_in": per_layer("norm_in_rms", "attn_norm"),
                 "attn_norm_out": per_layer("norm_out_rms", "attn_norm"),
                 "mlp_norm_in": per_layer("norm_in_rms", "mlp_norm"),
                 "mlp_norm_out": per_layer("norm_out_rms", "mlp_norm"),
-                "final_norm_in": float(s["norm_in_rms"][final].mean()) if final is not None else None,
-                "final_norm_out": float(s["norm_out_rms"][final].mean()) if final is not None else None,
+                "final_norm_in": float(masked_mean(s["norm_in_rms"][final], mask)) if final is not None else None,
+                "final_norm_out": float(masked_mean(s["norm_out_rms"][final], mask)) if final is not None else None,
                 **{f"logit_{k}" if k in ("max", "min", "std") else k: float(v)
                    for k, v in zip(LOGIT_STATS, logits)},
                 # the norms on the branch outputs, for the families that have them (Gemma's
@@ -367,9 +409,12 @@ class Observation:
         """Long-format rows (one per site, batch row and token) for CSV or JSON."""
         s, B, T = self.stats, *self.shape
         rows: list[dict] = []
+        real = s["mask"]
         for layer in range(self.num_layers + 1):
             for b in range(B):
                 for t in range(T):
+                    if not real[b, t]:
+                        continue
                     rows.append({"kind": "residual", "layer": layer, "batch": b, "position": t,
                                  "rms": float(s["resid_rms"][layer, b, t]),
                                  "var": float(s["resid_var"][layer, b, t]),
@@ -380,13 +425,15 @@ class Observation:
         for j, name in enumerate(self.norm_names):
             rows += [{"kind": "norm", "module": name, "layer": _layer_of(name), "batch": b, "position": t,
                       "in_rms": float(s["norm_in_rms"][j, b, t]), "out_rms": float(s["norm_out_rms"][j, b, t]),
-                      "gain": float(gain[j, b, t])} for b in range(B) for t in range(T)]
+                      "gain": float(gain[j, b, t])} for b in range(B) for t in range(T) if real[b, t]]
         for j, name in enumerate(self.branch_names):
             rows += [{"kind": "branch", "module": name, "layer": _layer_of(name), "batch": b, "position": t,
                       "rms": float(s["branch_rms"][j, b, t]), "ratio_to_stream": float(ratio[j, b, t])}
-                     for b in range(B) for t in range(T)]
+                     for b in range(B) for t in range(T) if real[b, t]]
         for b in range(B):
             for t in range(self.logits_len):
+                if not real[b, t + T - self.logits_len]:
+                    continue
                 row = {"kind": "logits", "batch": b, "position": t + T - self.logits_len,
                        "top1_id": int(s["top1_id"][b, t])}
                 row.update({k: float(s["logits"][i, b, t]) for i, k in enumerate(LOGIT_STATS)})

@@ -42,6 +42,7 @@ from ..engine.runner import Runner
 from ..engine.sampling import Sampler, SamplingParams
 from ..errors import ObservatoryError
 from . import machine
+from .disturbance import REPEATS, watched
 from .costs import COMPONENTS, kv_cache_bytes, step_costs, totals
 from .profile_native import measure_native, native_reason
 from .roofline import predict
@@ -199,9 +200,15 @@ PATHS = ("torch", "native")
 
 
 def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams | None = None,
-            min_sample_s: float = 0.05, hardware: dict | None = None, progress=None, path: str = "torch") -> dict:
+            min_sample_s: float = 0.05, hardware: dict | None = None, progress=None, path: str = "torch",
+            repeat_disturbed: int = REPEATS) -> dict:
     """The decode-step breakdown of `model` at each context length (see the module docstring). path="native":
-    the native step the engine runs, timed by its own phase counters (profile_native.py)."""
+    the native step the engine runs, timed by its own phase counters (profile_native.py).
+
+    Each context is one round under a LoadWatch (disturbance.py): a round that other work disturbed
+    (load, busy processes, steal) is measured again up to `repeat_disturbed` times, and one still
+    disturbed is kept but marked, in its row ("disturbed", "load"), at the top ("disturbed") and in
+    a note that the tables and the report show."""
     if path not in PATHS:
         raise ObservatoryError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
     if path == "native" and (why := native_reason(model)) is not None:
@@ -217,12 +224,16 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
         check_memory(cfg, c, act, available)
     params = (params or SamplingParams(temperature=1.0, seed=0)).with_defaults(None)
     load_start = os.getloadavg()[0]
-    hw = hardware or machine.measure(dtype)
+    hw_load = None
+    if hardware is None:  # the peaks divide every "of peak" share: measured under the same watch
+        hw, hw_load = watched(lambda: machine.measure(dtype), repeat_disturbed)
+    else:
+        hw = hardware
     peak_bw, peak_flops = hw["stream_copy"]["GB_s"] * 1e9, hw["matmul"]["GFLOP_s"] * 1e9
     rows = []
     for c in contexts:
         t0 = time.perf_counter()
-        m = measure(model, c, reps, params, min_sample_s)
+        m, load = watched(lambda: measure(model, c, reps, params, min_sample_s), repeat_disturbed)
         costs = step_costs(cfg, 1, c, dtype, act)
         tot = totals(costs)
         comp_s, step_s = m["components"], m["step_s"]
@@ -247,9 +258,11 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
             "seconds": time.perf_counter() - t0,
             # the machine may be shared: a 1-minute load above the core count means the numbers are not clean
             "loadavg_1min_after": os.getloadavg()[0],
+            "disturbed": load["disturbed"], "load": load,
         })
         if progress:
             progress(rows[-1])
+    notes += disturbed_notes(rows, hw_load)
     name = getattr(model, "model_dir", None)
     return {
         "kind": "profile",
@@ -267,4 +280,22 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
                      "threads": torch.get_num_threads(), "mode": "native" if path == "native" else "eager",
                      "path": path, "loadavg_at_start": load_start},
         "machine": hw, "notes": notes, "rows": rows,
+        "disturbed": any(r["disturbed"] for r in rows) or bool(hw_load and hw_load["disturbed"]),
+        "machine_load": hw_load,
     }
+
+
+def disturbed_notes(rows: list[dict], hw_load: dict | None) -> list[str]:
+    """What a reader must know when other work shared the CPU: which rounds, why, after how many tries."""
+    notes = []
+    if hw_load and hw_load["disturbed"]:
+        notes.append("DISTURBED: the machine's peak bandwidth and FLOP/s were measured while other work used the "
+                     f"CPU ({'; '.join(hw_load['disturbed_reasons'])}): every 'of peak' share is suspect")
+    bad = [r for r in rows if r["disturbed"]]
+    if bad:
+        why = "; ".join(bad[0]["load"]["disturbed_reasons"])
+        contexts = ", ".join(f"{r['context']:,}" for r in bad)
+        notes.append(f"DISTURBED: context {contexts} measured while other work "
+                     f"used the CPU, still after {bad[0]['load']['attempts']} tries ({why}): those times and "
+                     "shares are not clean; rerun on a quiet machine")
+    return notes

@@ -94,7 +94,9 @@ def predicted(data: dict, path: Path) -> Path:
     ax.bar(x + 0.2, [row["predicted"]["components"][k]["ms"] for k in COMPONENTS], width=0.4,
            label="roofline bound (this machine)")
     ax.set_xticks(x, [LABELS[k] for k in COMPONENTS], rotation=30, ha="right")
-    ax.set_ylabel("ms per decode step")
+    # log: the bounds are often 10-1000x below the measured times, invisible on a linear axis
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per decode step (log scale)")
     ax.set_title(f"Measured vs predicted at context {row['context']:,}")
     ax.legend(fontsize=8)
     return _save(fig, path)

@@ -60,12 +60,14 @@ def profile_header(d: dict) -> str:
 def summary_rows(d: dict) -> tuple[list[str], list[list[str]]]:
     head = ["context", "step ms", "tokens/s", "components sum vs step", "MB read (KV)", "achieved GB/s",
             "of peak", "LM head + softmax", "KV attention (time)", "KV cache (bytes)", "roofline tok/s",
-            "measured / bound"]
+            "measured / bound", "CPU shared?"]
     rows = [[f"{r['context']:,}", f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.1f}", f"{100 * r['sum_vs_step']:+.1f}%",
              f"{mb(r['read_bytes'])} ({mb(r['kv_cache_bytes'])})", f"{r['achieved_GB_s']:.2f}",
              pct(r["fraction_of_peak_bandwidth"]), pct(r["lm_head_softmax_share"]), pct(r["kv_time_share"]),
              pct(r["kv_bytes_share"]), f"{r['predicted']['tokens_per_s']:,.1f}",
-             pct(r["tokens_per_s"] / r["predicted"]["tokens_per_s"])] for r in d["rows"]]
+             pct(r["tokens_per_s"] / r["predicted"]["tokens_per_s"]),
+             # marked where other work disturbed the round even after a repeat (notes: why)
+             "DISTURBED" if r.get("disturbed") else "no"] for r in d["rows"]]
     return head, rows
 
 

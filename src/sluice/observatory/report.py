@@ -113,18 +113,18 @@ def _valves(data: dict) -> str:
     # the norms this family has: pre (Llama), pre + post (Gemma's sandwich), post only (OLMo 2)
     kinds = [k for k in ("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm")
              if any(v is not None for v in s.get(k + "_in", ()))]
-    heads = {"attn_norm": "1. attention norm: RMS in &rarr; out", "attn_post_norm": "attention post-norm",
-             "mlp_norm": "1. MLP norm: RMS in &rarr; out", "mlp_post_norm": "MLP post-norm"}
+    heads = {"attn_norm": "valve 1, attention norm: RMS in &rarr; out", "attn_post_norm": "attention post-norm",
+             "mlp_norm": "valve 1, MLP norm: RMS in &rarr; out", "mlp_post_norm": "MLP post-norm"}
     rows = [["embeddings", *[""] * len(kinds), f"x_0 {_n(rms[0])}"]]
     rows += [[f"block {i}", *(f"{_n(s[k + '_in'][i])} &rarr; {_n(s[k + '_out'][i])}" for k in kinds),
               f"x_{i + 1} {_n(rms[i + 1])}"] for i in range(len(s["attn_norm_in"]))]
     if s["final_norm_in"] is not None:
-        rows.append(["3. final norm", f"{_n(s['final_norm_in'])} &rarr; {_n(s['final_norm_out'])}",
+        rows.append(["valve 3, final norm", f"{_n(s['final_norm_in'])} &rarr; {_n(s['final_norm_out'])}",
                      *[""] * max(len(kinds) - 1, 0),
                      f"grew {_num(rms[-1] / max(rms[0], 1e-30), '.0f')}x" if math.isfinite(rms[-1]) else ""])
     V = data["model"]["vocab_size"]
-    head = _table(["", *(heads[k] for k in kinds), "2. residual stream RMS"], rows, left=1)
-    return head + (f"<p>4. LM head at the last position: logits in [{_n(s['logit_min'])}, "
+    head = _table(["", *(heads[k] for k in kinds), "valve 2, residual stream RMS"], rows, left=1)
+    return head + (f"<p>Valve 4, the LM head at the last position: logits in [{_n(s['logit_min'])}, "
                    f"{_n(s['logit_max'])}], log-sum-exp {_n(s['logsumexp'])}; softmax over {V:,} tokens: "
                    f"entropy {_n(s['entropy'])} nats (uniform would be {math.log(V):.2f}), top-1 probability "
                    f"{_n(s['top1_prob'])}.</p>")
@@ -132,19 +132,40 @@ def _valves(data: dict) -> str:
 
 def _growth(data: dict, pngs) -> str:
     g = data["growth"]
-    rows = [["linear (l = 0..L)", f"{_num(g['slope'])} &middot; l + {_num(g['intercept'])}", _num(g["linear_r2"])],
-            ["power law (l = 1..L)", f"{_num(g['coefficient'])} &middot; l<sup>{_num(g['exponent'], '.2f')}</sup>",
+    rows = [["linear", f"{_num(g['slope'])} &middot; l + {_num(g['intercept'])}", _num(g["linear_r2"])],
+            ["power law", f"{_num(g['coefficient'])} &middot; l<sup>{_num(g['exponent'], '.2f')}</sup>",
              _num(g["power_r2_linear"])]]
-    return (_img(pngs, "growth_fit", "growth fit") + _table(["fit", "formula", "R&sup2;"], rows, left=2)
-            + f"<p><b>Verdict:</b> {escape(g['verdict'])}</p>")
+    if "quadratic" in g:
+        rows.insert(1, ["quadratic", f"{_num(g['quadratic'])} &middot; l<sup>2</sup> + &hellip;", _num(g["quadratic_r2"])])
+    bend = ""
+    if "increments" in g:
+        steps = ", ".join(_num(x, ".3g") for x in g["increments"])
+        acc = g["acceleration"]
+        bend = (f"<p>Mean square added by each block (block 0 first): {steps}; the last third of the "
+                f"increments after block 0 over the first third: "
+                f"{_num(acc, '.2f') + 'x' if math.isfinite(acc) else 'undefined (the first third adds nothing)'}.</p>")
+    return (_img(pngs, "growth_fit", "growth fit")
+            + _table(["fit (l = 1..L, the same points)", "formula", "R&sup2;"], rows, left=2)
+            + bend + f"<p><b>Verdict:</b> {escape(g['verdict'])}</p>")
 
 
 def _massive(data: dict) -> str:
+    rule = data.get("massive_rule")
+    intro = ""
+    if rule is not None:
+        big = rule["largest"]
+        closest = (f" The largest |x| / RMS seen: channel {big['channel']} at {_num(big['ratio_to_rms'], '.1f')}x in "
+                   f"{'emb' if big['layer'] == 0 else 'x_' + str(big['layer'])}, position {big['position']}."
+                   if big else "")
+        intro = (f"<p>Listed: channels whose |x| reaches {_num(rule['min_ratio_to_rms'], '.0f')}x their token's RMS "
+                 f"(up to {rule['per_layer']} per layer).{closest}</p>")
+        if not data["massive_activations"]:
+            return intro + "<p>None here: no channel of any layer is massive by that rule.</p>"
     rows = [["emb" if r["layer"] == 0 else f"x_{r['layer']}", str(r["channel"]), _num(r["value"], ".4g"),
              str(r["position"]), tok_html(r["token"]), _num(r["ratio_to_rms"], ".1f"), str(r["tokens_in_topk"])]
             for r in data["massive_activations"]]
-    return _table(["layer", "channel", "value", "position", "token", "|x| / token RMS",
-                   "tokens with it in their top-k"], rows)
+    return intro + _table(["layer", "channel", "value", "position", "token", "|x| / token RMS",
+                           "tokens with it in their top-k"], rows)
 
 
 def _lens(data: dict) -> str:
@@ -211,13 +232,15 @@ HOW = {
                 "positions (band: min to max); the heat map shows every position, so a token the stream "
                 "treats specially (often the first) stands out.",
     "growth": "If every block added an independent update of similar size, the mean square of x_l would grow "
-              "linearly with depth. Both fits are least squares; the verdict says which describes the data.",
+              "linearly with depth. Every fit is least squares over the same layers 1..L (x_0, the embeddings, is "
+              "left out of all of them), and the increments show whether the curve bends; the verdict "
+              "says which shape describes the data.",
     "norms": "Gain = RMS out / RMS in. Below 1 the norm shrinks the stream (the usual case deep in the model, "
              "where the stream is large); the q/k norms act per attention head.",
     "branches": "RMS of what the attention or MLP branch adds, over the RMS of the stream it is added to: "
                 "how much a block can still change the stream. Small ratios deep down mean the stream's "
                 "direction is mostly settled.",
-    "massive": "Per layer, the channels with the largest |x| over all positions. A channel holding many "
+    "massive": "Per layer, the channels with the largest |x| over all positions, if they are massive. A channel holding many "
                "times the token's RMS is a 'massive activation'; seen at every layer on the same channel, "
                "it is carried along the residual stream.",
     "attention": ATTENTION_HOW,
@@ -272,8 +295,8 @@ def _training(data: dict, pngs) -> str:
                 tr["steps"], tr["heldout_loss"], tr["residual_rms"], tr["final_norm_in"],
                 tr["final_norm_out"], tr["logit_max"], tr["logsumexp"], tr["entropy"])]
     return (f"<p>Run: <code>{escape(tr['run'])}</code></p>" + _img(pngs, "training_valves", "valves over training")
-            + _table(["step", "held-out loss", "x_0 RMS", "x_L RMS", "final norm in &rarr; out", "max logit",
-                      "log Z", "entropy"], rows))
+            + _table(["step", "held-out loss (mean over tokens)", "x_0 RMS", "x_L RMS", "final norm in &rarr; out",
+                      "max logit (last position)", "log Z (last position)", "entropy (last position)"], rows))
 
 
 def render(data: dict, pngs: dict[str, Path]) -> str:

@@ -40,18 +40,23 @@ CPU = "cpu-this-machine"
 HARDWARE_NAMES = (*HARDWARE, CPU)
 
 
+NEGLIGIBLE = 1e-3  # a component under this share of the step's bound time gets no roof label
+
+
 def predict(costs: dict[str, dict], bandwidth: float, flops: float, batch: int) -> dict:
     """Bounds from per-component costs, `bandwidth` in bytes/s and `flops` in FLOP/s.
 
     tokens_per_s = batch / max(total bytes / bandwidth, total FLOPs / flops); per component, the
-    time max(bytes / bandwidth, FLOPs / flops) and which roof it sits under."""
+    time max(bytes / bandwidth, FLOPs / flops) and which roof it sits under ("negligible" when that
+    time is under NEGLIGIBLE of the step's: a few thousand FLOPs and no bytes sit under no roof)."""
     tot = totals(costs)
     t_mem, t_compute = tot["read_bytes"] / bandwidth, tot["flops"] / flops
+    t = max(t_mem, t_compute)
     comps = {}
     for k in COMPONENTS:
         tm, tc = costs[k]["read_bytes"] / bandwidth, costs[k]["flops"] / flops
-        comps[k] = {"ms": max(tm, tc) * 1e3, "bound": "compute" if tc > tm else "memory"}
-    t = max(t_mem, t_compute)
+        bound = "negligible" if max(tm, tc) < NEGLIGIBLE * t else "compute" if tc > tm else "memory"
+        comps[k] = {"ms": max(tm, tc) * 1e3, "bound": bound}
     for k in COMPONENTS:
         comps[k]["share"] = comps[k]["ms"] / 1e3 / t if t else 0.0
     comp_ms = sum(c["ms"] for c in comps.values())

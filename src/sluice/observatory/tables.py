@@ -114,20 +114,30 @@ def softmax_table(data: dict) -> Table:
 
 def growth_table(data: dict) -> Table:
     g = data["growth"]
-    t = titled_table("growth of the residual stream's mean square (RMS²) with depth, x_0..x_L",
-                     caption=f"verdict: {g['verdict']}")
+    acc = g.get("acceleration")
+    bend = (f"; increments after block 0 grow {acc:.2f}x (last third / first)"
+            if acc is not None and math.isfinite(acc) else "")
+    t = titled_table("growth of the residual stream's mean square (RMS²) with depth, fitted on x_1..x_L",
+                     caption=f"verdict: {g['verdict']}{bend}")
     for name in ("fit", "formula", "R² (linear space)"):
         t.add_column(name)
     t.add_row("linear", f"{cell_text(g['slope'])} * l + {cell_text(g['intercept'])}", cell_text(g["linear_r2"], ".3f"))
-    t.add_row("power law (l >= 1)", f"{cell_text(g['coefficient'])} * l ^ {cell_text(g['exponent'], '.2f')}",
+    if "quadratic" in g:
+        t.add_row("quadratic", f"{cell_text(g['quadratic'])} * l² + ...", cell_text(g["quadratic_r2"], ".3f"))
+    t.add_row("power law", f"{cell_text(g['coefficient'])} * l ^ {cell_text(g['exponent'], '.2f')}",
               cell_text(g["power_r2_linear"], ".3f"))
     return t
 
 
 def massive_table(data: dict) -> Table:
-    """The single largest-magnitude channel per layer (the HTML report lists more)."""
+    """The single largest-magnitude massive channel per layer (the HTML report lists more)."""
+    rule = data.get("massive_rule") or {}
+    big = rule.get("largest")
+    note = (f"; none here. Largest seen: channel {big['channel']} at {big['ratio_to_rms']:.1f}x (layer {big['layer']})"
+            if big and not data["massive_activations"] else "")
     t = titled_table("massive activations: the largest |x| channel of each layer's residual stream",
-                     caption="|x| / RMS: how many times the token's RMS this one channel holds")
+                     caption=f"|x| / RMS: how many times the token's RMS this one channel holds; listed from "
+                             f"{rule.get('min_ratio_to_rms', 0):.0f}x{note}")
     for name in ("layer", "channel", "value", "position", "token", "|x| / RMS", "tokens with it in top-k"):
         t.add_column(name, justify="left" if name == "token" else "right")
     seen = set()
@@ -147,9 +157,10 @@ def training_table(data: dict, rows: int = 8) -> Table:
     n = len(tr["steps"])
     picks = sorted({round(i * (n - 1) / max(rows - 1, 1)) for i in range(min(rows, n))})
     t = titled_table(f"the valves over training: {tr['run']} ({n} evaluations)",
-                     caption="one fixed held-out window; loss: held-out, nats/token; RMS over the hidden size, "
-                       "mean over tokens; final norm: RMS in->out")
-    for name in ("step", "loss", "x_0 RMS", "x_L RMS", "final norm", "max logit", "log Z", "entropy"):
+                     caption="one fixed held-out window; loss: held-out, mean nats/token; RMS over the hidden "
+                       "size, mean over tokens; final norm: RMS in->out; max logit, log Z, entropy: the "
+                       "window's last position only")
+    for name in ("step", "loss", "x_0 RMS", "x_L RMS", "final norm", "max logit", "log Z", "entropy (last pos.)"):
         t.add_column(name, justify="right")
     for i in picks:
         loss = tr["heldout_loss"][i]

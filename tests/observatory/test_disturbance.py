@@ -1,4 +1,4 @@
-"""benchmarks/disturbance.py: which processes competed with a benchmark run, and when a run counts
+"""observatory/disturbance.py: which processes competed with a benchmark run, and when a run counts
 as disturbed. Snapshots are made up here (no timing, no dependence on what else the machine runs),
 but for one check that /proc is read at all."""
 
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from sluice.benchmarks import disturbance
-from sluice.benchmarks.disturbance import LoadWatch, parse_stat
+from sluice.observatory import disturbance
+from sluice.observatory.disturbance import LoadWatch, parse_stat
 
 ME = os.getpid()
 
@@ -47,6 +47,7 @@ def _watch(monkeypatch, snaps, loadavg, cores=2):
     monkeypatch.setattr(disturbance.os, "getloadavg", lambda: loadavg)
     monkeypatch.setattr(disturbance.os, "cpu_count", lambda: cores)
     monkeypatch.setattr(disturbance.time, "sleep", lambda s: None)
+    monkeypatch.setattr(disturbance, "cpu_times", lambda: None)  # no steal unless a test makes it up
     clock = iter([99.5, 100.0, 110.0])  # a 0.5 s look at the start, then a 10 s run
     monkeypatch.setattr(disturbance.time, "monotonic", lambda: next(clock))
     return LoadWatch(start_sample_s=0.5).result()
@@ -84,3 +85,48 @@ def test_other_processes_busy_during_the_run_disturb_it(monkeypatch):
 def test_without_proc_nothing_is_claimed(monkeypatch):
     r = _watch(monkeypatch, [None, None, None], (0.1, 0.1, 0.1))
     assert r["processes_read"] is False and r["disturbed"] is False and r["busy_at_start"] == []
+
+
+def test_steal_time_disturbs_a_run(monkeypatch):
+    quiet = {ME: (1, "python", 1.0, 7)}
+    ticks = iter([(100.0, 10_000.0), (180.0, 11_000.0), (100.0, 10_000.0), (110.0, 11_000.0)])
+    monkeypatch.setattr(disturbance, "_snapshot", lambda: dict(quiet))
+    monkeypatch.setattr(disturbance, "cpu_times", lambda: next(ticks))
+    monkeypatch.setattr(disturbance.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    monkeypatch.setattr(disturbance.time, "sleep", lambda s: None)
+    r = LoadWatch().result()  # 80 of 1,000 ticks stolen: 8%
+    assert r["disturbed"] and r["steal_share"] == 0.08
+    assert r["disturbed_reasons"] == ["the hypervisor gave 8% of the CPU time to other guests during the run (steal)"]
+    r = LoadWatch().result()  # 1%: background noise
+    assert r["disturbed"] is False and r["steal_share"] == 0.01
+
+
+def test_cpu_times_reads_proc_stat():
+    got = disturbance.cpu_times()
+    if got is None:
+        pytest.skip("no /proc/stat here")
+    assert 0 <= got[0] <= got[1]
+
+
+class FakeWatch:
+    """A LoadWatch whose verdicts are given in advance, one per round."""
+    verdicts: list = []
+
+    def __init__(self, start_sample_s=None):
+        self.disturbed = FakeWatch.verdicts.pop(0)
+
+    def result(self):
+        return {"disturbed": self.disturbed, "disturbed_reasons": ["made up"] if self.disturbed else []}
+
+
+def test_watched_repeats_a_disturbed_round_once_then_keeps_it_marked(monkeypatch):
+    monkeypatch.setattr(disturbance, "LoadWatch", FakeWatch)
+    calls = []
+    FakeWatch.verdicts = [True, False]
+    out, load = disturbance.watched(lambda: calls.append(1) or len(calls))
+    assert out == 2 and load["attempts"] == 2 and load["disturbed_attempts"] == 1 and not load["disturbed"]
+    FakeWatch.verdicts = [True, True]
+    out, load = disturbance.watched(lambda: calls.append(1) or len(calls))
+    assert out == 4 and load["attempts"] == 2 and load["disturbed"] and load["disturbed_reasons"] == ["made up"]
+    FakeWatch.verdicts = [False]
+    assert disturbance.watched(lambda: 7)[1]["attempts"] == 1
