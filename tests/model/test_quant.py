@@ -66,7 +66,7 @@ def test_chunked_quantization_equals_whole(monkeypatch):
     torch.manual_seed(0)
     lin = nn.Linear(96, 200)
     whole8, whole4 = Q.Int8Linear(lin), Q.Int4Linear(lin)
-    monkeypatch.setattr(Q, "CHUNK_ELEMENTS", 96 * 16)  # 16-row int8 chunks; int4 rounds up to 64 (its packing blocks)
+    monkeypatch.setattr(Q, "CHUNK_ELEMENTS", 96 * 16)  # 16-row chunks; torch's packing of int4 rounds up to 64
     part8, part4 = Q.Int8Linear(lin), Q.Int4Linear(lin)
     assert torch.equal(whole8.qweight, part8.qweight) and torch.equal(whole8.scales, part8.scales)
     assert torch.equal(whole4.packed, part4.packed) and torch.equal(whole4.scales_zeros, part4.scales_zeros)
