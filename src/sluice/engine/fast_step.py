@@ -278,10 +278,11 @@ class FastStep:
         kept = [torch.empty(0) if t is None else t.detach().float() if t.dim() == 1 else t.detach()[:rows.get(id(t))]
                 for t in tensors]
         none = torch.empty(0)
+        scales = [none if s is None else s.detach() if s.dim() == 3 else s.detach().float().contiguous()
+                  for s in scales]
+        head = head.detach()[:rows.get(id(head))]
         self._step = kernel().Step(kept, embed.detach(), none if pos is None else pos.detach(),
-                                   [none if t is None else t.detach() for t in final], head.detach()[:rows.get(id(head))],
-                                   [none if s is None else s.detach() if s.dim() == 3 else s.detach().float().contiguous()
-                                    for s in scales],
+                                   [none if t is None else t.detach() for t in final], head, scales,
                                    none if inv is None else inv, none if inv_local is None else inv_local, *per_layer,
                                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, opts)
 
