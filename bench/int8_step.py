@@ -111,7 +111,8 @@ def main():
     if a.quick:
         a.steps, a.rounds, a.prompt = 4, 3, 16
     model = sluice.load(a.model, dtype="float32", quantize=a.quantize)
-    gemv.use_fast_linears(model)  # the torch step as the engine ran int8 models before: the decode kernel
+    if a.quantize == "int8":  # the torch step as the engine ran int8 models before: the decode kernel
+        gemv.use_fast_linears(model)  # (int4 ones: torch's int4 op)
     why = unsupported(model)
     if why is not None:
         raise SystemExit(f"the native step cannot run this model: {why}")

@@ -39,13 +39,14 @@ from torch import nn
 from ..errors import ConfigError
 from ..model.layers import ACTIVATION_FUNCTIONS, MLP, Attention, Block, LayerNorm, RMSNorm, Transformer
 from ..model.quant import INT4_GROUP_SIZES, Int4Linear, Int8Linear
-from .gemv import FastInt8Linear, FastLinear
+from .gemv import FastInt4Linear, FastInt8Linear, FastLinear
 from .mixed import Bf16WeightLinear, UpcastEmbedding, activation_dtype
 from .native import NATIVE_DIR, NativeExtension
 
 _EXT = NativeExtension(NATIVE_DIR / "step.cpp", "whole-step CPU kernel")
 _LINEARS = (nn.Linear, FastLinear, Bf16WeightLinear)  # same parameters, forward differs only in speed
 _INT8_LINEARS = (Int8Linear, FastInt8Linear)  # qweight and scales: step.cpp multiplies by the codes, then the scale
+_INT4_LINEARS = (Int4Linear, FastInt4Linear)  # qweight and scales_zeros (native/q4.h)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 MAX_CHUNK = 64  # tokens per row per kernel call; a longer chunk runs as pieces of this many (small scratch)
 # config.hidden_act -> step.cpp's Act: gelu_new and torch's "tanh" GELU are one formula, equal in fp32 to an ulp
@@ -160,7 +161,7 @@ def _module_reason(model: Transformer) -> str | None:
     for name, lin in linears:
         if type(lin) in _INT8_LINEARS:
             found += [_int8_reason(name, lin)]
-        elif type(lin) is Int4Linear:
+        elif type(lin) in _INT4_LINEARS:
             found += [_int4_reason(name, lin)]
         elif type(lin) in _LINEARS:
             found += [_tensor_reason(f"{name}.weight", lin.weight, _WEIGHT_DTYPES)]
@@ -180,7 +181,7 @@ def _module_reason(model: Transformer) -> str | None:
         return "the norms' eps/offset or the layers' attention scales differ"
     if len(same["act"]) > 1 or len(same["qk"] - {None}) > 1:
         return "the layers' MLP activations or qk-norm widths differ"
-    if len({lin.group_size for _, lin in linears if type(lin) is Int4Linear}) > 1:
+    if len({lin.group_size for _, lin in linears if type(lin) in _INT4_LINEARS}) > 1:
         return "the int4 linears' group sizes differ (step.cpp takes one per model)"
     return next((why for why in found if why), None)
 
