@@ -234,3 +234,21 @@ def test_the_avx2_int4_products_pass_on_an_avx512_cpu():
                         "(equal or same_numbers) and not avx512_cpu and not the_engine"],
                        env=env, capture_output=True, text=True, timeout=1800, cwd=tests.parents[2])
     assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+
+
+def test_the_engines_torch_forward_of_an_int4_linear_computes_in_fp32():
+    """gemv.use_fast_linears makes an Int4Linear a FastInt4Linear: fp32 inputs times the dequantized weight in
+    fp32 (the native step's numbers up to summation order, for a torch forward with hooks), bf16 inputs torch's
+    op as before; neither builds torch's packed copy for fp32 inputs."""
+    from sluice.engine import gemv
+    torch.manual_seed(0)
+    model = nn.Sequential(Int4Linear(nn.Linear(100, 70), group_size=32))
+    q = model[0]
+    x = torch.randn(5, 100)
+    before = q(x.bfloat16())  # torch's op
+    q._packed = None
+    assert gemv.use_fast_linears(model) >= 1 and isinstance(q, gemv.FastInt4Linear) and unsupported(model) is not None
+    y = q(x)
+    assert q._packed is None and y.dtype == torch.float32
+    torch.testing.assert_close(y, nn.functional.linear(x, q.dequantize(), q.bias), rtol=0, atol=1e-5)
+    assert torch.equal(q(x.bfloat16()), before)
