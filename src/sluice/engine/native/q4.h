@@ -129,8 +129,10 @@ inline void q4_load(const float* w, int64_t k, __m512& lo, __m512& hi) {  // cod
 }
 
 // The sums of R weight rows x MT activation rows (x, xs: row m0's in a Q4In) in one vector at lane m * R + r, as
-// tile() returns them. pf: per_step lines prefetched per group (into L2 with t1, else L1).
-template <typename C, int R, int MT>
+// tile() returns them, for groups of GS inputs. pf: per_step lines prefetched per group (into L2 with t1, else L1).
+// The group size is a template argument so that the loops over a group and over the rows unroll, and the R * MT
+// sums stay in registers (with a run-time size they lived on the stack: 3x slower).
+template <typename C, int R, int MT, int GS>
 inline __m512 q4_tile(const C* const w[R], const int64_t rows[R], bool run, const Linear& L, const Q4In& in,
                       const float* x, const float* xs, Prefetch& pf, bool t1) {
   static_assert(R * MT <= 16, "one reduce16 per tile");
@@ -138,15 +140,18 @@ inline __m512 q4_tile(const C* const w[R], const int64_t rows[R], bool run, cons
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
   alignas(64) float s[16], c[16];
   const char *pp = pf.p, *const pend = pf.end;
-  const int64_t gs = L.group, Kp = in.ldx;
+  constexpr int64_t gs = GS;
+  const int64_t Kp = in.ldx;
   for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += gs, ++g) {
     if (t1)
       for (int64_t j = 0; j < pf.per_step && pp < pend; ++j, pp += 64) _mm_prefetch(pp, _MM_HINT_T1);
     else
       for (int64_t j = 0; j < pf.per_step && pp < pend; ++j, pp += 64) _mm_prefetch(pp, _MM_HINT_T0);
     q4_scales<R>(L, g, rows, run, s, c);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       __m512 acc[MT];
+#pragma GCC unroll 8
       for (int64_t k = k0; k < k0 + gs; k += kQ4Block) {
         __m512 lo, hi;
         q4_load(w[r], k, lo, hi);
@@ -169,11 +174,12 @@ inline __m512 q4_tile(const C* const w[R], const int64_t rows[R], bool run, cons
 #else
 // out[r][m] = the product of weight row r with activation row m (x, xs: row 0's in a Q4In), N * M <= 8, each pair's
 // operations in the same order whatever N and M. pf: the next rows, one line per block of 32 inputs.
-template <int N, int M>
+template <int N, int M, int GS>
 inline void q4_dot(const uint8_t* const w[N], const int64_t rows[N], bool run, const Linear& L, const Q4In& in,
                    const float* x, const float* xs, float out[4][4], const char* pf = nullptr, bool far = false) {
   alignas(16) float s[4], c[4];
-  const int64_t gs = L.group, Kp = in.ldx;
+  constexpr int64_t gs = GS;
+  const int64_t Kp = in.ldx;
 #ifdef SLUICE_AVX2
   __m256 a[N][M];
   for (int r = 0; r < N; ++r)
@@ -186,8 +192,10 @@ inline void q4_dot(const uint8_t* const w[N], const int64_t rows[N], bool run, c
         else _mm_prefetch(pf, _MM_HINT_T0);
       }
     q4_scales<N>(L, g, rows, run, s, c);
+#pragma GCC unroll 4
     for (int r = 0; r < N; ++r) {
       __m256 acc[M];
+#pragma GCC unroll 8
       for (int64_t k = k0; k < k0 + gs; k += kQ4Block) {
         const uint8_t* p = w[r] + k / 2;
         const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -230,6 +238,31 @@ inline void q4_dot(const uint8_t* const w[N], const int64_t rows[N], bool run, c
 }
 #endif
 
+// The tile and dot for L's group size (one of quant.py's INT4_GROUP_SIZES: make_linear checks).
+#ifdef SLUICE_AVX512
+template <typename C, int R, int MT>
+inline __m512 q4_tile_g(const C* const w[R], const int64_t rows[R], bool run, const Linear& L, const Q4In& in,
+                        const float* x, const float* xs, Prefetch& pf, bool t1) {
+  switch (L.group) {
+    case 32: return q4_tile<C, R, MT, 32>(w, rows, run, L, in, x, xs, pf, t1);
+    case 64: return q4_tile<C, R, MT, 64>(w, rows, run, L, in, x, xs, pf, t1);
+    case 128: return q4_tile<C, R, MT, 128>(w, rows, run, L, in, x, xs, pf, t1);
+    default: return q4_tile<C, R, MT, 256>(w, rows, run, L, in, x, xs, pf, t1);
+  }
+}
+#else
+template <int N, int M>
+inline void q4_dot_g(const uint8_t* const w[N], const int64_t rows[N], bool run, const Linear& L, const Q4In& in,
+                     const float* x, const float* xs, float out[4][4], const char* pf = nullptr, bool far = false) {
+  switch (L.group) {
+    case 32: return q4_dot<N, M, 32>(w, rows, run, L, in, x, xs, out, pf, far);
+    case 64: return q4_dot<N, M, 64>(w, rows, run, L, in, x, xs, out, pf, far);
+    case 128: return q4_dot<N, M, 128>(w, rows, run, L, in, x, xs, out, pf, far);
+    default: return q4_dot<N, M, 256>(w, rows, run, L, in, x, xs, out, pf, far);
+  }
+}
+#endif
+
 // block()'s int4 form: y[m, n - n0] (+)= x[m] . W[n] + b[n] for m < M, n0 <= n < n1, x given as a Q4In.
 // The same tiles and passes as block() (see there), over groups of inputs instead of runs of 16.
 inline void block_q4(const Linear& L, const Q4In& in, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
@@ -250,7 +283,7 @@ inline void block_q4(const Linear& L, const Q4In& in, int64_t M, int64_t n0, int
         pf.end = pf.p + 16 * ldw;
         pf.per_step = (16 * ldw / 64 + G - 1) / G;
       }
-      const __m512 s = q4_tile<uint8_t, 16, 1>(wr, rows, n + 16 <= n1, L, in, in.x, in.xs, pf, L.far);
+      const __m512 s = q4_tile_g<uint8_t, 16, 1>(wr, rows, n + 16 <= n1, L, in, in.x, in.xs, pf, L.far);
       put16(s, nullptr, bias ? bias + n : nullptr, std::min<int64_t>(16, n1 - n), y + n - n0, accumulate);
     }
     return;
@@ -291,19 +324,19 @@ inline void block_q4(const Linear& L, const Q4In& in, int64_t M, int64_t n0, int
           const float* wf[R];
           for (int r = 0; r < R; ++r) wf[r] = scratch + (rows[r] - p0) * lds;
           switch (mm) {
-            case 1: s = q4_tile<float, R, 1>(wf, rows, run, L, in, xm, xsm, pf, t1); break;
-            case 2: s = q4_tile<float, R, 2>(wf, rows, run, L, in, xm, xsm, pf, t1); break;
-            case 3: s = q4_tile<float, R, 3>(wf, rows, run, L, in, xm, xsm, pf, t1); break;
-            default: s = q4_tile<float, R, 4>(wf, rows, run, L, in, xm, xsm, pf, t1);
+            case 1: s = q4_tile_g<float, R, 1>(wf, rows, run, L, in, xm, xsm, pf, t1); break;
+            case 2: s = q4_tile_g<float, R, 2>(wf, rows, run, L, in, xm, xsm, pf, t1); break;
+            case 3: s = q4_tile_g<float, R, 3>(wf, rows, run, L, in, xm, xsm, pf, t1); break;
+            default: s = q4_tile_g<float, R, 4>(wf, rows, run, L, in, xm, xsm, pf, t1);
           }
         } else {
           const uint8_t* wr[R];
           for (int r = 0; r < R; ++r) wr[r] = w + rows[r] * ldw;
           switch (mm) {
-            case 1: s = q4_tile<uint8_t, R, 1>(wr, rows, run, L, in, xm, xsm, pf, t1); break;
-            case 2: s = q4_tile<uint8_t, R, 2>(wr, rows, run, L, in, xm, xsm, pf, t1); break;
-            case 3: s = q4_tile<uint8_t, R, 3>(wr, rows, run, L, in, xm, xsm, pf, t1); break;
-            default: s = q4_tile<uint8_t, R, 4>(wr, rows, run, L, in, xm, xsm, pf, t1);
+            case 1: s = q4_tile_g<uint8_t, R, 1>(wr, rows, run, L, in, xm, xsm, pf, t1); break;
+            case 2: s = q4_tile_g<uint8_t, R, 2>(wr, rows, run, L, in, xm, xsm, pf, t1); break;
+            case 3: s = q4_tile_g<uint8_t, R, 3>(wr, rows, run, L, in, xm, xsm, pf, t1); break;
+            default: s = q4_tile_g<uint8_t, R, 4>(wr, rows, run, L, in, xm, xsm, pf, t1);
           }
         }
         put4(s, nullptr, bias ? bias + n : nullptr, std::min<int64_t>(R, n1 - n), y + m0 * ldy + n - n0, ldy, mm,
@@ -324,7 +357,7 @@ inline void block_q4(const Linear& L, const Q4In& in, int64_t M, int64_t n0, int
     for (int64_t n = n0; n < n1; n += 4) {
       for (int r = 0; r < 4; ++r) wr[r] = w + (rows[r] = std::min(n + r, n1 - 1)) * ldw;
       const char* next = n + 8 <= L.n ? static_cast<const char*>(L.row(n + 4)) : nullptr;
-      q4_dot<4, 1>(wr, rows, n + 4 <= n1, L, in, in.x, in.xs, o, next, L.far);
+      q4_dot_g<4, 1>(wr, rows, n + 4 <= n1, L, in, in.x, in.xs, o, next, L.far);
       for (int64_t r = 0; r < std::min<int64_t>(4, n1 - n); ++r) put(0, n + r, o[r][0]);
     }
     return;
@@ -335,10 +368,10 @@ inline void block_q4(const Linear& L, const Q4In& in, int64_t M, int64_t n0, int
     for (int64_t n = n0; n < n1; n += 2) {
       for (int r = 0; r < 2; ++r) wr[r] = w + (rows[r] = std::min(n + r, n1 - 1)) * ldw;  // an odd last row pairs with itself
       switch (mm) {
-        case 1: q4_dot<2, 1>(wr, rows, false, L, in, xm, xsm, o); break;
-        case 2: q4_dot<2, 2>(wr, rows, false, L, in, xm, xsm, o); break;
-        case 3: q4_dot<2, 3>(wr, rows, false, L, in, xm, xsm, o); break;
-        default: q4_dot<2, 4>(wr, rows, false, L, in, xm, xsm, o);
+        case 1: q4_dot_g<2, 1>(wr, rows, false, L, in, xm, xsm, o); break;
+        case 2: q4_dot_g<2, 2>(wr, rows, false, L, in, xm, xsm, o); break;
+        case 3: q4_dot_g<2, 3>(wr, rows, false, L, in, xm, xsm, o); break;
+        default: q4_dot_g<2, 4>(wr, rows, false, L, in, xm, xsm, o);
       }
       for (int64_t m = 0; m < mm; ++m) {
         put(m0 + m, n, o[0][m]);

@@ -847,8 +847,9 @@ Linear make_linear(const torch::Tensor& w, const float* bias, const torch::Tenso
                     scale.size(2) == 2 && scale.size(1) >= w.size(0) && codes % scale.size(0) == 0,
                 "Step: the ", what, " weight's scales_zeros must be bf16 (groups, >= ", w.size(0), ", 2)");
     L.group = codes / scale.size(0);
-    TORCH_CHECK(L.group % 32 == 0 && codes - in < L.group, "Step: the ", what, " weight's groups of ", L.group,
-                " inputs must be a multiple of 32 and pad ", in, " inputs by less than a group");
+    TORCH_CHECK((L.group == 32 || L.group == 64 || L.group == 128 || L.group == 256) && codes - in < L.group,
+                "Step: the ", what, " weight's groups of ", L.group, " inputs must be 32, 64, 128 or 256 and pad ", in,
+                " inputs by less than a group");
     L.sz = scale.data_ptr<bf16>();
     L.ldsz = scale.size(1);
   }
