@@ -1,14 +1,16 @@
-"""int8 decode on the native step (step.cpp reading Int8Linear's codes) against the path int8 models took before
-it: the torch step with sluice's int8 decode kernel under each linear (gemv.FastInt8Linear).
+"""int8 (or, with --quantize int4, int4) decode on the native step (step.cpp reading the quantized codes) against
+the path such models took before it: for int8 the torch step with sluice's int8 decode kernel under each linear
+(gemv.FastInt8Linear), for int4 the torch step on torch's int4 op (_weight_int4pack_mm_for_cpu).
 
-Both run on the same --quantize int8 model (loaded in fp32, as `sluice bench --quantize int8` loads it), on one
+Both run on the same quantized model (loaded in fp32, as `sluice bench --quantize int8` loads it), on one
 paged KV pool prefilled with the same prompt, at batch 1 (and --batch rows), one token per step. Rounds
 alternate native and torch, so a disturbance hits both; each round times --steps decode steps at the next
 positions (every round rewrites the same slots). Reported: median and best ms per step, tok/s, and the bytes a
-step reads from its weights (the int8 codes, their scales, biases and norm gains) with the rate that makes.
+step reads from its weights (the codes, their scales (and zeros), biases and norm gains) with the rate that
+makes.
 
     flock /tmp/sluice-bench.lock .venv/bin/python bench/int8_step.py --model /path/to/qwen3-0.6b \
-        [--out docs/results/bench-int8-step.json]
+        [--quantize int4] [--out docs/results/bench-int8-step.json]
     .venv/bin/python bench/int8_step.py --quick       # the bundled model, a few rounds: a smoke test
 
 On a shared machine (other processes on its cores) the numbers steer work, they are not results.
@@ -29,16 +31,19 @@ from common import environment, save_json
 from sluice.engine import gemv
 from sluice.engine.fast_step import FastStep, unsupported
 from sluice.engine.paged_cache import DEFAULT_BLOCK_SIZE, BlockPool, PagedView
-from sluice.model.quant import Int8Linear
+from sluice.model.quant import Int4Linear, Int8Linear
 
 
 def weight_bytes(model) -> int:
-    """Bytes a decode step reads from the weights: every int8 linear's codes, scales and bias, the norm gains
-    (the embedding is one row per token: left out)."""
+    """Bytes a decode step reads from the weights: every quantized linear's codes, scales (int8: fp32 copies;
+    int4: bf16 scales and zeros, read in place) and bias, the norm gains (the embedding is one row per token:
+    left out)."""
     total = 0
     for m in model.modules():
         if isinstance(m, Int8Linear):
             total += m.qweight.nbytes + 4 * m.out_features + (0 if m.bias is None else m.bias.nbytes)
+        elif isinstance(m, Int4Linear):
+            total += m.qweight.nbytes + m.scales_zeros.nbytes + (0 if m.bias is None else m.bias.nbytes)
         elif "Norm" in type(m).__name__:
             total += sum(p.nbytes for p in m.parameters(recurse=False))
     return total
@@ -99,17 +104,20 @@ def main():
     ap.add_argument("--prompt", type=int, default=128, help="tokens in the cache before the timed steps")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per round")
     ap.add_argument("--rounds", type=int, default=7, help="rounds per path, alternating")
+    ap.add_argument("--quantize", choices=("int8", "int4"), default="int8", help="the scheme (default int8)")
     ap.add_argument("--quick", action="store_true", help="the bundled model, 3 rounds of 4 steps: a smoke test")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     a = ap.parse_args()
     if a.quick:
         a.steps, a.rounds, a.prompt = 4, 3, 16
-    model = sluice.load(a.model, dtype="float32", quantize="int8")
-    gemv.use_fast_linears(model)  # the torch step as the engine ran int8 models before: the decode kernel
+    model = sluice.load(a.model, dtype="float32", quantize=a.quantize)
+    if a.quantize == "int8":  # the torch step as the engine ran int8 models before: the decode kernel
+        gemv.use_fast_linears(model)  # (int4 ones: torch's int4 op)
     why = unsupported(model)
     if why is not None:
         raise SystemExit(f"the native step cannot run this model: {why}")
     result = {"environment": environment(), "quick": a.quick, "model": str(a.model or "bundled"),
+              "quantize": a.quantize,
               "weight_bytes_per_step": weight_bytes(model), "prompt_tokens_in_cache": a.prompt, "rows": {}}
     for batch in (int(b) for b in a.batch.split(",")):
         result["rows"][f"decode B={batch}"] = run(model, batch, a.prompt, a.steps, a.rounds)

@@ -230,7 +230,9 @@ def test_hooks_quantized_linears_and_bf16_activations_are_refused(ckpt_dirs):
     assert "hook" in unsupported(model)
     handle.remove()
     assert unsupported(model) is None
-    assert "Int4Linear" in unsupported(sluice.load(ckpt_dirs["qwen3"], quantize="int4"))  # int8: test_fast_step_int8
+    quantized = sluice.load(ckpt_dirs["qwen3"], quantize="int4")  # int8 and int4 run: test_fast_step_int8/int4
+    quantized.layers[0].mlp.up.__class__ = type("CustomQuantLinear", (type(quantized.layers[0].mlp.up),), {})
+    assert "CustomQuantLinear" in unsupported(quantized)
     assert "activations are torch.bfloat16" in unsupported(sluice.load(ckpt_dirs["qwen3"], dtype="bfloat16"))
     fast = FastStep(model)
     model.final_softcap = 30.0  # surgery sets these attributes live; the config alone is not enough

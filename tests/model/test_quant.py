@@ -66,10 +66,33 @@ def test_chunked_quantization_equals_whole(monkeypatch):
     torch.manual_seed(0)
     lin = nn.Linear(96, 200)
     whole8, whole4 = Q.Int8Linear(lin), Q.Int4Linear(lin)
-    monkeypatch.setattr(Q, "CHUNK_ELEMENTS", 96 * 16)  # 16-row int8 chunks; int4 rounds up to 64 (its packing blocks)
+    monkeypatch.setattr(Q, "CHUNK_ELEMENTS", 96 * 16)  # 16-row chunks; torch's packing of int4 rounds up to 64
     part8, part4 = Q.Int8Linear(lin), Q.Int4Linear(lin)
     assert torch.equal(whole8.qweight, part8.qweight) and torch.equal(whole8.scales, part8.scales)
     assert torch.equal(whole4.packed, part4.packed) and torch.equal(whole4.scales_zeros, part4.scales_zeros)
+    assert torch.equal(whole4.qweight, part4.qweight)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_codes_are_kept_in_sluice_layout_and_torch_packs_them_lazily(group):
+    """Int4Linear holds its codes in the nibble layout (quant.py's doc: byte j of a 32-input block = input j |
+    input j + 16 << 4) and nothing else of their size; torch's packed layout is built at the first torch
+    forward, equals what int4_pack makes of the plain codes (what the module held before), and the outputs
+    are those of the kernel on it."""
+    torch.manual_seed(group)
+    lin = nn.Linear(100, 70)
+    q = Q.Int4Linear(lin, group_size=group)
+    codes, sz = Q.int4_quantize(lin.weight.detach(), group)  # (80, K') plain codes
+    Kp = codes.shape[1]
+    assert q.qweight.shape == (80, Kp // 2) and q.qweight.dtype == torch.uint8 and q._packed is None
+    assert torch.equal(q.qweight[:, 8], codes[:, 8] | codes[:, 24] << 4)  # block 0, byte 8
+    assert torch.equal(q.qweight[:, 16 + 3], codes[:, 32 + 3] | codes[:, 48 + 3] << 4)  # block 1, byte 3
+    assert torch.equal(Q.int4_unnibble(q.qweight), codes) and torch.equal(q.codes(), codes)
+    assert q.weight_bytes() == q.qweight.nbytes + sz.nbytes  # its buffers: no second copy of the codes
+    x = torch.randn(3, 100)
+    y = q(x)
+    assert q._packed is not None and torch.equal(q.packed, Q.int4_pack(codes))
+    assert torch.equal(y, Q.int4_linear(x, Q.int4_pack(codes), sz, group, 70, q.bias))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..model.layers import Transformer
+from ..model.quant import Int4Linear
 from .fast_step import FastStep, native_check
 from .paged_cache import BlockPool, PagedView
 from .plan import Row, StepPlan
@@ -48,6 +49,13 @@ class BatchForward:
             if want == "all" or (want == "last" and tokens.shape[1] <= 2):  # a head call costs more than a second row of logits
                 out = self.fast(tokens, positions, self.pool.k, self.pool.v, block_table=view.table)
                 return out if want == "all" else out[:, -1]
+            if want == "last" and isinstance(self.model.lm_head, Int4Linear):
+                # An int4 head's torch op needs torch's own packed copy of the codes, which a model on the native
+                # step never builds: the chunk's last token runs as a chunk of its own (the same numbers).
+                self.fast(tokens[:, :-1], positions[:, :-1], self.pool.k, self.pool.v, hidden=True,
+                          block_table=view.table)
+                return self.fast(tokens[:, -1:], positions[:, -1:], self.pool.k, self.pool.v,
+                                 block_table=view.table)[:, -1]
             h = self.fast(tokens, positions, self.pool.k, self.pool.v, hidden=True, block_table=view.table)
             if want == "last":  # a prompt's last chunk: the head on its last token only
                 # (in the head's weight dtype, as the torch forward gives it; an int8 head has none: fp32 as is)

@@ -59,15 +59,16 @@ def decode_kernel_building(device: torch.device) -> bool:
 def set_compute(model: torch.nn.Module, device: torch.device, compute: str, kernels, quantize) -> bool:
     """Put a bf16 model in "bf16 weights, fp32 compute" (engine/mixed.py) where asked ("float32") or
     where it pays ("auto": a CPU without bf16 instructions, a model past AUTO_KERNEL_BYTES, the kernel
-    allowed and available). An int8 model loaded in bf16 takes it under "auto" where the native step runs
-    it (its norms and embedding lookups in fp32, so the step, which computes in fp32, can). Returns whether it did."""
+    allowed and available). An int8 or int4 model loaded in bf16 takes it under "auto" where the native step
+    runs it (its norms and embedding lookups in fp32, so the step, which computes in fp32, can). Returns whether
+    it did."""
     if compute not in COMPUTE_CHOICES:
         raise ConfigError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, got {compute!r}")
     weights = model.embed.weight.dtype
     if compute == "bfloat16" and weights != torch.bfloat16:
         raise ConfigError(f"compute='bfloat16' needs bf16 weights (dtype='bfloat16'), not {weights}")
-    if weights != torch.bfloat16 or compute == "bfloat16" or quantize not in (None, "int8") or (
-            quantize == "int8" and (compute != "auto" or not native_step_fits(model, device))):
+    if weights != torch.bfloat16 or compute == "bfloat16" or quantize not in (None, "int8", "int4") or (
+            quantize is not None and (compute != "auto" or not native_step_fits(model, device))):
         return False
     # "auto": fp32 compute where the native whole step (fast_step.py, fp32 activations only) can run the
     # model, whose step is 5-10x the torch one on small models whatever the CPU; otherwise on a CPU

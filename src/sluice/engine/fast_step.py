@@ -14,11 +14,12 @@ partial rotary come out right) and a second table for Gemma 3's sliding layers, 
 positions; attention and final soft-caps, embedding scale; NeoX's parallel residual; SwiGLU, GeGLU or
 an ungated MLP with SiLU or GELU (erf or tanh); optional biases, tied or untied head, sliding windows;
 fp32 or bf16 linear weights with fp32 activations and an fp32 cache (the fp32 model, and
-engine/mixed.py's bf16-weight mode), or model/quant.py's int8 ones (an fp32 model loaded with
-quantize="int8": each row's sum of code x input, in fp32, times the row's scale). Numerics are the torch
-path's in fp32 (for int8, the product with the dequantized weight, without the bf16 rounding of x that
-torch's int8 op needs), so the cast orders of the families' norms are moot here. `unsupported(model)` names
-the first thing outside that (int4 or other quantized linears,
+engine/mixed.py's bf16-weight mode), or model/quant.py's int8 and int4 ones (a model loaded with
+quantize="int8": each row's sum of code x input, in fp32, times the row's scale; quantize="int4", any group
+size: per group the sum of code x input, times the group's scale, plus its zero term, native/q4.h). Numerics
+are the torch path's in fp32 (for int8 and int4, the product with the dequantized weight, without the bf16
+rounding of x and y that torch's quantized ops need), so the cast orders of the families' norms are moot
+here. `unsupported(model)` names the first thing outside that (other quantized or custom linears,
 bf16 activations, a module class or activation layers.py does not have, norms that mix kinds or eps),
 and then the caller keeps the torch path. Forward hooks are such a thing: the observatory relies on them
 firing, and this step calls no module.
@@ -37,14 +38,15 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..model.layers import ACTIVATION_FUNCTIONS, MLP, Attention, Block, LayerNorm, RMSNorm, Transformer
-from ..model.quant import Int8Linear
-from .gemv import FastInt8Linear, FastLinear
+from ..model.quant import INT4_GROUP_SIZES, Int4Linear, Int8Linear
+from .gemv import FastInt4Linear, FastInt8Linear, FastLinear
 from .mixed import Bf16WeightLinear, UpcastEmbedding, activation_dtype
 from .native import NATIVE_DIR, NativeExtension
 
 _EXT = NativeExtension(NATIVE_DIR / "step.cpp", "whole-step CPU kernel")
 _LINEARS = (nn.Linear, FastLinear, Bf16WeightLinear)  # same parameters, forward differs only in speed
 _INT8_LINEARS = (Int8Linear, FastInt8Linear)  # qweight and scales: step.cpp multiplies by the codes, then the scale
+_INT4_LINEARS = (Int4Linear, FastInt4Linear)  # qweight and scales_zeros (native/q4.h)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 MAX_CHUNK = 64  # tokens per row per kernel call; a longer chunk runs as pieces of this many (small scratch)
 # config.hidden_act -> step.cpp's Act: gelu_new and torch's "tanh" GELU are one formula, equal in fp32 to an ulp
@@ -113,6 +115,19 @@ def _int8_reason(name: str, lin: Int8Linear) -> str | None:
     return _tensor_reason(f"{name}.qweight", q, (torch.int8,)) or _tensor_reason(f"{name}.scales", s, _WEIGHT_DTYPES)
 
 
+def _int4_reason(name: str, lin: Int4Linear) -> str | None:
+    q, sz, g = lin.qweight, lin.scales_zeros, lin.group_size
+    if g not in INT4_GROUP_SIZES:
+        return f"{name} has groups of {g} inputs (step.cpp takes {INT4_GROUP_SIZES})"
+    if q.dim() != 2 or q.shape[0] < lin.out_features or not 0 <= 2 * q.shape[1] - lin.in_features < g:
+        return (f"{name}.qweight has shape {tuple(q.shape)}, not (>= {lin.out_features}, {lin.in_features} inputs "
+                f"padded to a group of {g}, / 2)")
+    if sz.shape != (2 * q.shape[1] // g, q.shape[0], 2):
+        return f"{name}.scales_zeros has shape {tuple(sz.shape)}, not ({2 * q.shape[1] // g}, {q.shape[0]}, 2)"
+    return _tensor_reason(f"{name}.qweight", q, (torch.uint8,)) or _tensor_reason(f"{name}.scales_zeros", sz,
+                                                                                   (torch.bfloat16,))
+
+
 def _module_reason(model: Transformer) -> str | None:
     """Module classes and tensors: only what step.cpp reads, in the dtypes it reads."""
     if activation_dtype(model) != torch.float32:
@@ -146,11 +161,13 @@ def _module_reason(model: Transformer) -> str | None:
     for name, lin in linears:
         if type(lin) in _INT8_LINEARS:
             found += [_int8_reason(name, lin)]
+        elif type(lin) in _INT4_LINEARS:
+            found += [_int4_reason(name, lin)]
         elif type(lin) in _LINEARS:
             found += [_tensor_reason(f"{name}.weight", lin.weight, _WEIGHT_DTYPES)]
         else:
-            return (f"{name} is a {type(lin).__name__} (step.cpp reads float and int8 weights: other quantized or "
-                    "custom linears stay on the torch path)")
+            return (f"{name} is a {type(lin).__name__} (step.cpp reads float, int8 and int4 weights: other quantized "
+                    "or custom linears stay on the torch path)")
         found += [_tensor_reason(f"{name}.bias", lin.bias, _WEIGHT_DTYPES, optional=True)]
     norms = [(name, n) for name, n in norms if n is not None]
     for name, n in norms:
@@ -164,6 +181,8 @@ def _module_reason(model: Transformer) -> str | None:
         return "the norms' eps/offset or the layers' attention scales differ"
     if len(same["act"]) > 1 or len(same["qk"] - {None}) > 1:
         return "the layers' MLP activations or qk-norm widths differ"
+    if len({lin.group_size for _, lin in linears if type(lin) in _INT4_LINEARS}) > 1:
+        return "the int4 linears' group sizes differ (step.cpp takes one per model)"
     return next((why for why in found if why), None)
 
 
@@ -178,18 +197,21 @@ def unsupported(model: nn.Module) -> str | None:
 
 
 def _weight(m: nn.Module) -> torch.Tensor:
-    """What step.cpp reads as a module's weight: a norm's gain, a linear's weight, an Int8Linear's codes."""
-    return m.qweight if isinstance(m, Int8Linear) else m.weight
+    """What step.cpp reads as a module's weight: a norm's gain, a linear's weight, an Int8Linear's or Int4Linear's
+    codes."""
+    return m.qweight if isinstance(m, (Int8Linear, Int4Linear)) else m.weight
 
 
 def _scales(lin: nn.Module | None) -> torch.Tensor | None:
+    if isinstance(lin, Int4Linear):
+        return lin.scales_zeros
     return lin.scales if isinstance(lin, Int8Linear) else None
 
 
 def _sources(model: Transformer):
     """What step.cpp's Step is built from, in its order (None for an absent tensor): per layer the 26 tensors
-    of its norms and linears, the embeddings, final norm, head, the int8 linears' row scales (per layer q, k,
-    v, o, gate, up, down, then the head), RoPE tables, per-layer lists, options."""
+    of its norms and linears, the embeddings, final norm, head, the int8 linears' row scales or the int4 ones'
+    scales_zeros (per layer q, k, v, o, gate, up, down, then the head), RoPE tables, per-layer lists, options."""
     tensors, scales = [], []
     for blk in model.layers:
         a, mlp = blk.attn, blk.mlp
@@ -250,12 +272,18 @@ class FastStep:
         self.built_from = _sources(model)  # held, so no id in it can be reused while this step lives
         tensors, embed, pos, final, head, scales, inv, inv_local, per_layer, opts = self.built_from
         # bf16 biases (mixed.py leaves a linear's bias in its dtype) and int8 row scales (quant.py keeps them in
-        # bf16) widen exactly to the fp32 step.cpp reads: a copy of N floats per linear, made once here.
-        kept = [torch.empty(0) if t is None else t.detach().float() if t.dim() == 1 else t.detach() for t in tensors]
+        # bf16) widen exactly to the fp32 step.cpp reads: a copy of N floats per linear, made once here. int4 codes
+        # have rows padded to a multiple of 16: step.cpp gets the first out_features (a view) and the scales as
+        # they are (bf16, read in place).
+        rows = {id(m.qweight): m.out_features for m in model.modules() if isinstance(m, Int4Linear)}
+        kept = [torch.empty(0) if t is None else t.detach().float() if t.dim() == 1 else t.detach()[:rows.get(id(t))]
+                for t in tensors]
         none = torch.empty(0)
+        scales = [none if s is None else s.detach() if s.dim() == 3 else s.detach().float().contiguous()
+                  for s in scales]
+        head = head.detach()[:rows.get(id(head))]
         self._step = kernel().Step(kept, embed.detach(), none if pos is None else pos.detach(),
-                                   [none if t is None else t.detach() for t in final], head.detach(),
-                                   [none if s is None else s.detach().float().contiguous() for s in scales],
+                                   [none if t is None else t.detach() for t in final], head, scales,
                                    none if inv is None else inv, none if inv_local is None else inv_local, *per_layer,
                                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, opts)
 

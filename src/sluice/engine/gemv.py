@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from ..model.quant import Int8Linear
+from ..model.quant import Int4Linear, Int8Linear, int4_dequantize, int4_unnibble
 from .native import NATIVE_DIR, NativeExtension, cpu_flags  # noqa: F401  (cpu_flags: re-exported for callers)
 
 # Rows of x sent to the kernel, by weight dtype, from bench/decode_kernels.py on the AVX2 EPYC
@@ -171,9 +171,25 @@ def blocked_linear(x32: torch.Tensor, weight_rows, bias: torch.Tensor | None, N:
     return out
 
 
+class FastInt4Linear(Int4Linear):
+    """An Int4Linear whose fp32 inputs are multiplied in fp32 by its dequantized weight, made a block of rows at a
+    time (blocked_linear): where the engine runs the torch forward of an int4 model (a hook attached, compile) it
+    then gives the native step's numbers up to summation order, not those of torch's int4 op, which rounds x and
+    y to bf16 (and it builds no packed copy of the codes). Other inputs take torch's op, as before."""
+
+    def forward(self, x):
+        if x.dtype != torch.float32:
+            return super().forward(x)
+        K, g = self.in_features, self.group_size
+
+        def rows(a, b):
+            return int4_dequantize(int4_unnibble(self.qweight[a:b]), self.scales_zeros[:, a:b], g)[:, :K]
+        return blocked_linear(x, rows, self.bias, self.out_features)
+
+
 def use_fast_linears(model: nn.Module) -> int:
-    """Turn every plain nn.Linear of `model` with an fp32 / bf16 weight into a FastLinear, and every
-    Int8Linear into a FastInt8Linear, in place. Returns how many; 0 (and nothing changed) when the
+    """Turn every plain nn.Linear of `model` with an fp32 / bf16 weight into a FastLinear, every Int8Linear
+    into a FastInt8Linear and every Int4Linear into a FastInt4Linear, in place. Returns how many; 0 (and nothing changed) when the
     kernel is unavailable."""
     if not available():
         return 0
@@ -189,5 +205,8 @@ def use_fast_linears(model: nn.Module) -> int:
         elif type(m) is Int8Linear and m.qweight.device.type == "cpu":
             m.register_buffer("scales32", m.scales.float(), persistent=False)  # the kernel's scale dtype
             m.__class__ = FastInt8Linear
+            n += 1
+        elif type(m) is Int4Linear and m.qweight.device.type == "cpu":
+            m.__class__ = FastInt4Linear
             n += 1
     return n

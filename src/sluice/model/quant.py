@@ -9,6 +9,13 @@ head gets its own quantized copy and the embedding keeps the original.
   int4  w ~ (q - 8) * s + z  q in [0, 15], per group of `group_size` consecutive inputs of a row:
                            s = (max - min) / 15, z = min + 8 s (asymmetric min/max, torch's format)
 
+int4 codes are stored in a layout sluice owns, the same on every CPU (`qweight`, (N', K'/2) uint8): each
+row is cut into blocks of 32 inputs, and byte j of a block's 16 holds input j in its low nibble and input
+j + 16 in its high one (llama.cpp's Q4_0 order). One 16-byte load then gives 32 codes, which an AND and a
+shift split into two runs of 16 consecutive inputs: what step.cpp's SIMD loops want. torch's packed layout
+(which differs between AVX2 and AVX-512 builds of torch) is made from it only when the torch forward first
+runs, so a model that decodes on the native step never holds both.
+
 Kernels are torch's own CPU ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`). They run
 with bf16 activations whatever the model dtype: on AVX2 both ops with fp32 activations are slower
 than the fp32 F.linear they replace (measured, docs/quantization.md), with bf16 ones faster than a
@@ -129,6 +136,24 @@ def int4_dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size:
     return (codes.float() - 8) * s + z
 
 
+BLOCK = 32  # inputs per block of the nibble layout: every group size is a multiple of it
+
+
+def int4_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Plain codes (N', K') -> sluice's layout (N', K'/2) uint8: per block of 32 inputs, byte j = input j
+    | input j + 16 << 4."""
+    N, K = codes.shape
+    blocks = codes.to(torch.uint8).view(N, K // BLOCK, 2, BLOCK // 2)  # (N', blocks, low/high half, 16)
+    return (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(N, K // 2)
+
+
+def int4_unnibble(qweight: torch.Tensor) -> torch.Tensor:
+    """sluice's layout (N', K'/2) -> plain codes (N', K') uint8 (the inverse of int4_nibbles)."""
+    N, half = qweight.shape
+    blocks = qweight.view(N, half // (BLOCK // 2), 1, BLOCK // 2)
+    return torch.cat([blocks & 15, blocks >> 4], dim=2).reshape(N, 2 * half)
+
+
 def int4_pack(codes: torch.Tensor) -> torch.Tensor:
     """Plain codes (N', K') -> torch's packed CPU layout (N', K'/2) uint8 (CPU-dependent: never saved)."""
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
@@ -136,7 +161,8 @@ def int4_pack(codes: torch.Tensor) -> torch.Tensor:
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
                 out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) -> (..., N) in x's dtype, on torch's int4 CPU kernel (packed from int4_pack)."""
+    """x (..., K) -> (..., N) in x's dtype, on torch's int4 CPU kernel (packed from int4_pack, not
+    sluice's nibble layout)."""
     lead, K = x.shape[:-1], x.shape[-1]
     Kp = scales_zeros.shape[0] * group_size
     x2 = x.reshape(-1, K).to(COMPUTE_DTYPE)
@@ -201,28 +227,38 @@ class Int4Linear(QuantizedLinear):
         w = linear.weight.detach()
         N, K = w.shape
         Np, Kp = -(-N // _N_MULTIPLE) * _N_MULTIPLE, -(-K // group_size) * group_size
-        packed = torch.empty(Np, Kp // 2, dtype=torch.uint8)
+        qweight = torch.empty(Np, Kp // 2, dtype=torch.uint8)
         scales_zeros = torch.empty(Kp // group_size, Np, 2, dtype=COMPUTE_DTYPE)
-        # Row chunks of whole packing blocks: packing a chunk gives exactly those rows of the whole.
-        for a, b in _row_chunks(N, Kp, _PACK_ROWS):
+        for a, b in _row_chunks(N, Kp, _N_MULTIPLE):
             codes, sz = int4_quantize(w[a:b], group_size)  # the last chunk carries the row padding
-            packed[a:a + codes.shape[0]] = int4_pack(codes)
+            qweight[a:a + codes.shape[0]] = int4_nibbles(codes)
             scales_zeros[:, a:a + codes.shape[0]] = sz
-        self.register_buffer("packed", packed)  # (N', K'/2) uint8, torch's CPU layout
+        self.register_buffer("qweight", qweight)  # (N', K'/2) uint8, sluice's nibble layout (module doc)
         self.register_buffer("scales_zeros", scales_zeros)  # (K'/g, N', 2) bf16
+        self._packed = None  # torch's layout, made by the first torch forward (see `packed`)
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """torch's packed layout of the codes, built from qweight the first time it is asked for and kept.
+        Row chunks of whole packing blocks (32 rows on AVX2, 64 on AVX-512): packing a chunk gives exactly
+        those rows of the whole, and the temporaries stay small."""
+        if self._packed is None or self._packed.shape != self.qweight.shape:
+            packed = torch.empty_like(self.qweight)
+            for a, b in _row_chunks(self.qweight.shape[0], 2 * self.qweight.shape[1], _PACK_ROWS):
+                packed[a:b] = int4_pack(int4_unnibble(self.qweight[a:b]))
+            self._packed = packed
+        return self._packed
 
     def forward(self, x):
         return int4_linear(x, self.packed, self.scales_zeros, self.group_size, self.out_features, self.bias)
 
+    def codes(self) -> torch.Tensor:
+        """(N', K') uint8: the plain codes, one per byte."""
+        return int4_unnibble(self.qweight)
+
     def dequantize(self):
-        # The packed layout is torch-internal and differs between AVX2 and AVX-512, so the weight is
-        # read back through the kernel itself: fp32 identity rows in, (q - 8) * s + z out, exactly.
-        Kp = self.scales_zeros.shape[0] * self.group_size
-        sz = self.scales_zeros.float()
-        cols = [torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(Kp)[a:b].contiguous(), self.packed,
-                                                           self.group_size, sz)
-                for a, b in _row_chunks(Kp, self.packed.shape[0])]
-        return torch.cat(cols).T[:self.out_features, :self.in_features].contiguous()
+        return int4_dequantize(self.codes(), self.scales_zeros, self.group_size)[:self.out_features,
+                                                                                 :self.in_features]
 
 
 def quantizable(model: nn.Module) -> list[tuple[nn.Module, str]]:

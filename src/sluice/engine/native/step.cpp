@@ -5,8 +5,8 @@
 // token there. This file runs the whole forward (embedding, blocks with GQA attention over the KV cache
 // and an MLP, final norm, LM head) in ONE OpenMP parallel region: each phase is an
 // `omp for` over output rows, phases are separated by barriers. It reads the model's own weight
-// tensors in place (fp32, bf16, or int8 codes whose sums are scaled per row once complete; widened in
-// registers, fp32 accumulation), writes the new keys and
+// tensors in place (fp32, bf16, int8 codes whose sums are scaled per row once complete, or int4 codes in groups
+// (q4.h); widened in registers, fp32 accumulation), writes the new keys and
 // values into the engine's cache tensors exactly where layers.py writes them, and returns fp32
 // logits (or final-normed hidden states). fast_step.py decides which models may take this path.
 //
@@ -270,9 +270,10 @@ inline void gelu_tanh_mul(const float* g, const float* u, int64_t n, float* out)
   for (; i < n; ++i) out[i] = activate(kGeluTanh, g[i]) * (u ? u[i] : 1.f);
 }
 
-// What a linear's weight is stored as: an nn.Linear's fp32 or bf16, or model/quant.py's int8 codes, whose
-// sums are multiplied by one fp32 scale per weight row once they are complete.
-enum WeightKind { kF32, kBf16, kInt8 };
+// What a linear's weight is stored as: an nn.Linear's fp32 or bf16, model/quant.py's int8 codes, whose sums are
+// multiplied by one fp32 scale per weight row once they are complete, or its int4 codes with a bf16 scale and zero
+// per group of inputs (q4.h).
+enum WeightKind { kF32, kBf16, kInt8, kInt4 };
 
 struct Linear {  // weight (N, ldw) of which each row's first K are used, row scales s (int8 only), bias (N,) or absent
   const void* w = nullptr;
@@ -285,7 +286,10 @@ struct Linear {  // weight (N, ldw) of which each row's first K are used, row sc
   bool far = false;
   const float* b = nullptr;
   int64_t n = 0, k = 0;
-  int64_t ldw = 0;  // elements from a weight row to the next: K, or more for int8 rows padded to a multiple of 16
+  int64_t ldw = 0;  // elements from a weight row to the next: K, or more for int8 rows padded to a multiple of 16;
+                    // int4: bytes, K' / 2 for the row's K' >= K codes (K' a multiple of the group)
+  const bf16* sz = nullptr;  // int4: scales_zeros (K' / group, ldsz, 2), (s, z) of group g, row n at 2 (g ldsz + n)
+  int64_t ldsz = 0, group = 0;
   const void* row(int64_t i) const {
     return i < n ? static_cast<const char*>(w) + i * ldw * (kind == kF32 ? 4 : kind == kBf16 ? 2 : 1) : nullptr;
   }
@@ -357,6 +361,7 @@ using Scratch = std::vector<float, LineAligned<float>>;
 
 constexpr int64_t kBlock = 16;  // weight rows per work item: 16 rows x K stay in L1/L2 across the M rows
 constexpr int64_t kWidenRows = 16;  // token rows from which block() widens narrow weights once per pass
+constexpr int64_t kPassBytes = 24 << 10;  // weights per pass of block()'s many-row tiles (see there)
 constexpr int64_t kStreamBytes = int64_t{64} << 20;  // weights from this size on stream from DRAM (cpu_paths.AUTO_KERNEL_BYTES)
 
 #ifdef SLUICE_AVX512
@@ -368,6 +373,8 @@ inline void widen_row(const W* w, int64_t K, float* out) {
   for (; k < K; ++k) out[k] = widen(w[k]);
 }
 #endif
+
+#include "q4.h"
 
 // y[m, n - n0] (+)= x[m] . W[n] + b[n] for m < M and weight rows n0 <= n < n1. accumulate: the
 // residual add, x + f(x), in the order torch adds (the bias before the residual). after: the weight rows
@@ -418,7 +425,6 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     // bundled model at 150 cached positions, alternating builds: B = 8 1.12-1.25 -> 1.06-1.13 ms (10th
     // percentiles, ~3-9%), B = 6 ~4%; same tiles, so the same bits.
     constexpr int R = 4;
-    constexpr int64_t kPassBytes = 24 << 10;
     // (M <= 8, one or two groups of activation rows, reuses little: passes of one weight group, each prefetching the next.)
     // A prefill chunk (M >= kWidenRows) whose weights are narrower than fp32 widens each pass's rows once into an
     // fp32 scratch, and its tiles read that: widening bf16 costs two uops per 16 weights on the ports the FMAs
@@ -520,9 +526,11 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
   }
 }
 
-void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
+// q4: x as an int4 product takes it (q4_input), for an int4 L.
+void block(const Linear& L, const float* x, const Q4In& q4, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
            bool accumulate, const void* after = nullptr) {
   switch (L.kind) {
+    case kInt4: return block_q4(L, q4, M, n0, n1, y, ldy, accumulate, after);
     case kBf16: return block<bf16>(L, x, M, n0, n1, y, ldy, accumulate, after);
     case kInt8: return block<int8_t>(L, x, M, n0, n1, y, ldy, accumulate, after);
     default: return block<float>(L, x, M, n0, n1, y, ldy, accumulate, after);
@@ -536,9 +544,10 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
 // one core often ran 15-20% slower than the other) does less instead of making the other wait at the
 // barrier. Which thread computes a block changes no number.
 void linear(const Linear& L, const float* x, int64_t M, float* y, int64_t ldy, bool accumulate = false) {
+  const Q4In q4 = L.kind == kInt4 ? q4_input(L, x, M) : Q4In{};
 #pragma omp for schedule(guided) nowait
   for (int64_t n0 = 0; n0 < L.n; n0 += kBlock)
-    block(L, x, M, n0, std::min(L.n, n0 + kBlock), y + n0, ldy, accumulate);
+    block(L, x, q4, M, n0, std::min(L.n, n0 + kBlock), y + n0, ldy, accumulate);
 }
 
 // act (M, I) = act(x gate^T + bg) * (x up^T + bu), or act(x up^T + bu) for an ungated MLP (GPT-2, NeoX):
@@ -546,11 +555,12 @@ void linear(const Linear& L, const float* x, int64_t M, float* y, int64_t ldy, b
 // MLP needs no barrier in between.
 void mlp_act(const Linear& gate, const Linear& up, int64_t kind, const float* x, int64_t M, float* act, float* tmp) {
   float* u = tmp + M * kBlock;
+  const Q4In q4 = up.kind == kInt4 ? q4_input(up, x, M) : gate.kind == kInt4 ? q4_input(gate, x, M) : Q4In{};
 #pragma omp for schedule(guided) nowait
   for (int64_t n0 = 0; n0 < up.n; n0 += kBlock) {
     const int64_t n1 = std::min(up.n, n0 + kBlock);
     if (!gate.w) {
-      block(up, x, M, n0, n1, act + n0, up.n, false);
+      block(up, x, q4, M, n0, n1, act + n0, up.n, false);
       for (int64_t m = 0; m < M; ++m) {
         float* a = act + m * up.n + n0;
         if (kind == kGeluTanh) gelu_tanh_mul(a, nullptr, n1 - n0, a);
@@ -560,8 +570,8 @@ void mlp_act(const Linear& gate, const Linear& up, int64_t kind, const float* x,
     }
     // While the gate's last rows run, the up rows of this block are prefetched, and vice versa the gate's
     // next rows (usually this thread's next block: guided schedule).
-    block(gate, x, M, n0, n1, tmp, kBlock, false, up.row(n0));
-    block(up, x, M, n0, n1, u, kBlock, false, gate.row(n1));
+    block(gate, x, q4, M, n0, n1, tmp, kBlock, false, up.row(n0));
+    block(up, x, q4, M, n0, n1, u, kBlock, false, gate.row(n1));
     for (int64_t m = 0; m < M; ++m) {
       const float *g = tmp + m * kBlock, *um = u + m * kBlock;
       float* a = act + m * up.n + n0;
@@ -814,23 +824,37 @@ struct Layer {
   bool local_rope = false;  // RoPE from the second table, inv_freq_local (Gemma 3's sliding layers)
 };
 
-// A Linear over weight (N, in) fp32 or bf16, or int8 codes (N, >= in) with their row scales (N,) fp32 (absent for
-// the others); `in`, the product's input width, is the step's, so a weight of the wrong shape is refused here.
+// A Linear over weight (N, in) fp32 or bf16, int8 codes (N, >= in) with their row scales (N,) fp32, or int4 codes
+// in quant.py's nibble layout (N, K' / 2) uint8 with their scales_zeros (K' / group, >= N, 2) bf16 (scale: absent
+// for float weights); `in`, the product's input width, is the step's, so a weight of the wrong shape is refused here.
 Linear make_linear(const torch::Tensor& w, const float* bias, const torch::Tensor& scale, int64_t in,
                    const char* what) {
   Linear L;
   if (!w.numel()) return L;  // absent: w null
-  const bool int8 = w.scalar_type() == torch::kChar;
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (int8 ? w.size(1) >= in : w.size(1) == in), "Step: the ", what,
-              " weight must be contiguous (N, ", in, ")", int8 ? " or wider (int8 rows padded)" : "");
-  TORCH_CHECK(int8 == (scale.numel() > 0), "Step: the ", what, " weight has row scales exactly when it is int8");
+  const bool int8 = w.scalar_type() == torch::kChar, int4 = w.scalar_type() == torch::kByte;
+  const int64_t codes = w.dim() == 2 ? w.size(1) * (int4 ? 2 : 1) : 0;  // per row
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (int8 || int4 ? codes >= in : codes == in), "Step: the ", what,
+              " weight must be contiguous (N, ", in, ")", int8 || int4 ? " or wider (padded rows)" : "");
+  TORCH_CHECK((int8 || int4) == (scale.numel() > 0), "Step: the ", what,
+              " weight has scales exactly when it is int8 or int4");
   if (int8) {
     TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == w.size(0),
                 "Step: the ", what, " weight's scales must be fp32 (", w.size(0), ",)");
     L.s = scale.data_ptr<float>();
   }
+  if (int4) {
+    TORCH_CHECK(scale.scalar_type() == torch::kBFloat16 && scale.is_contiguous() && scale.dim() == 3 &&
+                    scale.size(2) == 2 && scale.size(1) >= w.size(0) && codes % scale.size(0) == 0,
+                "Step: the ", what, " weight's scales_zeros must be bf16 (groups, >= ", w.size(0), ", 2)");
+    L.group = codes / scale.size(0);
+    TORCH_CHECK((L.group == 32 || L.group == 64 || L.group == 128 || L.group == 256) && codes - in < L.group,
+                "Step: the ", what, " weight's groups of ", L.group, " inputs must be 32, 64, 128 or 256 and pad ", in,
+                " inputs by less than a group");
+    L.sz = scale.data_ptr<bf16>();
+    L.ldsz = scale.size(1);
+  }
   L.w = w.data_ptr();
-  L.kind = int8 ? kInt8 : w.scalar_type() == torch::kBFloat16 ? kBf16 : kF32;
+  L.kind = int4 ? kInt4 : int8 ? kInt8 : w.scalar_type() == torch::kBFloat16 ? kBf16 : kF32;
   L.b = bias;
   L.n = w.size(0);
   L.k = in;
@@ -844,7 +868,8 @@ enum Phase { kEmbedding, kNorms, kQkv, kAttention, kO, kMlp, kFinalNorm, kHead, 
 class Step {
  public:
   // tensors: per layer, in this order, an empty tensor for an absent one (see fast_step.py). scales: per layer the
-  // row scales of q, k, v, o, gate, up, down, then the head's, each empty for a float weight.
+  // row scales (int8) or scales_zeros (int4) of q, k, v, o, gate, up, down, then the head's, each empty for a float
+  // weight.
   static constexpr int kPerLayer = 26, kLinearsPerLayer = 7;
   // opts: the model-wide numbers and switches, each key required (a misspelt one is an error, not a default).
   static constexpr const char* kOpts[] = {"eps", "norm_offset", "layer_norm", "scale", "act", "qk_full_width",
@@ -917,6 +942,12 @@ class Step {
     for (const Layer& Ly : layers_)
       for (const Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) bytes += stored(*Li);
     const bool far = bytes >= kStreamBytes;
+    int64_t group = 0;  // the int4 linears' one group size: q4_input's sums serve every linear with the same input
+    for (const Layer& Ly : layers_)
+      for (const Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down, static_cast<const Linear*>(&head_)}) {
+        TORCH_CHECK(Li->kind != kInt4 || !group || Li->group == group, "Step: int4 linears of one group size only");
+        if (Li->kind == kInt4) group = Li->group;
+      }
     head_.far = far;
     for (Layer& Ly : layers_)
       for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) Li->far = far;
@@ -1075,12 +1106,14 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
       // stores new keys and values in their cache slot, so no barrier is needed between the two. Dynamic:
       // the items are few and unequal (v heads have no norm or RoPE), and a core may be slowed (see linear).
       // A full-width qk-norm (OLMo 2) needs every head of the row first: those rows are finished below.
+      const Linear* l4 = Ly.q.kind == kInt4 ? &Ly.q : Ly.k.kind == kInt4 ? &Ly.k : Ly.v.kind == kInt4 ? &Ly.v : nullptr;
+      const Q4In q4 = l4 ? q4_input(*l4, hn, M) : Q4In{};  // (one group size for the model: the same for all three)
 #pragma omp for schedule(dynamic)
       for (int64_t j = 0; j < H_ + 2 * K_; ++j) {
         const bool is_q = j < H_, is_k = !is_q && j < H_ + K_;
         const int64_t hh = is_q ? j : is_k ? j - H_ : j - H_ - K_, ld = is_q ? HD : 2 * KD;
         float* y = is_q ? &q[hh * D_] : &kv[(is_k ? 0 : KD) + hh * D_];  // row m's head at y + m * ld
-        block(is_q ? Ly.q : is_k ? Ly.k : Ly.v, hn, M, hh * D_, (hh + 1) * D_, y, ld, false);
+        block(is_q ? Ly.q : is_k ? Ly.k : Ly.v, hn, q4, M, hh * D_, (hh + 1) * D_, y, ld, false);
         if (qk_full_ && (is_q || is_k)) continue;
         const Norm* qk = is_q ? &Ly.q_norm : is_k ? &Ly.k_norm : nullptr;
         if (qk && qk->w) norm(*qk, y, ld, D_, M, y, ld);
