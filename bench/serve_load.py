@@ -234,6 +234,26 @@ def summarize(results: list[Result], wall: float) -> dict:
             "tpot_p50_ms": ms(pct(tpot, 50)), "tpot_p99_ms": ms(pct(tpot, 99))}
 
 
+def cpu_seconds(server: Server) -> dict:
+    """CPU seconds so far of this process (the load's clients) and of the server process (all its
+    threads; from /proc, so Linux only: None elsewhere)."""
+    out = {"client": time.process_time(), "server": None}
+    try:
+        fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out["server"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def cores_used(before: dict, after: dict, wall: float) -> dict:
+    """How many cores the clients and the server kept busy on average over a run: on a machine that runs
+    both, the clients' share is what the server could not have."""
+    def share(k):
+        return None if before[k] is None or after[k] is None or not wall else (after[k] - before[k]) / wall
+    return {"client_cores": share("client"), "server_cores": share("server")}
+
+
 def measure(server: Server, kind: str, load: Load, count, timeout: float, settle: float = 2.0) -> dict:
     """Warmup, then the load at concurrency C and at 1, then the end-of-run gauges."""
     specs = fit_prompts(make_specs(load.concurrency * load.requests, load.prompt_tokens, load.max_tokens,
@@ -241,10 +261,13 @@ def measure(server: Server, kind: str, load: Load, count, timeout: float, settle
     warm = fit_prompts([Spec(prompt_tokens=16, max_tokens=4)], count, load.seed + 1)
     run_load(server.base, kind, warm, 1, timeout, load.client)
     out = {"load": {**asdict(load), "serial": load.serial or len(specs)}}
+    cpu0 = cpu_seconds(server)
     res_c, wall_c = run_load(server.base, kind, specs, load.concurrency, timeout, load.client)
+    cpu1 = cpu_seconds(server)
     res_1, wall_1 = run_load(server.base, kind, specs[:load.serial or len(specs)], 1, timeout, load.client)
-    out[f"c{load.concurrency}"] = summarize(res_c, wall_c)
-    out["c1"] = summarize(res_1, wall_1)
+    cpu2 = cpu_seconds(server)
+    out[f"c{load.concurrency}"] = {**summarize(res_c, wall_c), **cores_used(cpu0, cpu1, wall_c)}
+    out["c1"] = {**summarize(res_1, wall_1), **cores_used(cpu1, cpu2, wall_1)}
     out["ratio_c_over_1"] = (out[f"c{load.concurrency}"]["tok_s"] / out["c1"]["tok_s"]) if out["c1"]["tok_s"] else None
     out["metrics"] = scrape_metrics(server.base, settle) if kind == "sluice" else None
     # greedy and seeded requests should not depend on what else ran beside them
@@ -302,7 +325,8 @@ def fmt(v, spec: str = ".1f") -> str:
 
 def markdown(result: dict) -> str:
     rows = ["| model | engine | clients | requests | errors | out tok/s | C / 1 | same text C / 1 | "
-            "TTFT p50 / p99 ms | TPOT p50 / p99 ms | KV blocks used | running / waiting | exit |", "|" + "---|" * 13]
+            "TTFT p50 / p99 ms | TPOT p50 / p99 ms | cores busy: clients / server | KV blocks used | running / waiting | exit |",
+            "|" + "---|" * 14]
     ratios = []
     for model, r in result["models"].items():
         for engine in ("sluice", "sluice+draft", "llama.cpp"):
@@ -317,6 +341,7 @@ def markdown(result: dict) -> str:
                 rows.append(f"| {model} ({r['dtype']}) | {engine} | {key[1:]} | {s['n']} | {s['errors']} | "
                             f"{s['tok_s']:.1f} | {ratio} | {same} | {fmt(s['ttft_p50_ms'])} / "
                             f"{fmt(s['ttft_p99_ms'])} | {fmt(s['tpot_p50_ms'])} / {fmt(s['tpot_p99_ms'])} | "
+                            f"{fmt(s.get('client_cores'), '.2f')} / {fmt(s.get('server_cores'), '.2f')} | "
                             f"{fmt(m.get('kv_blocks_used'))} | {fmt(m.get('running'))} / {fmt(m.get('waiting'))} | "
                             f"{e.get('exit')} |")
         if r.get("sluice_over_llama"):

@@ -6,6 +6,7 @@ it asked for and a finish_reason, nothing errs, and the engine holds nothing aft
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -81,6 +82,8 @@ def test_summary_counts_what_came(run):
     for key, kind in (("c4", "concurrent"), ("c1", "serial")):
         assert r[key]["out_tokens"] == sum(x["tokens"] for x in r["requests"][kind])
         assert r[key]["tok_s"] > 0
+        # the cores each side kept busy: CPU seconds over the run's wall time, both sides measured
+        assert 0 < r[key]["client_cores"] and 0 < r[key]["server_cores"] <= os.cpu_count() + 0.5
 
 
 @pytest.mark.slow
