@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .noise import RowStream, log_exp_noise, uniforms_at, uniforms_range
 from .sampling_params import SamplingParams
-from .select import top_candidates
+from .select import sort_descending, top_candidates
 
 
 def row_values(p: SamplingParams, vocab_size: int) -> tuple:
@@ -68,14 +68,14 @@ def _descending(x: torch.Tensor, rows: dict) -> tuple[torch.Tensor, torch.Tensor
     k = rows["top_k"].masked_fill(rows["greedy"], 1)  # greedy rows never use the filtered logits
     kmax = int(k.max())  # a host read of B numbers: the rows' params, not a result
     if 4 * kmax > V:  # top_k off somewhere (k = V), or too large to pay off
-        return x.sort(dim=-1, descending=True, stable=True)
+        return sort_descending(x)
     values, ids, after = top_candidates(x, kmax)  # select.py: 0.1 ms less than topk at 4 rows
     # A tie with a row's k-th value that continues past the kmax taken (possible only when
     # k = kmax) would keep a token outside them: more than kmax values are >= the k-th exactly
     # when the (kmax + 1)-th largest is. Then the full sort decides.
     kth = values.gather(1, k[:, None] - 1)
     if bool((after[:, None] >= kth).any()):
-        return x.sort(dim=-1, descending=True, stable=True)
+        return sort_descending(x)
     return values, ids
 
 
@@ -104,7 +104,7 @@ def _candidates(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool,
     """The filters on scaled logits x (B, V): (values, vocabulary ids, kept), each (B, L), the first L
     columns of x's stable descending sort. Every token outside them is filtered out."""
     # One sort serves all three filters: each keeps a prefix of the descending order.
-    sorted_x, order = _descending(x, rows) if use_top_k else x.sort(dim=-1, descending=True, stable=True)  # (B, L)
+    sorted_x, order = _descending(x, rows) if use_top_k else sort_descending(x)  # (B, L)
     keep = torch.ones_like(sorted_x, dtype=torch.bool)
     if use_top_k:
         k = rows["top_k"].clamp(max=sorted_x.shape[1])  # only greedy rows can exceed a prefix's L
