@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from . import accept as accept_kernel
 from .noise import ACCEPT, RowStream, log_exp_noise, uniforms_range
 
 MODES = ("off", "draft", "prompt-lookup")
@@ -55,7 +56,11 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths
     """The acceptance rule for a batch. p (B, K+1, V): the target's probabilities after the last token
     and after each guess; q (B, K, V): the draft's, or None for a point mass on each guess; draft (B, K)
     the guesses, of which row b proposed lengths[b]; rows: the sampled (non-greedy) rows, the others
-    decide by argmax. Returns (n (B,) guesses kept, final (B,) the token after them)."""
+    decide by argmax. Returns (n (B,) guesses kept, final (B,) the token after them). One native call
+    (engine/accept.py) where its kernel can prove the same decisions; the tensor rule below elsewhere."""
+    native = accept_kernel.accept(p, q, draft, lengths, rows, streams)
+    if native is not None:
+        return native
     B, K = draft.shape
     px = p[:, :K].gather(-1, draft[..., None])[..., 0]  # (B, K) target probability of each guess
     qx = torch.ones_like(px) if q is None else q.gather(-1, draft[..., None])[..., 0]
