@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from sluice.engine import accept as accept_kernel
 from sluice.engine.noise import RowStream
 from sluice.engine.sampling import SamplingParams, filtered_probs
-from sluice.engine.speculative import accept
+from sluice.engine.speculative import accept, draw
 
 pytestmark = pytest.mark.skipif(accept_kernel.why_unavailable() is not None,
                                 reason="needs sluice's speculative acceptance kernel")
@@ -33,7 +33,7 @@ def both(p, q, draft, lengths, rows, seeds):
             calls = accept_kernel.STATS["calls"]
             n, final = accept(p, q, draft, lengths, rows, streams)
             if native:
-                assert accept_kernel.STATS["calls"] == calls + 1
+                assert accept_kernel.STATS["calls"] > calls
         finally:
             accept_kernel.kernel = saved
         out.append((n.tolist(), final.tolist(), [s.draws for s in streams]))
@@ -70,6 +70,27 @@ def test_the_native_rule_equals_the_torch_rule(data, V, B, K, kind, point, seed)
     assert native == reference
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), V=st.sampled_from([1, 7, 300, 8192 + 5]), B=st.integers(1, 6),
+       kind=st.sampled_from(["narrow", "wide", "ties"]), seed=st.integers(0, 10_000))
+def test_the_native_draw_equals_the_torch_draw(data, V, B, kind, seed):
+    """speculative.draw (the draft's guesses): the same tokens and stream positions, greedy rows included."""
+    params = [data.draw(param) for _ in range(B)]
+    probs = laws(B, 1, V, params, kind, seed)[:, 0]
+    rows = [i for i, sp in enumerate(params) if sp.temperature > 0]
+    out = []
+    for native in (True, False):
+        streams = [RowStream(sp.seed) for sp in params]
+        saved = accept_kernel.kernel
+        if not native:
+            accept_kernel.kernel = lambda: None
+        try:
+            out.append((draw(probs, rows, streams).tolist(), [s.draws for s in streams]))
+        finally:
+            accept_kernel.kernel = saved
+    assert out[0] == out[1]
+
+
 def test_a_draft_equal_to_the_target_keeps_every_guess_and_a_forced_rejection_uses_the_residual():
     """q == p keeps every guess (u < 1); a guess where p is 0 is rejected and the residual (p - q)+ is
     all zeros there by rounding on rows where p == q elsewhere: then p itself is drawn, in both."""
@@ -95,7 +116,7 @@ def test_a_nan_defers_to_the_torch_rule():
     p[0, 0, 5] = math.nan
     fallback = accept_kernel.STATS["fallback"]
     native, reference = both(p, q, p[:, :K].argmax(-1) * 0 + 5, [K], [0], [1])
-    assert accept_kernel.STATS["fallback"] == fallback + 1
+    assert accept_kernel.STATS["fallback"] > fallback  # the rule, and the draw inside the torch rule
     assert native == reference
 
 

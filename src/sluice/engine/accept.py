@@ -1,8 +1,9 @@
-"""Speculative decoding's acceptance rule as one native call (native/accept.cpp), deciding exactly what
-the torch rule (speculative.accept) decides: the guesses kept, the residual at the first rejection, the
-final token's race. Where the kernel cannot prove torch's float keys pick the same final token (two within
-its bound), or a row holds a NaN, it changes nothing and the torch rule runs: the kernel is an
-optimisation, never a second definition of a draw (SLUICE_NO_KERNELS gives the same tokens)."""
+"""Speculative decoding's acceptance rule, and its race over a distribution, each as one native call
+(native/accept.cpp), deciding exactly what the torch rule (speculative.accept, speculative.draw) decides:
+the guesses kept, the residual at the first rejection, the race. Where the kernel cannot prove torch's
+float keys pick the same token (two within its bound), or a row holds a NaN, it changes nothing and the
+torch rule runs: the kernel is an optimisation, never a second definition of a draw (SLUICE_NO_KERNELS
+gives the same tokens)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,23 @@ def kernel():
 
 def why_unavailable() -> str | None:
     return _EXT.why_unavailable()
+
+
+def draw(probs: torch.Tensor, rows: list[int], streams: list) -> torch.Tensor | None:
+    """speculative.draw's tokens, the sampled rows' streams advanced; or None, having changed nothing."""
+    kern = kernel() if probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2 else None
+    if kern is None:
+        return None
+    STATS["calls"] += 1
+    sampled = torch.zeros(probs.shape[0], dtype=torch.bool)
+    sampled[rows] = True
+    tokens, deferred = kern.draw(probs.contiguous(), sampled, [s.key for s in streams], [s.draws for s in streams])
+    if deferred:
+        STATS["fallback"] += 1
+        return None
+    for i in rows:
+        streams[i].advance()
+    return tokens
 
 
 def accept(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths: list[int], rows: list[int],

@@ -41,7 +41,10 @@ AUTO_MAX_TOKENS = 8  # num_speculative_tokens="auto" guesses between 1 and this 
 def draw(probs: torch.Tensor, rows: list[int], streams: list[RowStream]) -> torch.Tensor:
     """One token per row from probs (B, V), each sampled row with its own stream (the exponential race of
     sampling.py, in log space, one draw of the row's stream); rows not listed (greedy: probs is one-hot)
-    take the argmax."""
+    take the argmax. One native call (engine/accept.py) where its kernel can prove the same tokens."""
+    native = accept_kernel.draw(probs, rows, streams)
+    if native is not None:
+        return native
     tokens = probs.argmax(-1)
     if rows:
         mine = [streams[i] for i in rows]

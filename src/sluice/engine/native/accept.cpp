@@ -179,7 +179,33 @@ std::tuple<torch::Tensor, torch::Tensor, bool> accept(torch::Tensor p, torch::Te
   return {n_out, final_out, any_deferred};
 }
 
+// speculative.draw for a batch: one token per row of probs (B, V) fp32, the race over log p on a sampled
+// row (its stream at keys[b], draws[b]), the first argmax on another. Returns (tokens (B,), deferred).
+std::tuple<torch::Tensor, bool> draw(torch::Tensor probs, torch::Tensor sampled, std::vector<uint64_t> keys,
+                                     std::vector<int64_t> draws) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32 && probs.is_contiguous() &&
+              probs.device().is_cpu() && probs.size(1) > 0, "draw: probs must be a contiguous (B, V) fp32 CPU tensor");
+  const int64_t B = probs.size(0), V = probs.size(1);
+  TORCH_CHECK(sampled.sizes() == torch::IntArrayRef({B}) && sampled.scalar_type() == torch::kBool &&
+              static_cast<int64_t>(keys.size()) == B && static_cast<int64_t>(draws.size()) == B,
+              "draw: sampled (B,) bool and one stream a row");
+  auto tokens = torch::empty({B}, torch::kInt64);
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  const float* pp = probs.data_ptr<float>();
+  const bool* sp = sampled.data_ptr<bool>();
+  std::vector<Rival> rivals;
+  bool deferred = false;
+  for (int64_t b = 0; b < B && !deferred; ++b) {
+    const float* d = pp + b * V;
+    deferred = any_nan(d, V);
+    tp[b] = deferred ? -1 : sp[b] ? race(d, V, base_of(keys[b], 0, draws[b]), rivals) : first_max(d, V);
+    deferred = tp[b] < 0;
+  }
+  return {tokens, deferred};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("draw", &draw, "speculative decoding's race over probabilities for a batch, or deferred to torch");
   m.def("accept", &accept, "speculative decoding's acceptance rule for a batch, or deferred to the torch rule");
   m.def("has_avx2", &has_avx2);
   m.def("has_avx512", &has_avx512);
