@@ -153,14 +153,15 @@ def filter_flags(params: list[SamplingParams]) -> tuple[bool, bool, bool]:
 
 def filtered_probs(
     logits: torch.Tensor, params: SamplingParams | list[SamplingParams], seen: torch.Tensor | None = None,
-    counts: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None, tail_cuts: bool = True,
 ) -> torch.Tensor:
     """The exact distribution the sampler draws from: (V,) or (B, V) logits -> fp32 probs.
 
     params is one SamplingParams for every row or a list with one per row. seen is an optional
     bool mask of the same shape (tokens the repetition penalty applies to); counts an optional
     tensor of the same shape, how often each token was generated (for the presence / frequency
-    penalties). Greedy rows get a one-hot on the argmax.
+    penalties). Greedy rows get a one-hot on the argmax. tail_cuts=False leaves top_p and min_p out
+    (speculative decoding's draft proposes from that: see proposers.py).
     """
     single = logits.dim() == 1
     x = logits.float().reshape(-1, logits.shape[-1])
@@ -172,7 +173,9 @@ def filtered_probs(
         x = penalize_seen(x, seen.reshape(B, V), rows["penalty"])
     if counts is not None:
         x = penalize_counts(x, counts.reshape(B, V), rows["presence"], rows["frequency"])
-    probs = filter_logits(x, rows, *filter_flags(plist)).softmax(-1)
-    one_hot = F.one_hot(x.argmax(-1), V).to(probs.dtype)
-    probs = torch.where(rows["greedy"][:, None], one_hot, probs)
+    use_top_k, use_top_p, use_min_p = filter_flags(plist)
+    probs = filter_logits(x, rows, use_top_k, use_top_p and tail_cuts, use_min_p and tail_cuts).softmax(-1)
+    if any(p.temperature == 0 for p in plist):  # from the params, not the tensor: no host read
+        one_hot = F.one_hot(x.argmax(-1), V).to(probs.dtype)
+        probs = torch.where(rows["greedy"][:, None], one_hot, probs)
     return probs[0] if single else probs

@@ -3,10 +3,11 @@
 The output is the target's own distribution, token for token (Leviathan et al. 2023, Chen et al.
 2023): draft token x, drawn from the proposer's q, is accepted with probability min(1, p(x)/q(x)); at
 the first rejection the row's next token is drawn from norm(max(0, p - q)) and the rest of the guess
-is dropped; when every guess is accepted a bonus token is drawn from the target's next p. p and q are
-the distributions plain sampling would draw from (sampling.filtered_probs: repetition penalty,
-temperature, top-k, top-p, min-p), so speculation changes the speed, never the output's law. A
-proposer without a distribution (prompt lookup) is a point mass: q(x) = 1. Temperature 0 is exact
+is dropped; when every guess is accepted a bonus token is drawn from the target's next p. p is the
+distribution plain sampling would draw from (sampling.filtered_probs: repetition penalty, temperature,
+top-k, top-p, min-p), so speculation changes the speed, never the output's law. The rule holds for any
+q that x was drawn from: the draft's leaves out top-p and min-p (proposers.py says why). A proposer
+without a distribution (prompt lookup) is a point mass: q(x) = 1. Temperature 0 is exact
 greedy: a guess is kept iff it is the target's argmax, and the correction is the argmax.
 
 The repetition penalty depends on the context, which grows inside a round: the target's p after
