@@ -35,7 +35,6 @@ constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 constexpr uint64_t kAccept = 0x5BD1E9955BD1E995ull;  // noise.ACCEPT, the acceptance uniforms' domain
 constexpr double kLogErr = 0x1p-21;  // torch's float log (Sleef, 1 ulp claimed): 4 ulp allowed
 constexpr double kUlp = 0x1p-23;
-constexpr double kMaxNoise = 24 * 0.6931471805599453 + 1e-6;  // -log(-log u) <= -log(1 - u) <= 24 ln 2
 
 inline uint64_t mix(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -71,23 +70,26 @@ struct Rival {
 };
 
 // The race's winner over d (NaN-free, some d_i > 0) with noise base `base`, or -1 when torch's float keys
-// could rank two contenders either way. A token with d_i = 0 has key -inf and never wins. A token can
-// beat the leader only if log d_i + 24 ln 2 reaches the leader's key, so most are passed over on one
-// float compare, without a log.
+// could rank two contenders either way. A token with d_i = 0 has key -inf and never wins. The noise term
+// -log(-log u) is at most -log(1 - u), so a token's key is at most log(d_i / (1 - u_i)): one that cannot
+// reach the leader's key by that bound is passed over on a product and a compare, without a log (an
+// unfiltered draft row races all 8,192 tokens: two logs each cost ~0.2 ms a draw).
 int64_t race(const float* d, int64_t V, uint64_t base, std::vector<Rival>& rivals) {
   const int64_t lead = first_max(d, V);
-  auto rival = [&](int64_t i) {
-    const double ld = std::log(static_cast<double>(d[i])), le = minus_log_e(bits_of(base, i)), key = ld + le;
+  auto rival = [&](int64_t i, uint32_t bits) {
+    const double ld = std::log(static_cast<double>(d[i])), le = minus_log_e(bits), key = ld + le;
     return Rival{key, kLogErr * (1 + std::fabs(ld) + std::fabs(le)) + 2 * kUlp * std::fabs(key) + 1e-30, i};
   };
-  rivals.assign(1, rival(lead));
+  rivals.assign(1, rival(lead, bits_of(base, lead)));
   const double reach = rivals[0].key - rivals[0].tol - 1e-3;
-  const float floor_d = static_cast<float>(std::exp(reach - kMaxNoise) * (1 - 1e-6));
-  for (int64_t i = 0; i < V; ++i)
-    if (i != lead && d[i] > 0 && d[i] >= floor_d) {
-      const Rival r = rival(i);
-      if (r.key + r.tol >= reach) rivals.push_back(r);
-    }
+  const double need = std::exp(reach) * (1 - 1e-6) * 0x1p-24;  // d_i (2^24 - bits) 2^-24 below e^reach: out
+  for (int64_t i = 0; i < V; ++i) {
+    if (i == lead || !(d[i] > 0)) continue;
+    const uint32_t bits = bits_of(base, i);
+    if (static_cast<double>(d[i]) < need * static_cast<double>((1u << 24) - bits)) continue;
+    const Rival r = rival(i, bits);
+    if (r.key + r.tol >= reach) rivals.push_back(r);
+  }
   Rival best = rivals[0];
   for (const Rival& r : rivals)
     if (r.key > best.key || (r.key == best.key && r.id < best.id)) best = r;
