@@ -111,7 +111,8 @@ def _candidates(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool,
         kth = sorted_x.gather(1, k[:, None] - 1)  # (B, 1); off rows have k = V
         keep &= sorted_x >= kth
     if use_top_p or use_min_p:
-        probs = sorted_x.masked_fill(~keep, -math.inf).softmax(-1)
+        # keep is all True unless top_k cut: then the mask would copy the row for nothing
+        probs = (sorted_x.masked_fill(~keep, -math.inf) if use_top_k else sorted_x).softmax(-1)
         if use_top_p:
             top_p = rows["top_p"][:, None]
             mass_before = F.pad(probs.cumsum(-1)[:, :-1], (1, 0))  # mass of the higher-ranked tokens
