@@ -277,6 +277,30 @@ def markdown(r: dict) -> str:
     return "\n".join(out)
 
 
+def pick(ap, table: dict, names: str | None, flag: str) -> dict:
+    """The entries of `table` named in a comma list (all when None)."""
+    if names is None:
+        return table
+    wanted = names.split(",")
+    unknown = [n for n in wanted if n not in table]
+    if unknown:
+        ap.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(table)}")
+    return {n: table[n] for n in wanted}
+
+
+def parse_configs(ap, text: str) -> list:
+    """'plain,draft:2,draft:auto,prompt-lookup:4' -> [("off", None), ("draft", 2), ...], plain first."""
+    configs = [("off", None)]
+    for item in text.split(","):
+        mode, _, k = item.partition(":")
+        if mode == "plain" and not k:
+            continue
+        if mode not in ("draft", "prompt-lookup") or not (k == "auto" or k.isdigit()):
+            ap.error(f"--configs: {item!r} is not plain, draft:K or prompt-lookup:K (K a number or auto)")
+        configs.append((mode, k if k == "auto" else int(k)))
+    return configs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
@@ -290,6 +314,11 @@ def main() -> None:
                     help="bundled part: compare these drafts (repeatable), interleaved in the same rounds, "
                          "instead of the shipped one")
     ap.add_argument("--quick", action="store_true", help="one prompt per set, 32 tokens, 1 rep (a smoke run)")
+    ap.add_argument("--sets", default=None, help=f"bundled part: comma list of prompt sets ({','.join(SETS)})")
+    ap.add_argument("--temps", default=None, help=f"bundled part: comma list of temperatures ({','.join(TEMPS)})")
+    ap.add_argument("--configs", default=None, metavar="LIST",
+                    help="bundled part: comma list of configurations, e.g. plain,draft:2,draft:auto,prompt-lookup:4 "
+                         "(plain always runs: the others are measured against it)")
     ap.add_argument("--markdown", default=None, metavar="JSON", help="only print the tables of a saved result")
     a = ap.parse_args()
     if a.markdown:
@@ -299,6 +328,8 @@ def main() -> None:
     sets, reps = SETS, a.reps
     if a.quick:
         sets, reps = {"code": (CODE_PROMPTS[:1], 32), "edit": ([EDIT_PROMPT], 32)}, 1
+    sets, temps = pick(ap, sets, a.sets, "--sets"), pick(ap, TEMPS, a.temps, "--temps")
+    configs = CONFIGS if a.configs is None else parse_configs(ap, a.configs)
     result = {"benchmark": "speculative", **environment(), "cpu_flags": sorted(cpu_flags()),
               "threads": torch.get_num_threads(), "reps": reps, "seed": SEED}
 
@@ -307,7 +338,7 @@ def main() -> None:
             Path(a.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
 
     if parts & {"bundled", "bundled-cost"}:
-        drafts, configs = {"draft": "bundled"}, CONFIGS
+        drafts = {"draft": "bundled"}
         if a.draft:
             drafts = {}
             for spec in a.draft:
@@ -315,8 +346,8 @@ def main() -> None:
                 if not (name and eq and path):
                     ap.error(f"--draft takes NAME=DIR, got {spec!r}")
                 drafts[f"draft:{name}"] = path
-            configs = [(m, k) for m, k in CONFIGS if m != "draft"] + [
-                (d, k) for d in drafts for m, k in CONFIGS if m == "draft"]
+            configs = [(m, k) for m, k in configs if m != "draft"] + [
+                (d, k) for d in drafts for m, k in configs if m == "draft"]
             result["drafts"] = dict(spec.partition("=")[::2] for spec in a.draft)
         # the cost model prices the shipped draft, or with --draft the first one named
         cost_mode = next(iter(drafts))
@@ -324,7 +355,7 @@ def main() -> None:
             {cost_mode} if "bundled-cost" in parts else set())
         llms = make_llms(None, "float32", modes, drafts)
         if "bundled" in parts:
-            result["bundled"] = bench_target(llms, sets, configs, TEMPS, reps)
+            result["bundled"] = bench_target(llms, sets, configs, temps, reps)
             save()
         if "bundled-cost" in parts:
             result["bundled_cost"] = {**cost_model(llms[cost_mode]), "draft": drafts[cost_mode]}

@@ -9,11 +9,11 @@ import os
 
 import pytest
 
-from sluice.engine import fast_step, gemv, sample, select
+from sluice.engine import accept, fast_step, gemv, sample, select
 from sluice.engine.native.build import cpu_flags, missing_tools
 
 KERNELS = {"step": fast_step.why_unavailable, "select": select.why_unavailable, "gemv": gemv.why_unavailable,
-           "sample": sample.why_unavailable}
+           "sample": sample.why_unavailable, "accept": accept.why_unavailable}
 
 
 def why_this_machine_cannot_build() -> str | None:

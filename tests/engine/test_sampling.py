@@ -425,3 +425,18 @@ def test_nonfinite_rows_matches_isfinite_all_for_nan_and_both_infinities():
         assert torch.equal(nonfinite_rows(t), ~t.isfinite().all(-1))
     assert int(nonfinite_rows(x).sum()) == 5
 
+
+
+def test_filtered_probs_without_tail_cuts_is_the_law_without_top_p_and_min_p():
+    """What speculative decoding's draft proposes from: penalties, temperature and top_k as the row's
+    params say, top_p and min_p left out, bit for bit what params without them give."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 300, generator=g) * 3
+    seen = torch.rand(4, 300, generator=g) < 0.1
+    rows = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=1.1, top_k=20, min_p=0.1),
+            SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.5, repetition_penalty=1.3)]
+    plain = [SamplingParams(temperature=p.temperature, top_k=p.top_k, repetition_penalty=p.repetition_penalty)
+             for p in rows]
+    got = filtered_probs(x, rows, seen, tail_cuts=False)
+    assert torch.equal(got, filtered_probs(x, plain, seen))
+    assert (got[0] > 0).sum() > (filtered_probs(x, rows, seen)[0] > 0).sum()  # the tail top_p cut is back

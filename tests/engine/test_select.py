@@ -61,13 +61,45 @@ def test_top_candidates_refuses_a_bad_k():
         select.top_candidates(torch.zeros(2, 5), 5)
 
 
+def poisoned(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """x with NaNs of both signs, infinities and negative zeros sprinkled in."""
+    m = torch.rand(x.shape, generator=torch.Generator().manual_seed(seed))
+    x = x.clone()
+    for lo, value in [(0.0, math.nan), (0.04, -math.nan), (0.08, math.inf), (0.12, -math.inf), (0.16, -0.0),
+                      (0.2, 0.0)]:
+        x[(m >= lo) & (m < lo + 0.04)] = value
+    return x
+
+
+@pytest.mark.parametrize("V", [1, 2, 17, 300, 2048 + 1, 8192 + 5])
+@pytest.mark.parametrize("kind", ["random", "ties", "poisoned"])
+def test_sort_descending_is_torchs_stable_sort_bit_for_bit(V, kind):
+    """Ties keep id order; -0.0 and 0.0 tie (and keep their bits); NaNs of either sign rank first."""
+    x = rows("random" if kind == "random" else "ties", 5, V, seed=V)
+    if kind == "poisoned":
+        x = poisoned(x, V)
+    values, ids = select.sort_descending(x)
+    want_values, want_ids = x.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(values.view(torch.int32), want_values.view(torch.int32))  # NaN and -0.0 bits too
+
+
+def test_sort_descending_takes_a_row_in_one_bucket_and_a_view():
+    """Every key sharing a digit skips that pass; a non-contiguous input sorts as its copy would."""
+    same = torch.full((3, 100), 2.5)
+    assert torch.equal(select.sort_descending(same)[1], torch.arange(100).expand(3, 100))
+    x = rows("ties", 40, 64, seed=3).t()
+    assert torch.equal(select.sort_descending(x)[1], x.sort(dim=-1, descending=True, stable=True)[1])
+
+
 def test_the_sampler_draws_the_same_with_and_without_the_kernel(monkeypatch):
     """Tie-heavy logits, greedy and sampled rows, top_k of different sizes with top_p and min_p,
     a penalty: 30 steps give the same tokens through select.cpp and through torch's argmax / topk."""
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=5, seed=1),
               SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=2),
               SamplingParams(temperature=1.0, top_k=12, min_p=0.1, seed=3, repetition_penalty=1.3),
-              SamplingParams(temperature=0.0, repetition_penalty=1.2)]
+              SamplingParams(temperature=0.0, repetition_penalty=1.2),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=4)]  # top_k off: the whole row sorted
 
     def run():
         s = Sampler(params, 2000)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .noise import RowStream, log_exp_noise, uniforms_at, uniforms_range
 from .sampling_params import SamplingParams
-from .select import top_candidates
+from .select import sort_descending, top_candidates
 
 
 def row_values(p: SamplingParams, vocab_size: int) -> tuple:
@@ -68,14 +68,14 @@ def _descending(x: torch.Tensor, rows: dict) -> tuple[torch.Tensor, torch.Tensor
     k = rows["top_k"].masked_fill(rows["greedy"], 1)  # greedy rows never use the filtered logits
     kmax = int(k.max())  # a host read of B numbers: the rows' params, not a result
     if 4 * kmax > V:  # top_k off somewhere (k = V), or too large to pay off
-        return x.sort(dim=-1, descending=True, stable=True)
+        return sort_descending(x)
     values, ids, after = top_candidates(x, kmax)  # select.py: 0.1 ms less than topk at 4 rows
     # A tie with a row's k-th value that continues past the kmax taken (possible only when
     # k = kmax) would keep a token outside them: more than kmax values are >= the k-th exactly
     # when the (kmax + 1)-th largest is. Then the full sort decides.
     kth = values.gather(1, k[:, None] - 1)
     if bool((after[:, None] >= kth).any()):
-        return x.sort(dim=-1, descending=True, stable=True)
+        return sort_descending(x)
     return values, ids
 
 
@@ -104,14 +104,15 @@ def _candidates(x: torch.Tensor, rows: dict, use_top_k: bool, use_top_p: bool,
     """The filters on scaled logits x (B, V): (values, vocabulary ids, kept), each (B, L), the first L
     columns of x's stable descending sort. Every token outside them is filtered out."""
     # One sort serves all three filters: each keeps a prefix of the descending order.
-    sorted_x, order = _descending(x, rows) if use_top_k else x.sort(dim=-1, descending=True, stable=True)  # (B, L)
+    sorted_x, order = _descending(x, rows) if use_top_k else sort_descending(x)  # (B, L)
     keep = torch.ones_like(sorted_x, dtype=torch.bool)
     if use_top_k:
         k = rows["top_k"].clamp(max=sorted_x.shape[1])  # only greedy rows can exceed a prefix's L
         kth = sorted_x.gather(1, k[:, None] - 1)  # (B, 1); off rows have k = V
         keep &= sorted_x >= kth
     if use_top_p or use_min_p:
-        probs = sorted_x.masked_fill(~keep, -math.inf).softmax(-1)
+        # keep is all True unless top_k cut: then the mask would copy the row for nothing
+        probs = (sorted_x.masked_fill(~keep, -math.inf) if use_top_k else sorted_x).softmax(-1)
         if use_top_p:
             top_p = rows["top_p"][:, None]
             mass_before = F.pad(probs.cumsum(-1)[:, :-1], (1, 0))  # mass of the higher-ranked tokens
@@ -153,14 +154,15 @@ def filter_flags(params: list[SamplingParams]) -> tuple[bool, bool, bool]:
 
 def filtered_probs(
     logits: torch.Tensor, params: SamplingParams | list[SamplingParams], seen: torch.Tensor | None = None,
-    counts: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None, tail_cuts: bool = True,
 ) -> torch.Tensor:
     """The exact distribution the sampler draws from: (V,) or (B, V) logits -> fp32 probs.
 
     params is one SamplingParams for every row or a list with one per row. seen is an optional
     bool mask of the same shape (tokens the repetition penalty applies to); counts an optional
     tensor of the same shape, how often each token was generated (for the presence / frequency
-    penalties). Greedy rows get a one-hot on the argmax.
+    penalties). Greedy rows get a one-hot on the argmax. tail_cuts=False leaves top_p and min_p out
+    (speculative decoding's draft proposes from that: see proposers.py).
     """
     single = logits.dim() == 1
     x = logits.float().reshape(-1, logits.shape[-1])
@@ -172,7 +174,9 @@ def filtered_probs(
         x = penalize_seen(x, seen.reshape(B, V), rows["penalty"])
     if counts is not None:
         x = penalize_counts(x, counts.reshape(B, V), rows["presence"], rows["frequency"])
-    probs = filter_logits(x, rows, *filter_flags(plist)).softmax(-1)
-    one_hot = F.one_hot(x.argmax(-1), V).to(probs.dtype)
-    probs = torch.where(rows["greedy"][:, None], one_hot, probs)
+    use_top_k, use_top_p, use_min_p = filter_flags(plist)
+    probs = filter_logits(x, rows, use_top_k, use_top_p and tail_cuts, use_min_p and tail_cuts).softmax(-1)
+    if any(p.temperature == 0 for p in plist):  # from the params, not the tensor: no host read
+        one_hot = F.one_hot(x.argmax(-1), V).to(probs.dtype)
+        probs = torch.where(rows["greedy"][:, None], one_hot, probs)
     return probs[0] if single else probs

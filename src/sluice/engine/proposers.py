@@ -61,7 +61,11 @@ class DraftProposer:
         self._guess(rows, torch.stack(logits))
 
     def _guess(self, rows: list[Row], logits: torch.Tensor) -> None:
-        """Draw each row's guesses from the draft, one forward per guess after the first. The guesses
+        """Draw each row's guesses from the draft, one forward per guess after the first. A sampled row
+        proposes from the draft's distribution under the row's penalties, temperature and top_k, but not
+        its top_p or min_p: the acceptance rule gives the target's law whatever the proposal, and those
+        two cuts need the whole row sorted at every guess (the round cost more than its forwards on the
+        bundled model), for a few points of acceptance (the tail they cut is small). The guesses
         stay in a tensor that feeds the next forward; the host reads them once, at the end (greedy
         rows: a row whose draft went non-finite is cut there then; sampled rows stop drawing at once,
         so their random streams advance only for the guesses they make)."""
@@ -92,7 +96,7 @@ class DraftProposer:
                 tokens[:, j], broken = argmax_rows(logits.float())
             else:
                 broken = nonfinite_rows(logits)
-                probs = filtered_probs(logits, params, seen, counts)
+                probs = filtered_probs(logits, params, seen, counts, tail_cuts=False)
                 tokens[:, j] = draw(probs, [i for i in sampled if i in alive], streams)
                 seen, counts = grow(seen, counts, tokens[:, j])
                 q[:, j] = probs

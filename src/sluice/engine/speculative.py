@@ -3,10 +3,11 @@
 The output is the target's own distribution, token for token (Leviathan et al. 2023, Chen et al.
 2023): draft token x, drawn from the proposer's q, is accepted with probability min(1, p(x)/q(x)); at
 the first rejection the row's next token is drawn from norm(max(0, p - q)) and the rest of the guess
-is dropped; when every guess is accepted a bonus token is drawn from the target's next p. p and q are
-the distributions plain sampling would draw from (sampling.filtered_probs: repetition penalty,
-temperature, top-k, top-p, min-p), so speculation changes the speed, never the output's law. A
-proposer without a distribution (prompt lookup) is a point mass: q(x) = 1. Temperature 0 is exact
+is dropped; when every guess is accepted a bonus token is drawn from the target's next p. p is the
+distribution plain sampling would draw from (sampling.filtered_probs: repetition penalty, temperature,
+top-k, top-p, min-p), so speculation changes the speed, never the output's law. The rule holds for any
+q that x was drawn from: the draft's leaves out top-p and min-p (proposers.py says why). A proposer
+without a distribution (prompt lookup) is a point mass: q(x) = 1. Temperature 0 is exact
 greedy: a guess is kept iff it is the target's argmax, and the correction is the argmax.
 
 The repetition penalty depends on the context, which grows inside a round: the target's p after
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from . import accept as accept_kernel
 from .noise import ACCEPT, RowStream, log_exp_noise, uniforms_range
 
 MODES = ("off", "draft", "prompt-lookup")
@@ -40,7 +42,10 @@ AUTO_MAX_TOKENS = 8  # num_speculative_tokens="auto" guesses between 1 and this 
 def draw(probs: torch.Tensor, rows: list[int], streams: list[RowStream]) -> torch.Tensor:
     """One token per row from probs (B, V), each sampled row with its own stream (the exponential race of
     sampling.py, in log space, one draw of the row's stream); rows not listed (greedy: probs is one-hot)
-    take the argmax."""
+    take the argmax. One native call (engine/accept.py) where its kernel can prove the same tokens."""
+    native = accept_kernel.draw(probs, rows, streams)
+    if native is not None:
+        return native
     tokens = probs.argmax(-1)
     if rows:
         mine = [streams[i] for i in rows]
@@ -55,7 +60,11 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths
     """The acceptance rule for a batch. p (B, K+1, V): the target's probabilities after the last token
     and after each guess; q (B, K, V): the draft's, or None for a point mass on each guess; draft (B, K)
     the guesses, of which row b proposed lengths[b]; rows: the sampled (non-greedy) rows, the others
-    decide by argmax. Returns (n (B,) guesses kept, final (B,) the token after them)."""
+    decide by argmax. Returns (n (B,) guesses kept, final (B,) the token after them). One native call
+    (engine/accept.py) where its kernel can prove the same decisions; the tensor rule below elsewhere."""
+    native = accept_kernel.accept(p, q, draft, lengths, rows, streams)
+    if native is not None:
+        return native
     B, K = draft.shape
     px = p[:, :K].gather(-1, draft[..., None])[..., 0]  # (B, K) target probability of each guess
     qx = torch.ones_like(px) if q is None else q.gather(-1, draft[..., None])[..., 0]

@@ -28,7 +28,8 @@ from .build import Target, cpu_flags, missing_tools, target
 from .lock import holder
 
 BUILD_MODES = ("background", "wait")
-BUILD_ORDER = ("step", "select", "sample", "gemv")  # a background build: the kernel asked for, then these, as a run uses them
+# a background build: the kernel asked for, then these, as a run uses them
+BUILD_ORDER = ("step", "select", "sample", "gemv", "accept")
 RECHECK_SECONDS = 1.0  # how often a caller on the torch path looks whether a background build has landed
 # What running without the kernels costs, for the one line that says they are missing: the bundled model's
 # greedy decode ran 111 tok/s on the torch path against 539 with the native step (docs/benchmarks.md).

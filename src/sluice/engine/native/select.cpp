@@ -7,11 +7,13 @@
 // functions they replace give (select.py's fallbacks, which the tests compare them with).
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -151,6 +153,79 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> top_candidates(torch::Te
   return {values, ids, next};
 }
 
+// x (B, V) fp32 -> (values (B, V), ids (B, V) int64): torch.sort(x, -1, descending=True, stable=True), bit
+// for bit. Why: top_p with top_k off needs the whole row in order (its softmax and cumulative sum run
+// over it), and ATen's stable sort took ~0.4 ms a row of 8,192; an LSD radix sort on the floats' bits is
+// three counting passes. Each float maps to a 32-bit key whose ascending order is the values' descending
+// order; counting passes are stable, so equal keys keep their ids ascending, as the stable sort does.
+// The key follows torch's comparisons, not the raw bits: -0.0 and +0.0 are equal, and every NaN
+// (whatever its sign) ranks above +inf. Values are copied from x, so a -0.0 stays -0.0.
+namespace {
+
+inline uint32_t descending_key(float f) {
+  if (std::isnan(f)) return 0;
+  if (f == 0.0f) f = 0.0f;  // -0.0 -> +0.0
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint32_t ascending = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+  return ~ascending;
+}
+
+constexpr int kDigitBits = 11, kDigits = 3, kBuckets = 1 << kDigitBits;  // 3 x 11 bits cover the 32
+
+void sort_row(const float* p, int64_t V, float* values, int64_t* ids, std::vector<uint32_t>& scratch) {
+  scratch.resize(4 * static_cast<size_t>(V));
+  uint32_t *key = scratch.data(), *idx = key + V, *key2 = idx + V, *idx2 = key2 + V;
+  std::vector<uint32_t> count(kDigits * kBuckets, 0);
+  for (int64_t i = 0; i < V; ++i) {
+    key[i] = descending_key(p[i]);
+    idx[i] = static_cast<uint32_t>(i);
+    for (int d = 0; d < kDigits; ++d) ++count[d * kBuckets + ((key[i] >> (d * kDigitBits)) & (kBuckets - 1))];
+  }
+  for (int d = 0; d < kDigits; ++d) {
+    uint32_t* c = count.data() + d * kBuckets;
+    const int shift = d * kDigitBits;
+    if (c[(key[0] >> shift) & (kBuckets - 1)] == static_cast<uint32_t>(V)) continue;  // one bucket: order kept
+    uint32_t sum = 0;
+    for (int b = 0; b < kBuckets; ++b) {
+      const uint32_t n = c[b];
+      c[b] = sum;
+      sum += n;
+    }
+    for (int64_t i = 0; i < V; ++i) {
+      const uint32_t at = c[(key[i] >> shift) & (kBuckets - 1)]++;
+      key2[at] = key[i];
+      idx2[at] = idx[i];
+    }
+    std::swap(key, key2);
+    std::swap(idx, idx2);
+  }
+  for (int64_t i = 0; i < V; ++i) {
+    ids[i] = idx[i];
+    values[i] = p[idx[i]];
+  }
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> sort_descending(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
+              "sort_descending: a (B, V) fp32 CPU tensor");
+  auto xc = x.contiguous();
+  const int64_t B = xc.size(0), V = xc.size(1);
+  TORCH_CHECK(V < (int64_t{1} << 32), "sort_descending: rows of under 2^32 values");
+  auto values = torch::empty({B, V}, torch::kFloat32);
+  auto ids = torch::empty({B, V}, torch::kInt64);
+  const float* xp = xc.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> scratch;
+    for (int64_t b = begin; b < end; ++b) sort_row(xp + b * V, V, vp + b * V, ip + b * V, scratch);
+  });
+  return {values, ids};
+}
+
 // Counter-based uniforms for the samplers (engine/noise.py has the definition and the numpy reference):
 // token t of a row whose draw has base b gets u = (mix(b + (t + 1) * kGolden) >> 40) * 2^-24 in [0, 1),
 // where mix is splitmix64's finaliser. Integer arithmetic only, so both give the same bits.
@@ -198,6 +273,7 @@ torch::Tensor counter_uniform_rows(torch::Tensor bases, int64_t start, int64_t n
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first argmax and whether it holds a NaN or an inf");
   m.def("top_candidates", &top_candidates, "each row's k best in stable descending order, and the (k+1)-th value");
+  m.def("sort_descending", &sort_descending, "torch.sort(x, -1, descending=True, stable=True), bit for bit");
   m.def("counter_uniforms", &counter_uniforms, "counter-based uniforms of the given tokens (engine/noise.py)");
   m.def("counter_uniform_rows", &counter_uniform_rows, "counter-based uniforms of a range of tokens (engine/noise.py)");
   m.def("has_avx2", &has_avx2);

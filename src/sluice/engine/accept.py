@@ -1,0 +1,65 @@
+"""Speculative decoding's acceptance rule, and its race over a distribution, each as one native call
+(native/accept.cpp), deciding exactly what the torch rule (speculative.accept, speculative.draw) decides:
+the guesses kept, the residual at the first rejection, the race. Where the kernel cannot prove torch's
+float keys pick the same token (two within its bound), or a row holds a NaN, it changes nothing and the
+torch rule runs: the kernel is an optimisation, never a second definition of a draw (SLUICE_NO_KERNELS
+gives the same tokens)."""
+
+from __future__ import annotations
+
+import torch
+
+from .native import NATIVE_DIR, NativeExtension
+
+_EXT = NativeExtension(NATIVE_DIR / "accept.cpp", "speculative acceptance kernel")
+STATS = {"calls": 0, "fallback": 0}  # native calls, and those handed to the torch rule
+_EMPTY = torch.empty(0)
+
+
+def kernel():
+    """The compiled extension, or None (why_unavailable() says why)."""
+    return _EXT.module()
+
+
+def why_unavailable() -> str | None:
+    return _EXT.why_unavailable()
+
+
+def draw(probs: torch.Tensor, rows: list[int], streams: list) -> torch.Tensor | None:
+    """speculative.draw's tokens, the sampled rows' streams advanced; or None, having changed nothing."""
+    kern = kernel() if probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2 else None
+    if kern is None:
+        return None
+    STATS["calls"] += 1
+    sampled = torch.zeros(probs.shape[0], dtype=torch.bool)
+    sampled[rows] = True
+    tokens, deferred = kern.draw(probs.contiguous(), sampled, [s.key for s in streams], [s.draws for s in streams])
+    if deferred:
+        STATS["fallback"] += 1
+        return None
+    for i in rows:
+        streams[i].advance()
+    return tokens
+
+
+def accept(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths: list[int], rows: list[int],
+           streams: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """speculative.accept's (n, final), with the sampled rows' streams advanced as it advances them (the
+    acceptance draw, then the final token's); or None, having changed nothing, where the torch rule must run."""
+    kern = kernel() if p.device.type == "cpu" and p.dtype == torch.float32 else None
+    if kern is None or (q is not None and q.dtype != torch.float32):
+        return None
+    STATS["calls"] += 1
+    B = p.shape[0]
+    sampled = torch.zeros(B, dtype=torch.bool)
+    sampled[rows] = True
+    n, final, deferred = kern.accept(p.contiguous(), _EMPTY if q is None else q.contiguous(), draft.contiguous(),
+                                     torch.tensor(lengths, dtype=torch.int64), sampled,
+                                     [s.key for s in streams], [s.draws for s in streams])
+    if deferred:
+        STATS["fallback"] += 1
+        return None
+    for i in rows:
+        streams[i].advance()
+        streams[i].advance()
+    return n, final

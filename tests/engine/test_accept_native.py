@@ -1,0 +1,161 @@
+"""engine/accept.py: the acceptance rule's native call keeps the same guesses and draws the same final
+token as the torch rule (speculative.accept), and leaves the streams at the same positions, over random
+target and draft laws (filtered as sampling filters them: top_k, top_p, min_p, temperature, ties), greedy
+rows among sampled ones, point-mass proposals and rounding-made empty residuals; a NaN defers."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sluice.engine import accept as accept_kernel
+from sluice.engine.native.build import cpu_flags
+from sluice.engine.noise import RowStream
+from sluice.engine.sampling import SamplingParams, filtered_probs
+from sluice.engine.speculative import accept, draw
+
+pytestmark = pytest.mark.skipif(accept_kernel.why_unavailable() is not None,
+                                reason="needs sluice's speculative acceptance kernel")
+
+
+def both(p, q, draft, lengths, rows, seeds):
+    """(n, final, stream positions) from the kernel and from the torch rule, each on fresh streams."""
+    out = []
+    for native in (True, False):
+        streams = [RowStream(s) for s in seeds]
+        saved = accept_kernel.kernel
+        if not native:
+            accept_kernel.kernel = lambda: None
+        try:
+            calls = accept_kernel.STATS["calls"]
+            n, final = accept(p, q, draft, lengths, rows, streams)
+            if native:
+                assert accept_kernel.STATS["calls"] > calls
+        finally:
+            accept_kernel.kernel = saved
+        out.append((n.tolist(), final.tolist(), [s.draws for s in streams]))
+    return out
+
+
+def laws(B: int, positions: int, V: int, params: list[SamplingParams], kind: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B * positions, V, generator=g) * {"narrow": 0.5, "wide": 4.0, "ties": 2.0}[kind]
+    if kind == "ties":
+        x = (x * 2).round() / 2
+    rows = [p for p in params for _ in range(positions)]
+    return filtered_probs(x, rows).view(B, positions, V)
+
+
+param = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.3, 0.8, 1.0, 2.0]),
+                  top_k=st.sampled_from([0, 1, 3, 40]), top_p=st.sampled_from([1.0, 0.95, 0.5]),
+                  min_p=st.sampled_from([0.0, 0.1]), seed=st.integers(0, 2**40))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), V=st.sampled_from([2, 7, 300, 8192 + 5]), B=st.integers(1, 6), K=st.integers(1, 5),
+       kind=st.sampled_from(["narrow", "wide", "ties"]), point=st.booleans(), seed=st.integers(0, 10_000))
+def test_the_native_rule_equals_the_torch_rule(data, V, B, K, kind, point, seed):
+    params = [data.draw(param) for _ in range(B)]
+    p = laws(B, K + 1, V, params, kind, seed)
+    q = laws(B, K, V, params, kind, seed + 1)
+    # Guesses drawn from q (from argmax-ish picks on greedy rows), so some are kept and some rejected.
+    g = torch.Generator().manual_seed(seed)
+    draft = torch.multinomial(q.reshape(B * K, V), 1, generator=g).view(B, K)
+    lengths = [data.draw(st.integers(1, K)) for _ in range(B)]
+    rows = [i for i, sp in enumerate(params) if sp.temperature > 0]
+    native, reference = both(p, None if point else q, draft, lengths, rows, [sp.seed for sp in params])
+    assert native == reference
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), V=st.sampled_from([1, 7, 300, 8192 + 5]), B=st.integers(1, 6),
+       kind=st.sampled_from(["narrow", "wide", "ties"]), seed=st.integers(0, 10_000))
+def test_the_native_draw_equals_the_torch_draw(data, V, B, kind, seed):
+    """speculative.draw (the draft's guesses): the same tokens and stream positions, greedy rows included."""
+    params = [data.draw(param) for _ in range(B)]
+    probs = laws(B, 1, V, params, kind, seed)[:, 0]
+    rows = [i for i, sp in enumerate(params) if sp.temperature > 0]
+    out = []
+    for native in (True, False):
+        streams = [RowStream(sp.seed) for sp in params]
+        saved = accept_kernel.kernel
+        if not native:
+            accept_kernel.kernel = lambda: None
+        try:
+            out.append((draw(probs, rows, streams).tolist(), [s.draws for s in streams]))
+        finally:
+            accept_kernel.kernel = saved
+    assert out[0] == out[1]
+
+
+def test_a_draft_equal_to_the_target_keeps_every_guess_and_a_forced_rejection_uses_the_residual():
+    """q == p keeps every guess (u < 1); a guess where p is 0 is rejected and the residual (p - q)+ is
+    all zeros there by rounding on rows where p == q elsewhere: then p itself is drawn, in both."""
+    V, K = 50, 3
+    params = [SamplingParams(temperature=0.8, seed=s) for s in range(4)]
+    p = laws(4, K + 1, V, params, "wide", 0)
+    q = p[:, :K].clone()
+    draft = p[:, :K].argmax(-1)
+    native, reference = both(p, q, draft, [K] * 4, [0, 1, 2, 3], [0, 1, 2, 3])
+    assert native == reference and native[0] == [K] * 4
+    p[:, 0, :] = torch.nn.functional.one_hot(torch.tensor(7), V).float()  # p(x) = 0 for any guess but 7
+    q[:, 0] = p[:, 0]
+    draft[:, 0] = 8
+    native, reference = both(p, q, draft, [K] * 4, [0, 1, 2, 3], [0, 1, 2, 3])
+    assert native == reference and native[0] == [0] * 4 and native[1] == [7] * 4
+
+
+def test_a_nan_defers_to_the_torch_rule():
+    V, K = 40, 2
+    params = [SamplingParams(temperature=0.8, seed=1)]
+    p = laws(1, K + 1, V, params, "wide", 3)
+    q = laws(1, K, V, params, "wide", 4)
+    p[0, 0, 5] = math.nan
+    fallback = accept_kernel.STATS["fallback"]
+    native, reference = both(p, q, p[:, :K].argmax(-1) * 0 + 5, [K], [0], [1])
+    assert accept_kernel.STATS["fallback"] > fallback  # the rule, and the draw inside the torch rule
+    assert native == reference
+
+
+def test_the_kernel_decides_almost_every_round():
+    """Its bound is tight enough to be useful: 40 rounds of 4 rows on 8,192-token laws, under a tenth
+    handed to the torch rule."""
+    V, K, B = 8192, 4, 4
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s) for s in range(B)]
+    calls, fallback = accept_kernel.STATS["calls"], accept_kernel.STATS["fallback"]
+    streams = [RowStream(s) for s in range(B)]
+    for t in range(40):
+        p = laws(B, K + 1, V, params, "wide", t)
+        q = laws(B, K, V, params, "wide", t + 1000)
+        accept(p, q, p[:, :K].argmax(-1), [K] * B, list(range(B)), streams)
+    assert accept_kernel.STATS["calls"] - calls == 40
+    assert accept_kernel.STATS["fallback"] - fallback < 4
+
+
+@pytest.mark.slow
+def test_the_avx2_build_decides_the_same_on_an_avx512_cpu():
+    """accept.cpp built as an AVX2-only CPU builds it (SLUICE_KERNEL_FLAGS=-mno-avx512f, about a minute)
+    passes the tests above in a subprocess."""
+    if "avx512f" not in cpu_flags():
+        pytest.skip("no AVX-512 on this CPU: the default build is the AVX2 one, which the tests above check")
+    if os.environ.get("SLUICE_KERNEL_FLAGS"):
+        pytest.skip("SLUICE_KERNEL_FLAGS is set: the tests above already run the build it asks for")
+    assert accept_kernel.kernel().has_avx512()
+    env = {**os.environ, "SLUICE_KERNEL_FLAGS": "-mno-avx512f"}
+    probe = ("from sluice.engine import accept; k = accept.kernel(); "
+             "assert k is not None, accept.why_unavailable(); assert k.has_avx2() and not k.has_avx512()")
+    # Hang-stoppers, 10x+ the build's minute and the tests' seconds, not speed limits.
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tests = Path(__file__).resolve()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), "-k", "not avx2"],
+                       env=env, capture_output=True, text=True, timeout=1800, cwd=tests.parents[2])
+    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
