@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from avx2_build import run_avx2_build
 from sluice.engine import accept as accept_kernel
 from sluice.engine.native.build import cpu_flags
 from sluice.engine.noise import RowStream
@@ -144,18 +142,6 @@ def test_the_kernel_decides_almost_every_round():
 def test_the_avx2_build_decides_the_same_on_an_avx512_cpu():
     """accept.cpp built as an AVX2-only CPU builds it (SLUICE_KERNEL_FLAGS=-mno-avx512f, about a minute)
     passes the tests above in a subprocess."""
-    if "avx512f" not in cpu_flags():
-        pytest.skip("no AVX-512 on this CPU: the default build is the AVX2 one, which the tests above check")
-    if os.environ.get("SLUICE_KERNEL_FLAGS"):
-        pytest.skip("SLUICE_KERNEL_FLAGS is set: the tests above already run the build it asks for")
-    assert accept_kernel.kernel().has_avx512()
-    env = {**os.environ, "SLUICE_KERNEL_FLAGS": "-mno-avx512f"}
-    probe = ("from sluice.engine import accept; k = accept.kernel(); "
-             "assert k is not None, accept.why_unavailable(); assert k.has_avx2() and not k.has_avx512()")
-    # Hang-stoppers, 10x+ the build's minute and the tests' seconds, not speed limits.
-    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    tests = Path(__file__).resolve()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), "-k", "not avx2"],
-                       env=env, capture_output=True, text=True, timeout=1800, cwd=tests.parents[2])
-    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+    if "avx512f" in cpu_flags() and not os.environ.get("SLUICE_KERNEL_FLAGS"):
+        assert accept_kernel.kernel().has_avx512()
+    run_avx2_build("accept", __file__, "not avx2")

@@ -5,21 +5,18 @@ values into the cache, and greedy decoding must pick the same tokens. Models out
 implements must be refused with a reason naming the feature. The other families: test_fast_step_families.py."""
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import sluice
+from avx2_build import run_avx2_build
 from ckpt import build
 from sluice.engine import fast_step, mixed
 from sluice.engine.fast_step import FastStep, native_check, unsupported
 from sluice.engine.kv_cache import KVCache
 from sluice.engine.native import cpu_flags
 from sluice.engine.runner import Runner
-from sluice.errors import ConfigError
 from sluice.model.config import ModelConfig
 from sluice.model.layers import Transformer
 
@@ -264,19 +261,6 @@ def test_the_avx2_products_are_built_and_pass_on_an_avx512_cpu():
     machines differ. On an AVX-512 CPU the default build must use the tiles, and the AVX2 path is built
     too (SLUICE_KERNEL_FLAGS=-mno-avx512f, about a minute) and checked in a subprocess: torch parity,
     greedy tokens and a token's bits in any chunk. On an AVX2-only CPU the tests above run that path."""
-    if "avx512f" not in cpu_flags():
-        pytest.skip("no AVX-512 on this CPU: the default build is the AVX2 path, which the tests above check")
-    if os.environ.get("SLUICE_KERNEL_FLAGS"):
-        pytest.skip("SLUICE_KERNEL_FLAGS is set: the tests above already run the build it asks for")
-    assert fast_step.kernel().has_avx512()
-    env = {**os.environ, "SLUICE_KERNEL_FLAGS": "-mno-avx512f"}
-    probe = ("from sluice.engine import fast_step; k = fast_step.kernel(); "
-             "assert k is not None, fast_step.why_unavailable(); assert k.has_avx2() and not k.has_avx512()")
-    # The limits stop hangs: 10x+ the ~1 minute the AVX2 build takes, and the few minutes of the tests on it.
-    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    tests = Path(__file__).resolve()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), "-k",
-                        "(odd_sizes or chunk_logits or greedy or bf16_weights) and not avx512_cpu"],
-                       env=env, capture_output=True, text=True, timeout=1800, cwd=tests.parents[2])
-    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+    if "avx512f" in cpu_flags() and not os.environ.get("SLUICE_KERNEL_FLAGS"):
+        assert fast_step.kernel().has_avx512()
+    run_avx2_build("fast_step", __file__, "(odd_sizes or chunk_logits or greedy or bf16_weights) and not avx512_cpu")

@@ -5,21 +5,17 @@ which torch's int8 op needs and step.cpp does not). Bound: 1e-4 of the largest l
 against the torch path (test_fast_step.py), and greedy tokens equal. A token's numbers never depend on its
 batch or on how its prompt was cut into chunks (bit for bit). int4: test_fast_step_int4.py."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import sluice
+from avx2_build import run_avx2_build
 from ckpt import build
 from sluice.engine import fast_step, gemv
 from sluice.engine.fast_step import FastStep, unsupported
 from sluice.engine.kv_cache import KVCache
-from sluice.engine.native import cpu_flags
 from sluice.model.quant import Int8Linear, quantize_
 
 pytestmark = pytest.mark.skipif(fast_step.kernel() is None, reason="needs sluice's whole-step CPU kernel")
@@ -214,18 +210,4 @@ def test_the_engine_decodes_an_int8_model_on_the_native_step(tiny_dir, dtype):
 def test_the_avx2_int8_products_pass_on_an_avx512_cpu():
     """The AVX2 build (SLUICE_KERNEL_FLAGS=-mno-avx512f: dot_NxM with int8 loads) passes this file's parity and
     bit-for-bit tests in a subprocess, as test_fast_step.py checks the float paths."""
-    if "avx512f" not in cpu_flags():
-        pytest.skip("no AVX-512 on this CPU: the default build is the AVX2 path, which the tests above check")
-    if os.environ.get("SLUICE_KERNEL_FLAGS"):
-        pytest.skip("SLUICE_KERNEL_FLAGS is set: the tests above already run the build it asks for")
-    env = {**os.environ, "SLUICE_KERNEL_FLAGS": "-mno-avx512f"}
-    probe = ("from sluice.engine import fast_step; k = fast_step.kernel(); "
-             "assert k is not None, fast_step.why_unavailable(); assert k.has_avx2() and not k.has_avx512()")
-    # The limits stop hangs: 10x+ the ~1 minute the AVX2 build takes, and the minute of the tests on it.
-    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    tests = Path(__file__).resolve()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), "-k",
-                        "(equal or same_numbers) and not avx512_cpu and not the_engine"],
-                       env=env, capture_output=True, text=True, timeout=1800, cwd=tests.parents[2])
-    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+    run_avx2_build("fast_step", __file__, "(equal or same_numbers) and not avx512_cpu and not the_engine")

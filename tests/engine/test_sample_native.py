@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from avx2_build import run_avx2_build
 from sluice.engine import sample
 from sluice.engine.batch_sampling import BatchDraw, FullHead
 from sluice.engine.native.build import cpu_flags
@@ -162,18 +160,6 @@ def test_a_joined_samplers_parts_share_its_penalty_state():
 def test_the_avx2_build_draws_the_same_on_an_avx512_cpu():
     """The AVX2 paths of sample.cpp (what an AVX2-only CPU runs) built with SLUICE_KERNEL_FLAGS=-mno-avx512f
     (about a minute) pass the tests above in a subprocess."""
-    if "avx512f" not in cpu_flags():
-        pytest.skip("no AVX-512 on this CPU: the default build is the AVX2 path, which the tests above check")
-    if os.environ.get("SLUICE_KERNEL_FLAGS"):
-        pytest.skip("SLUICE_KERNEL_FLAGS is set: the tests above already run the build it asks for")
-    assert sample.kernel().has_avx512()
-    env = {**os.environ, "SLUICE_KERNEL_FLAGS": "-mno-avx512f"}
-    probe = ("from sluice.engine import sample; k = sample.kernel(); "
-             "assert k is not None, sample.why_unavailable(); assert k.has_avx2() and not k.has_avx512()")
-    # Hang-stoppers: 10x+ the build's minute and the tests' seconds.
-    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    tests = Path(__file__).resolve()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), "-k", "not avx2"],
-                       env=env, capture_output=True, text=True, timeout=1800, cwd=tests.parents[2])
-    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+    if "avx512f" in cpu_flags() and not os.environ.get("SLUICE_KERNEL_FLAGS"):
+        assert sample.kernel().has_avx512()
+    run_avx2_build("sample", __file__, "not avx2")

@@ -1,0 +1,39 @@
+"""One check for the AVX2 builds of sluice's native kernels, run on a machine with AVX-512.
+
+Which SIMD path a kernel compiles depends on the CPU (build.py passes -march=native), and the machines
+this project runs on differ: an AVX2-only AMD EPYC runs code that an AVX-512 Xeon never compiles. So on
+an AVX-512 CPU each kernel's tests run a second time in a subprocess, against a build made as an
+AVX2-only CPU would make it (SLUICE_KERNEL_FLAGS=-mno-avx512f; about a minute a kernel). On an AVX2-only
+CPU the tests themselves already run that path, so the check skips."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sluice.engine.gemv import cpu_flags
+
+AVX2_FLAGS = "-mno-avx512f"
+
+
+def run_avx2_build(module: str, test_file: str, select: str) -> None:
+    """Build `sluice.engine.<module>`'s kernel for AVX2 only, check that the build lacks AVX-512, then
+    run the tests of `test_file` that `select` (a pytest -k expression) picks against it."""
+    if "avx512f" not in cpu_flags():
+        pytest.skip("no AVX-512 on this CPU: the default build is the AVX2 path, which the tests above check")
+    if os.environ.get("SLUICE_KERNEL_FLAGS"):
+        pytest.skip("SLUICE_KERNEL_FLAGS is set: the tests above already run the build it asks for")
+    env = {**os.environ, "SLUICE_KERNEL_FLAGS": AVX2_FLAGS}
+    probe = (f"from sluice.engine import {module} as m; k = m.kernel(); "
+             "assert k is not None, m.why_unavailable(); assert k.has_avx2() and not k.has_avx512()")
+    # The limits stop hangs (10x+ the build's minute and the tests' minutes); they are not speed limits.
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tests = Path(test_file).resolve()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), "-k", select],
+                       env=env, capture_output=True, text=True, timeout=1800, cwd=tests.parents[2])
+    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
