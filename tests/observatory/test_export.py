@@ -11,8 +11,8 @@ import torch
 import sluice
 from ckpt import build_with_tokenizer
 from sluice.errors import ObservatoryError
-from sluice.observatory.analysis import inspect, to_json
-from sluice.observatory.export import InspectResult, to_pandas, to_xarray
+from sluice.observatory.analysis import to_json
+from sluice.observatory.export import InspectResult, inspect, to_pandas, to_xarray
 from sluice.observatory.report import SECTIONS
 from sluice.observatory.tuned_lens import TunedLens
 from sluice.text.tokenizer import Tokenizer
@@ -34,6 +34,7 @@ def result(tmp_path_factory):
 def test_xarray_named_dimensions_hold_the_dicts_numbers(result):
     r, model = result
     assert isinstance(r, InspectResult) and isinstance(r, dict)
+    assert sluice.inspect is inspect  # the public name
     ds = r.to_xarray()
     L, T = model.config.num_layers, len(r["tokens"]["ids"])
     H = model.config.num_heads

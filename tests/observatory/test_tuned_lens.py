@@ -2,6 +2,7 @@
 and `sluice lens train` end to end."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +168,29 @@ def test_cli_refusals(tiny_text, small, tmp_path, capsys):
     assert main(["lens", "train", "--model", str(model_dir), "--text", str(tmp_path / "missing.txt"),
                  "--out", str(tmp_path / "o")]) == 2
     assert "missing.txt" in capsys.readouterr().err
+
+
+def test_bundled_translators_load_and_the_docs_quote_them():
+    model = sluice.load()
+    lens = tl.load(tl.find(model), model)  # fits the bundled model, fingerprint included
+    kl = lens.meta["heldout_kl"]
+    assert all(t < g for t, g in zip(kl["tuned_lens"][:-1], kl["logit_lens"][:-1]))
+    doc = (Path(__file__).parents[2] / "docs" / "observatory.md").read_text(encoding="utf-8")
+    quoted = doc.split("<!-- tuned-kl -->", 1)[1].split("<!-- /tuned-kl -->", 1)[0]
+    line = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    assert f"logit lens {line(kl['logit_lens'])}; tuned lens {line(kl['tuned_lens'])}" in quoted
+    assert f"on {lens.meta['corpus']['heldout_tokens']:,} held-out tokens" in quoted
+
+
+def test_cli_read_only_model_dir_names_out(tiny_text, monkeypatch, capsys):
+    """As root a 0555 directory is still writable, so the refusal prepare_out_dir would give is planted."""
+    import sluice.observatory.report as report
+    model_dir, _ = tiny_text
+
+    def refuse(out):
+        raise ObservatoryError(f"--out {out} is not a writable directory: Read-only file system")
+
+    monkeypatch.setattr(report, "prepare_out_dir", refuse)
+    assert main(["lens", "train", "--model", str(model_dir), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the tuned lens beside the model in {model_dir} (Read-only file system): pass --out DIR" in err

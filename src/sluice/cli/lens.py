@@ -58,8 +58,12 @@ def cmd_lens_train(args) -> int:
     with err.status(f"loading {args.model or 'the bundled model'} ({args.dtype})..."):
         model = load(args.model, dtype=args.dtype)
         tokenizer = Tokenizer.from_pretrained(model.model_dir)
-    if out is None:
-        out = prepare_out_dir(model.model_dir)  # a read-only install says so here, naming --out
+    if out is None:  # a read-only install says so here, before the work, naming --out
+        try:
+            out = prepare_out_dir(model.model_dir)
+        except ObservatoryError as e:
+            raise ObservatoryError(f"cannot write the tuned lens beside the model in {model.model_dir} "
+                                   f"({str(e).rsplit(': ', 1)[-1]}): pass --out DIR") from None
     every = max(1, args.steps // 10)
 
     def progress(step: int, loss: float) -> None:

@@ -26,7 +26,6 @@ from ..errors import ObservatoryError
 from .attach import logit_lens, observe
 from .attention import attention_data
 from .attribution import attribution_data
-from .export import InspectResult
 from .growth import fit_growth
 from .lens import head_logits
 from .probes import LOGIT_STATS
@@ -117,7 +116,7 @@ class _Tokens:
 
 
 def inspect(model, tokenizer, prompt: str, progress: bool | None = None, target: int | None = None,
-            tuned_lens=None) -> InspectResult | None:
+            tuned_lens=None) -> dict | None:
     """Measure everything the observatory knows about one forward of `prompt` (see module doc).
 
     progress: None = show a progress bar on stderr for long prompts or big models. target: the
@@ -173,7 +172,7 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None, target:
         ms = [float(np.mean(np.square(r))) for r in data["residual"]["rms"]]  # mean square per layer
         _attempt(data, "growth", nonfinite, lambda: data.update(growth=fit_growth(ms)))
         bar.advance(steps)
-    return InspectResult(data) if root else None
+    return data if root else None
 
 
 def _attempt(data: dict, name: str, nonfinite: bool, fn) -> None:

@@ -1,7 +1,7 @@
 """`inspect()`'s result for notebooks and pipelines: named-dimension arrays (xarray), tables (pandas) and
 the report inline in Jupyter.
 
-    r = sluice.observatory.analysis.inspect(model, tokenizer, "def f(x):")
+    r = sluice.inspect(model, tokenizer, "def f(x):")   # observatory.analysis.inspect's dict, as an InspectResult
     ds = r.to_xarray()                    # ds.residual_rms.sel(layer=3), ds.attn_sink_mass.mean("position")
     frames = r.to_pandas()                # {"stream": DataFrame indexed by (layer, position), ...}
     r                                     # in Jupyter: the HTML report, figures included
@@ -9,7 +9,9 @@ the report inline in Jupyter.
 Why on the inspect result and not on `observe()`'s Observation: the result is the one object that holds
 every measurement of a prompt (the lens and the target trajectories run their own forwards, which an
 Observation never sees), it is plain CPU data that the next forward cannot overwrite, and it is what the
-report is drawn from. It stays a dict (the JSON document), so existing code reading it is unchanged.
+report is drawn from. It stays a dict (the JSON document), so code reading the dict reads it unchanged.
+(analysis.inspect itself returns the plain dict: this module sits above the report and the plots,
+which analysis must not import.)
 
 Dimensions: layer = the residual stream x_l read (0 = the first block's input .. L = the last block's
 output); block = a block's index (block b reads x_b and writes x_{b+1}); position = the token position
@@ -34,13 +36,25 @@ TABLES = {("layer", "position"): "stream", ("position",): "positions", ("norm", 
           ("lens", "layer"): "lens_views_mean", ("massive",): "massive"}
 
 
-def _need(name: str):
-    import importlib
+def _missing(name: str) -> ObservatoryError:
+    return ObservatoryError(f"{name} is not installed: it is an optional extra of sluice, "
+                            f"pip install \"sluice-llm[notebook]\" (or pip install {name})")
+
+
+def _xarray():
     try:
-        return importlib.import_module(name)
+        import xarray
     except ImportError:
-        raise ObservatoryError(f"{name} is not installed: it is an optional extra of sluice, "
-                               f"pip install \"sluice-llm[notebook]\" (or pip install {name})") from None
+        raise _missing("xarray") from None
+    return xarray
+
+
+def _pandas():
+    try:
+        import pandas
+    except ImportError:
+        raise _missing("pandas") from None
+    return pandas
 
 
 def _arr(x, dtype=np.float64) -> np.ndarray:
@@ -140,7 +154,7 @@ def _attribution(data: dict, v: dict, coords: dict) -> None:
 
 def to_xarray(data: dict):
     """One xarray.Dataset of every grid in the inspect dict, with named dimensions (module doc)."""
-    xr = _need("xarray")
+    xr = _xarray()
     v, coords = variables(data)
     ds = xr.Dataset({name: (dims, values) for name, (dims, values) in v.items()}, coords=coords)
     ds.attrs.update({"model": data["model"]["name"], "architecture": data["model"]["architecture"],
@@ -151,7 +165,7 @@ def to_xarray(data: dict):
 def to_pandas(data: dict) -> dict:
     """{table: DataFrame}: the variables sharing dimensions in one table indexed by them (module doc's
     TABLES names them), plus "massive" with a row per listed massive activation."""
-    pd = _need("pandas")
+    pd = _pandas()
     v, coords = variables(data)
     groups: dict[tuple, dict] = {}
     for name, (dims, values) in v.items():
@@ -199,3 +213,10 @@ class InspectResult(dict):
             page = render(self, write_all(self, Path(tmp)))
         return (f'<iframe srcdoc="{escape(page, quote=True)}" style="width:100%;height:900px;border:1px solid #ddd" '
                 'title="sluice inspect report"></iframe>')
+
+
+def inspect(model, tokenizer, prompt: str, **kwargs) -> InspectResult | None:
+    """analysis.inspect (same arguments) -> its dict as an InspectResult; None on tensor-parallel ranks > 0."""
+    from .analysis import inspect as measure
+    data = measure(model, tokenizer, prompt, **kwargs)
+    return None if data is None else InspectResult(data)

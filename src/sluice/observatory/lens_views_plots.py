@@ -19,7 +19,7 @@ from .analysis import visible_token  # noqa: E402
 
 DPI = 110  # as plots.py (which lists these figures, so it cannot be imported from here)
 POSITIONS = 32  # the rank heat map shows at most the last this-many positions
-ANNOTATE = 400  # write the rank in each cell up to this many cells per panel
+ANNOTATE = 1000  # write the rank in each cell up to this many cells per panel
 NAMES = {"logit": "logit lens", "tuned": "tuned lens"}
 
 
@@ -33,6 +33,10 @@ def _save(fig, path: Path) -> Path:
 
 def _layer_labels(n: int) -> list[str]:
     return ["x_0"] + [f"x_{i}" for i in range(1, n)]
+
+
+def _compact(rank: float) -> str:
+    return f"{rank:.0f}" if rank < 1000 else (f"{rank / 1000:.1f}k" if rank < 10_000 else f"{rank / 1000:.0f}k")
 
 
 def lens_kl(data: dict, path: Path) -> Path:
@@ -60,8 +64,9 @@ def trajectory(data: dict, path: Path) -> Path:
     T = len(tokens)
     first = max(0, T - POSITIONS)
     V = data["model"]["vocab_size"]
-    fig, axes = plt.subplots(1, len(lenses), figsize=(2 + 6.5 * len(lenses) * max(0.45, (T - first) / 32),
-                                                     1.6 + 0.36 * len(next(iter(lenses.values()))["target_rank"])),
+    n, rows = T - first, len(next(iter(lenses.values()))["target_rank"])
+    # ~0.3 in per column and row: enough for a compact rank ("678", "1.2k") in each cell
+    fig, axes = plt.subplots(1, len(lenses), figsize=(1.5 + len(lenses) * (1 + 0.3 * n), 1.6 + 0.3 * rows),
                              squeeze=False, sharey=True)
     norm = LogNorm(vmin=1, vmax=V)
     for ax, (name, view) in zip(axes[0], lenses.items()):
@@ -69,14 +74,13 @@ def trajectory(data: dict, path: Path) -> Path:
         im = ax.imshow(rank, aspect="auto", origin="lower", cmap="viridis_r", norm=norm, interpolation="nearest")
         if rank.size <= ANNOTATE:
             for (i, j), r in np.ndenumerate(rank):
-                ax.text(j, i, f"{r:.0f}", ha="center", va="center", fontsize=6,
+                ax.text(j, i, _compact(r), ha="center", va="center", fontsize=6,
                         color="white" if r > V ** 0.5 else "black")
         ax.set_title(f"{NAMES[name]}: rank of the target (1 = top)", fontsize=10)
         ax.set_xticks(range(T - first))
         ax.set_xticklabels([f"{first + j} {visible_token(t, 8)}" for j, t in enumerate(tokens[first:])],
                            rotation=70, ha="right", fontsize=7)
         ax.set_xlabel("input position (token); each cell ranks the NEXT token")
-    rows = len(next(iter(lenses.values()))["target_rank"])
     axes[0][0].set_yticks(range(rows), _layer_labels(rows))
     axes[0][0].set_ylabel("residual stream read")
     fig.colorbar(im, ax=axes[0].tolist(), label=f"rank among {V:,} tokens (log scale)")

@@ -73,8 +73,8 @@ def trajectory_section(data: dict, img, tok) -> str:
         f"<tr><td class=\"l\">{_layer(l)}</td>"
         + "".join(f"<td>{v['lenses'][n]['target_rank'][l][-1]:,}</td><td>{_f(v['lenses'][n]['target_prob'][l][-1])}</td>"
                   for n in names) + "</tr>" for l in range(L1))
-    return (f"<p>Target: {tok(target['tokens'][-1])} (id {target['ids'][-1]}), the same at every position. "
-            f"{escape(v['rank_definition'])}.</p>" + img("trajectory", "target trajectory")
+    return (f"<p>Target: {tok(target['tokens'][-1])} (id {target['ids'][-1]}), the same at every position.</p>"
+            + img("trajectory", "target trajectory")
             + f"<p>At the last position:</p><table><thead><tr><th class=\"l\">stream</th>{head}</tr></thead>"
             f"<tbody>{rows}</tbody></table><p class=\"meta\">Every layer and position is in report.json "
             "(lens_views).</p>")

@@ -26,7 +26,7 @@ import torch
 from ..errors import ObservatoryError
 from .attribution import target_ids
 from .lens import capture_stream, head_logits
-from .tuned_lens import TunedLens
+from .tuned_lens import TunedLens, find, load
 
 CHUNK_LOGITS = 16 << 20  # logits per chunk of positions (64 MiB fp32), as the logit lens
 
@@ -131,12 +131,11 @@ def views_data(views: LensViews, text, chosen: bool, tuned: TunedLens | None) ->
 def add_views(data: dict, model, ids: torch.Tensor, text, target, tuned_lens) -> None:
     """inspect's step: data["lens_views"] when there is a tuned lens (given, or saved beside the model;
     tuned_lens=False: none) or a target to follow; nothing otherwise."""
-    from . import tuned_lens as tl
     if tuned_lens is None and getattr(model, "world", 1) == 1:
-        found = tl.find(model)
-        tuned_lens = tl.load(found, model) if found is not None else None
+        found = find(model)
+        tuned_lens = load(found, model) if found is not None else None
     elif tuned_lens is not None and tuned_lens is not False and not isinstance(tuned_lens, TunedLens):
-        tuned_lens = tl.load(tuned_lens, model)
+        tuned_lens = load(tuned_lens, model)
     tuned = tuned_lens or None
     if tuned is None and target is None:
         return

@@ -73,6 +73,7 @@ def corpus_sequences(model, tokenizer, tokens: int, heldout_tokens: int, text=No
         return {"train": _windows(ids[:cut][:tokens], seq, 10**9),
                 "heldout": _windows(ids[cut:][:heldout_tokens], seq, 10**9),
                 "source": f"{path} (first 9/10 fitted, last 1/10 held out)", "note": None}
+    from ..model.loading import bundled_model_dir
     corpus, recipe, note = _recipe_corpus(model)
     if not corpus.heldout:
         raise ObservatoryError(f"the recipe {recipe} has an empty held-out split: pass --text FILE")
@@ -92,7 +93,8 @@ def corpus_sequences(model, tokenizer, tokens: int, heldout_tokens: int, text=No
                 if have >= want:
                     break
         out[split] = [s for s in seqs if len(s) >= 2]
-    return {**out, "source": f"{corpus.root} (recipe {recipe}: training split fitted, held-out split judged)",
+    recipe_name = "the bundled model's recipe.toml" if recipe.parent.resolve() == bundled_model_dir().resolve() else recipe
+    return {**out, "source": f"{corpus.root} ({recipe_name}: training split fitted, held-out split judged)",
             "note": note}
 
 
@@ -200,9 +202,13 @@ def train(model, tokenizer, tokens: int = 32768, steps: int = 200, text=None, se
     fit_s = time.perf_counter() - t1
     logit_kl, tuned_kl = layer_kl(model, held), layer_kl(model, held, lens)
     from .. import __version__
+    from ..model.loading import bundled_model_dir
+    where = Path(getattr(model, "model_dir", "") or ".")
     lens.meta = {
-        "model": {"name": Path(getattr(model, "model_dir", "model")).name,
-                  "path": str(getattr(model, "model_dir", "")), "dtype": str(model.embed.weight.dtype).removeprefix("torch."),
+        "model": {"name": where.name,
+                  # the bundled model's directory differs on every install: named, not located
+                  "path": "bundled" if where.resolve() == bundled_model_dir().resolve() else str(where),
+                  "dtype": str(model.embed.weight.dtype).removeprefix("torch."),
                   "fingerprint": fingerprint(model)},
         "layers": "translator l reads x_l (x_0 = the first block's input, x_l = block l-1's output), l = 0..L-1; "
                   "x_L needs none",
