@@ -235,7 +235,9 @@ def test_the_checker_sees_lazy_circles_upward_arrows_and_private_names(tmp_path)
 
 
 # Imported by src/sluice but not a dependency: the extra that brings it, and the only modules that may use it.
-OPTIONAL = {"transformers": ("peers", {"sluice.benchmarks.speed_engines"})}
+OPTIONAL = {"transformers": ("peers", {"sluice.benchmarks.speed_engines"}),
+            "xarray": ("notebook", {"sluice.observatory.export"}),
+            "pandas": ("notebook", {"sluice.observatory.export"})}
 # Never installed by sluice: the llama.cpp peer runs this worker under its own interpreter (--llama-python).
 ELSEWHERE = {"llama_cpp": {"sluice.benchmarks.lcpp_worker"}}
 

@@ -22,12 +22,13 @@ _LAZY = {
     "ModelConfig": (".model", "ModelConfig"), "Transformer": (".model", "Transformer"),
     "Model": (".model", "Transformer"), "load": (".model", "load"),
     "observe": (".observatory", "observe"), "surgery": (".observatory.surgery", None),
+    "inspect": (".observatory.export", "inspect"),
     "Tokenizer": (".text.tokenizer", "Tokenizer"),
 }
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "load", "observe", "Model", "ModelConfig", "Tokenizer",
            "Transformer", "SluiceError", "ConfigError", "CheckpointError", "ModelNotFoundError", "TemplateError",
-           "RequestError", "NumericsError", "surgery"]
+           "RequestError", "NumericsError", "surgery", "inspect"]
 
 
 def __getattr__(name: str):

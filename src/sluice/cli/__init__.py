@@ -1,4 +1,4 @@
-"""The `sluice` command line: demo, generate, chat, inspect, train, serve, bench, profile, export-gguf.
+"""The `sluice` command line: demo, generate, chat, inspect, train, serve, bench, profile, export-gguf, lens.
 
 Every failure reaches the user as one line on stderr, never a traceback: a SluiceError (bad input,
 named) or an OSError (the file system said no) exits 2; Ctrl-C, even during start-up while torch
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top: these pull in torch, and main() catches a Ctrl-C only from here on.
     from .bench import add_bench_parser
     from .gguf import add_export_gguf_parser
+    from .lens import add_lens_parser
     from .profile import add_profile_parser, add_roofline_parser
 
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
@@ -76,9 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --surgery: score bits per byte on this file (default: the model's "
                         "held-out text); the prompt is what both models continue greedily")
     p.add_argument("--target", default=None, metavar="TOKEN",
-                   help="the token whose logit is attributed to each block's attention and MLP: its text "
+                   help="the token whose logit is attributed to each block's attention and MLP, and whose rank "
+                        "and probability are followed through every layer of the logit and tuned lens: its text "
                         "(one token, e.g. ' return') or id:N (default: the model's top-1 prediction at each "
-                        "position)")
+                        "position, and no trajectory)")
+    p.add_argument("--tuned-lens", default=None, metavar="PATH",
+                   help="a tuned lens (`sluice lens train`'s directory or tuned_lens.safetensors) to show beside "
+                        "the logit lens; default: the one saved beside the model, if any; 'none': no tuned lens")
     p.add_argument("prompt", help="the text to inspect ('-' reads it from stdin)")
     p.set_defaults(func=cmd_inspect)
 
@@ -94,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_gguf_parser(sub)
     add_profile_parser(sub)
     add_roofline_parser(sub)
+    add_lens_parser(sub)
     return parser
 
 

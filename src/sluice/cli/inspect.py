@@ -21,6 +21,8 @@ def cmd_inspect(args) -> int:
     if getattr(args, "target", None) is not None and (args.surgery or args.text):
         raise ObservatoryError("--target chooses the token of the report's logit attribution; it does not apply "
                                "to --surgery/--text")
+    if getattr(args, "tuned_lens", None) is not None and (args.surgery or args.text or tp > 1):
+        raise ObservatoryError("--tuned-lens applies to the report of one process, not to --surgery/--text or --tp")
     if tp > 1:
         return _inspect_tp(args, prompt, tp)
     if args.surgery or args.text:  # what-if: before/after table (observatory/surgery_report.py)
@@ -32,8 +34,19 @@ def cmd_inspect(args) -> int:
         model = load(args.model, dtype=args.dtype)
         tokenizer = Tokenizer.from_pretrained(model.model_dir)
     target = target_id(tokenizer, args.target, model.config.vocab_size) if args.target is not None else None
-    data = inspect(model, tokenizer, prompt, target=target)
+    data = inspect(model, tokenizer, prompt, target=target, tuned_lens=_tuned(args, model))
     return _emit(args, data, training, out, err)
+
+
+def _tuned(args, model):
+    """--tuned-lens: None (the one beside the model, if any), False ('none'), or the loaded lens: a
+    file that does not fit the model is refused here, before the measurements."""
+    if args.tuned_lens is None:
+        return None
+    if args.tuned_lens.lower() == "none":
+        return False
+    from ..observatory.tuned_lens import load as load_tuned
+    return load_tuned(args.tuned_lens, model)
 
 
 def target_id(tokenizer, text: str, vocab_size: int) -> int:

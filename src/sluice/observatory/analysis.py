@@ -36,6 +36,7 @@ from .inspect_cost import ANNOUNCE_S, LineProgress, describe, estimate
 from .lens import head_logits
 from .probes import LOGIT_STATS
 from .softmax import softmax_safety
+from .trajectories import add_views
 
 SCHEMA = "sluice.inspect/1"
 LENS_TOPK = 5
@@ -127,12 +128,15 @@ class _Tokens:
         return self.cache[i]
 
 
-def inspect(model, tokenizer, prompt: str, progress: bool | None = None, target: int | None = None) -> dict | None:
+def inspect(model, tokenizer, prompt: str, progress: bool | None = None, target: int | None = None,
+            tuned_lens=None) -> dict | None:
     """Measure everything the observatory knows about one forward of `prompt` (see module doc).
 
     progress: None = show a progress bar on stderr for long prompts or big models. target: the
     token id whose logit is attributed to the blocks at every position (None: each position's own
-    top-1 prediction).
+    top-1 prediction); given, its rank and probability through both lenses are kept too
+    ("lens_views", trajectories.py). tuned_lens: a TunedLens, a path to one, None for the one saved
+    beside the model if any, False for none; with one, "lens_views" holds it beside the logit lens.
     On a tensor-parallel rank model (parallel.load_rank), every rank calls this with the same prompt;
     the probes and the lens reduce over the ranks (observatory/sharded.py) and rank 0 gets the dict
     a single process would build, the other ranks None."""
@@ -177,6 +181,7 @@ def inspect(model, tokenizer, prompt: str, progress: bool | None = None, target:
         _internals(data, obs, model, target, text, nonfinite)
         lens_task = bar.add_task("logit lens (layers)", total=cfg.num_layers + 1)
         _attempt(data, "lens", nonfinite, lambda: _lens(data, model, x, text, lambda _l: bar.advance(lens_task)))
+        _attempt(data, "lens_views", nonfinite, lambda: add_views(data, model, x, text, target, tuned_lens))
         steps = bar.add_task("softmax safety, growth fit", total=2)
         _attempt(data, "softmax_safety", nonfinite,
                  lambda: _softmax(data, model, logits, last["x_L"][0], sharded))

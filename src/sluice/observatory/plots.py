@@ -20,6 +20,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 
 from .analysis import visible_token  # noqa: E402
 from .internals_plots import attention_heads, attribution_bars  # noqa: E402
+from .lens_views_plots import lens_kl, trajectory  # noqa: E402
 
 DPI = 110
 LENS_POSITIONS = 32  # the lens grid shows at most the last this-many positions
@@ -322,6 +323,8 @@ FIGURES = {
     "logit_histogram": (logit_histogram, ("logits",)),
     "entropy": (entropy, ("logits",)),
     "lens_grid": (lens_grid, ("lens",)),
+    "lens_kl": (lens_kl, ("lens_views",)),
+    "trajectory": (trajectory, ("lens_views",)),
     "attention_heads": (attention_heads, ("attention",)),
     "attribution": (attribution_bars, ("attribution",)),
     "training_valves": (training_valves, ("training",)),

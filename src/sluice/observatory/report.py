@@ -20,6 +20,7 @@ from matplotlib.colors import to_hex
 from ..errors import ObservatoryError
 from .analysis import visible_token
 from .internals_report import ATTENTION_HOW, ATTRIBUTION_HOW, attention_section, attribution_section
+from .lens_views_report import TRAJECTORY_HOW, TUNED_HOW, has_trajectory, has_tuned, trajectory_section, tuned_section
 from .plots import LENS_POSITIONS
 
 PROMPT_OPEN = 200  # prompts up to this many tokens are shown unfolded
@@ -29,8 +30,11 @@ SECTIONS = [("valves", "The four valves"), ("residual", "Residual stream"), ("gr
             ("norms", "Norm gains"), ("branches", "Branch / stream ratios"),
             ("massive", "Massive activations"), ("attention", "Attention valves per head"),
             ("attribution", "Attribution by block"), ("logits", "Logit histogram and entropy per position"),
-            ("lens", "Logit lens"), ("softmax", "Softmax safety"), ("nonfinite", "Non-finite check"),
+            ("lens", "Logit lens"), ("tuned", "Tuned lens beside the logit lens"),
+            ("trajectory", "Target trajectory"), ("softmax", "Softmax safety"), ("nonfinite", "Non-finite check"),
             ("training", "Valves over training")]  # the last one only with --training
+# sections shown only when their data is there: a tuned lens, a --target, a training run
+OPTIONAL = {"tuned": has_tuned, "trajectory": has_trajectory, "training": lambda data: "training" in data}
 
 CSS = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;max-width:1200px;
@@ -245,6 +249,8 @@ HOW = {
                "it is carried along the residual stream.",
     "attention": ATTENTION_HOW,
     "attribution": ATTRIBUTION_HOW,
+    "tuned": TUNED_HOW,
+    "trajectory": TRAJECTORY_HOW,
     "logits": "First: the logits of all vocabulary entries at the last position, with the final norm (what "
               "the model really computes) and with it bypassed. Red lines: where exp() overflows. Second: "
               "the next-token entropy and top-1 probability at each position.",
@@ -281,6 +287,8 @@ def _body(anchor: str, data: dict, pngs) -> str:
         "attribution": lambda: attribution_section(data, lambda name, alt: _img(pngs, name, alt), tok_html),
         "logits": lambda: _img(pngs, "logit_histogram", "logit histogram") + _img(pngs, "entropy", "entropy"),
         "lens": lambda: _lens(data),
+        "tuned": lambda: tuned_section(data, lambda name, alt: _img(pngs, name, alt), tok_html),
+        "trajectory": lambda: trajectory_section(data, lambda name, alt: _img(pngs, name, alt), tok_html),
         "softmax": lambda: _softmax(data),
         "nonfinite": lambda: _nonfinite(data),
         "training": lambda: _training(data, pngs),
@@ -311,7 +319,7 @@ def render(data: dict, pngs: dict[str, Path]) -> str:
     parts += [f'<p class="finding"><b>Finding:</b> {escape(f["message"])}</p>' for f in data["findings"]]
     parts += [f'<p class="skipped"><b>Skipped {escape(k)}:</b> {escape(v)}</p>' for k, v in data["skipped"].items()]
     parts.append(_prompt_html(data))
-    sections = [(a, t) for a, t in SECTIONS if a != "training" or "training" in data]
+    sections = [(a, t) for a, t in SECTIONS if a not in OPTIONAL or OPTIONAL[a](data)]
     parts.append("<nav>" + "".join(f'<a href="#{a}">{i + 1}. {t}</a><br>'
                                     for i, (a, t) in enumerate(sections)) + "</nav>")
     for i, (anchor, name) in enumerate(sections):

@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .analysis import visible_token
+from .lens_views_report import lens_views_table
 
 LENS_COLUMNS = 8  # positions of the lens that fit an 80-120 column terminal (print_all adapts it)
 
@@ -183,7 +184,8 @@ def print_all(data: dict, console: Console | None = None) -> None:
     for name, why in data["skipped"].items():
         console.print(f"[yellow]skipped {name}:[/yellow] {escape(why)}")
     console.print(valves_table(data["valves"], len(data["tokens"]["ids"]), data["model"]["vocab_size"]))
-    for key, fn in (("lens", lens_table), ("softmax_safety", softmax_table), ("growth", growth_table),
+    for key, fn in (("lens", lens_table), ("lens_views", lens_views_table), ("softmax_safety", softmax_table),
+                    ("growth", growth_table),
                     ("massive_activations", massive_table), ("training", training_table)):
         if key in data:
             console.print()
