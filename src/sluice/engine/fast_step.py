@@ -53,11 +53,12 @@ _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 MAX_CHUNK = 64  # tokens per row per kernel call; a longer chunk runs as pieces of this many (small scratch)
 # config.hidden_act -> step.cpp's Act: gelu_new and torch's "tanh" GELU are one formula, equal in fp32 to an ulp
 _ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "gelu_new": 2}
-# int4 products of up to 8 token rows (decode, small batches): "int8" quantizes each activation row per block of 32
-# to int8 and sums code x code in integers (native/q4i.h: llama.cpp's Q4_0 x Q8_0 arithmetic, faster, within its
-# own bound of the dequantized model), "fp32" widens the codes and sums in fp32 (q4.h: within 1e-4 of the
-# dequantized model). Prefill chunks (9+ rows) always take fp32. Set per process by SLUICE_INT4_DOT, or by
-# assigning INT4_DOT before a FastStep is built, or per step: FastStep(model, int4_dot=...).
+# The native step's int4 products: "int8" quantizes each activation row per block of 32 to int8 and sums code x
+# code in integers (native/q4i.h: llama.cpp's Q4_0 x Q8_0 arithmetic, faster, within its own bound of the
+# dequantized model), "fp32" widens the codes and sums in fp32 (q4.h: within 1e-4 of the dequantized model).
+# One mode for every chunk, decode and prefill, so a token's numbers never depend on its batch or chunk. Set
+# per process by SLUICE_INT4_DOT, or by assigning INT4_DOT before a FastStep is built, or per step:
+# FastStep(model, int4_dot=...).
 INT4_DOTS = ("int8", "fp32")
 INT4_DOT = os.environ.get("SLUICE_INT4_DOT", "int8")
 

@@ -92,7 +92,7 @@ inline Q4In q4_input(const Linear& L, const float* x, int64_t M) {
     }
     in.x = pad.data();
   }
-  if (L.idot && M <= kQ4DotRows) {
+  if (L.idot) {
     q4i_quantize(gs, in.x, in.ldx, M, Kp, in);
     return in;
   }

@@ -1,5 +1,6 @@
-// q4.h's integer-dot mode for int4 products of up to kQ4DotRows token rows (decode and small batches), the
-// arithmetic of llama.cpp's Q4_0 x Q8_0 dot written for quant.py's layout. Included by q4.h after Q4In.
+// q4.h's integer-dot mode for int4 products (Linear::idot: every product of the step, decode and prefill, so that a
+// token's numbers never depend on how many rows shared its call), the arithmetic of llama.cpp's Q4_0 x Q8_0 dot
+// written for quant.py's layout. Included by q4.h after q4_scales.
 //
 // Why: widening the codes to fp32 costs ~9 cycles per 32 weights per row, so int4 decode was compute-bound at a
 // third of the read bandwidth. Here each activation row is quantized per block of 32 inputs to int8 (d = max|x|
@@ -12,8 +13,6 @@
 // A token's numbers do not depend on its batch: its quantization is its row's alone, and every (weight row,
 // token row) pair runs the same operations in the same order in every tile. The integer sums are exact, and
 // the fp32 part uses 8-lane vectors in every SIMD build, so the AVX-512 and AVX2 builds give the same bits.
-
-constexpr int64_t kQ4DotRows = 8;  // token rows up to which an int4 product takes the integer dot (when on)
 
 // Quantize M rows of x (ldx apart, Kp inputs each, zero-padded) into this thread's buffers and point in at them.
 inline void q4i_quantize(int64_t group, const float* x, int64_t ldx, int64_t M, int64_t Kp, Q4In& in) {
@@ -145,8 +144,14 @@ inline void q4i_tile_g(const uint8_t* const w[R], const int64_t rows[R], bool ru
   }
 }
 
-// block_q4's integer-dot form (in.a set: M <= kQ4DotRows): tiles of 4 weight rows x 1 or 2 token rows, every token
-// pair over a tile before the next; the first pair prefetches the next tile's rows a few lines per group.
+// block_q4's integer-dot form (in.a set): tiles of 4 weight rows x up to kQ4iRows token rows, every group of token
+// rows over a tile before the next tile, so its rows stay in L1 (a prefill chunk's weights are read once); the
+// first group prefetches the next tile's rows a few lines per group of inputs.
+#ifdef SLUICE_AVX512
+constexpr int64_t kQ4iRows = 4;  // 16 accumulators of 32 registers
+#else
+constexpr int64_t kQ4iRows = 2;  // 8 of 16
+#endif
 inline void block_q4i(const Linear& L, const Q4In& in, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
                       bool accumulate, const void* after) {
   constexpr int R = 4;
@@ -164,16 +169,27 @@ inline void block_q4i(const Linear& L, const Q4In& in, int64_t M, int64_t n0, in
     for (int r = 0; r < R; ++r) wr[r] = w + (rows[r] = std::min(n + r, n1 - 1)) * ldw;
     const void* next = n + R >= n1 && after ? after : L.row(n + R);
     const int64_t pf_step = (R * ldw / 64 + G - 1) / G;
-    for (int64_t m0 = 0; m0 < M; m0 += 2) {  // the tile's rows stay in L1 for the later token pairs
-      const int64_t mm = std::min<int64_t>(2, M - m0);
+    const bool run = n + R <= n1;
+    for (int64_t m0 = 0; m0 < M; m0 += kQ4iRows) {
+      const int64_t mm = std::min(kQ4iRows, M - m0);
       const char* pf = m0 == 0 ? static_cast<const char*>(next) : nullptr;
-      float o[R][2];
-      if (mm == 1) {
-        float o1[R][1];
-        q4i_tile_g<R, 1>(wr, rows, n + R <= n1, L, in, m0, o1, pf, pf_step, L.far);
-        for (int r = 0; r < R; ++r) o[r][0] = o1[r][0];
-      } else {
-        q4i_tile_g<R, 2>(wr, rows, n + R <= n1, L, in, m0, o, pf, pf_step, L.far);
+      float o[R][kQ4iRows];
+      auto tile = [&](auto rows_c) {
+        constexpr int MT = decltype(rows_c)::value;
+        float t[R][MT];
+        q4i_tile_g<R, MT>(wr, rows, run, L, in, m0, t, pf, pf_step, L.far);
+        for (int r = 0; r < R; ++r)
+          for (int m = 0; m < MT; ++m) o[r][m] = t[r][m];
+      };
+      switch (mm) {
+        case 1: tile(std::integral_constant<int, 1>{}); break;
+#ifdef SLUICE_AVX512
+        case 2: tile(std::integral_constant<int, 2>{}); break;
+        case 3: tile(std::integral_constant<int, 3>{}); break;
+        default: tile(std::integral_constant<int, 4>{});
+#else
+        default: tile(std::integral_constant<int, 2>{});
+#endif
       }
       for (int64_t r = 0; r < std::min<int64_t>(R, n1 - n); ++r)
         for (int64_t m = 0; m < mm; ++m) put(m0 + m, n + r, o[r][m]);

@@ -284,7 +284,7 @@ struct Linear {  // weight (N, ldw) of which each row's first K are used, row sc
   // flight. Qwen3-0.6B shape in bf16, 2-core Xeon: 11.2 -> 14.3-15.9 tok/s; the bundled model (its weights in
   // the last-level cache) ran ~5% faster with T0, so it keeps that.
   bool far = false;
-  bool idot = false;  // int4: products of up to kQ4DotRows token rows take the integer dot (q4i.h)
+  bool idot = false;  // int4: the products take the integer dot (q4i.h), not the fp32-widening one
   const float* b = nullptr;
   int64_t n = 0, k = 0;
   int64_t ldw = 0;  // elements from a weight row to the next: K, or more for int8 rows padded to a multiple of 16;
