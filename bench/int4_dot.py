@@ -1,5 +1,5 @@
 """int4 on the native step: decode with the integer dot (fast_step INT4_DOT "int8", native/q4i.h) against the
-fp32-widening dot (q4.h), and prefill chunks of the native step against torch's int4 op
+fp32-widening dot (q4.h), and prefill chunks of the native step (both modes) against torch's int4 op
 (_weight_int4pack_mm_for_cpu, the torch forward int4 models ran before the native step took them).
 
 One quantized model (loaded in fp32, as `sluice bench --quantize int4` loads it), one paged KV pool prefilled with
@@ -42,9 +42,10 @@ def _summary(per_round: dict, rows: int) -> dict:
         med, best = statistics.median(times), min(times)
         out[name] = {"ms_median": round(med * 1e3, 3), "ms_best": round(best * 1e3, 3),
                      "tok_s_median": round(rows / med, 2), "tok_s_best": round(rows / best, 2)}
-    (a, ta), (b, tb) = per_round.items()
-    out[f"{a}_over_{b}_median"] = round(statistics.median(tb) / statistics.median(ta), 3)
-    out[f"{a}_over_{b}_per_round"] = [round(y / x, 3) for x, y in zip(ta, tb, strict=True)]
+    (a, ta), *others = per_round.items()  # the first path's speed over each other's
+    for b, tb in others:
+        out[f"{a}_over_{b}_median"] = round(statistics.median(tb) / statistics.median(ta), 3)
+        out[f"{a}_over_{b}_per_round"] = [round(y / x, 3) for x, y in zip(ta, tb, strict=True)]
     return out
 
 
@@ -88,17 +89,29 @@ def decode(model, batch: int, prompt: int, steps: int, rounds: int) -> dict:
 def prefill(model, tokens: int, rounds: int) -> dict:
     vocab = model.config.vocab_size
     pool, view = _pool(model, 1, tokens)
-    fast = FastStep(model, int4_dot="fp32")
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(tokens)[None]
+
+    def native(mode):
+        fast = FastStep(model, int4_dot=mode)
+        return lambda s: fast(ids, pos, pool.k, pool.v, block_table=view.table)[:, -1]
     with torch.inference_mode():
-        paths = {"native": lambda s: fast(ids, pos, pool.k, pool.v, block_table=view.table)[:, -1],
-                 "torch": lambda s: model(ids, pos, view)[:, -1]}
+        paths = {"int8": native("int8"), "fp32": native("fp32"), "torch": lambda s: model(ids, pos, view)[:, -1]}
         per_round = _alternate(paths, rounds, 1)
-        last = [f(0) for f in paths.values()]
-    out = {"tokens": tokens, "rounds": rounds, "max_abs_logit_diff": float((last[0] - last[1]).abs().max()),
-           "max_abs_logit": float(last[1].abs().max())}
-    return out | _summary({k: v for k, v in per_round.items()}, tokens)
+        last = {k: f(0) for k, f in paths.items()}
+    out = {"tokens": tokens, "rounds": rounds, "max_abs_logit": float(last["torch"].abs().max()),
+           "max_abs_logit_diff_vs_torch": {k: float((v - last["torch"]).abs().max()) for k, v in last.items()}}
+    return out | _summary(per_round, tokens)
+
+
+def print_table(result: dict) -> None:
+    print("| row | path | ms median | tok/s median | tok/s best |")
+    print("|---|---|---:|---:|---:|")
+    for key, r in result["rows"].items():
+        for path in ("int8", "fp32", "torch"):
+            if path in r:
+                p = r[path]
+                print(f"| {key} | {path} | {p['ms_median']} | {p['tok_s_median']} | {p['tok_s_best']} |")
 
 
 def main():
@@ -127,10 +140,12 @@ def main():
         save_json(a.out, result)  # after each row: a long run cut short keeps what it measured
     if a.prefill:
         result["rows"][f"prefill {a.prefill}"] = r = prefill(model, a.prefill, a.rounds)
-        print(f"prefill {a.prefill}: native {r['native']['tok_s_median']} tok/s, torch's int4 op "
-              f"{r['torch']['tok_s_median']} tok/s (native/torch {r['native_over_torch_median']}x)", flush=True)
+        print(f"prefill {a.prefill}: native int8 {r['int8']['tok_s_median']} tok/s, native fp32 "
+              f"{r['fp32']['tok_s_median']}, torch's int4 op {r['torch']['tok_s_median']} (int8/fp32 "
+              f"{r['int8_over_fp32_median']}x, int8/torch {r['int8_over_torch_median']}x)", flush=True)
     result["loadavg_at_end"] = list(os.getloadavg())
     save_json(a.out, result)
+    print_table(result)
 
 
 if __name__ == "__main__":

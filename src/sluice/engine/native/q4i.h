@@ -47,9 +47,11 @@ inline void q4i_quantize(int64_t group, const float* x, int64_t ldx, int64_t M, 
 
 #ifdef SLUICE_AVX2
 // The 32 codes of the block at byte p as u8, inputs in order: the low nibbles (inputs 0..15), then the high ones.
+// The 16 bytes load into both halves (a load-port broadcast), the upper half's 32-bit lanes shift right by 4 and
+// the mask keeps each byte's own nibble: three instructions, none on the shuffle port.
 inline __m256i q4i_codes(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(15);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
 }
 
 // Eight int32 lanes summing to sum(q a) over the block (q u8 in [0, 15], a s8), exact on every path.
