@@ -156,3 +156,24 @@ def test_the_mode_is_checked_and_chosen(ckpt_dirs, monkeypatch):
     outs = {m: run(FastStep(model, int4_dot=m)) for m in ("int8", "fp32")}  # (2 rows: the modes differ)
     default = run(FastStep(model))
     assert not torch.equal(outs["int8"], outs["fp32"]) and torch.equal(default, outs["int8"])
+
+
+def test_the_torch_forward_of_an_int4_linear_rounds_x_as_the_integer_dot(monkeypatch):
+    """Where the engine runs the torch forward (a hook attached), gemv.FastInt4Linear rounds fp32 inputs as q4i.h
+    does when the step's mode is "int8", so a hooked model decodes the native step's numbers up to summation order."""
+    from sluice.engine import gemv
+    torch.manual_seed(0)
+    model = nn.Sequential(Int4Linear(nn.Linear(100, 70), group_size=64))  # 100 inputs padded to 128
+    q = model[0]
+    assert gemv.use_fast_linears(model) >= 1 and isinstance(q, gemv.FastInt4Linear)
+    lin = nn.Linear(100, 70)
+    with torch.no_grad():
+        lin.weight.copy_(q.dequantize())
+        lin.bias.copy_(q.bias)
+    x = torch.randn(5, 100)
+    monkeypatch.setattr(fast_step, "INT4_DOT", "int8")
+    got = q(x)
+    torch.testing.assert_close(got, RoundedInputLinear(lin, 128)(x), rtol=0, atol=1e-5)
+    assert (got - lin(x)).abs().max() > 1e-4  # (the rounding shows)
+    monkeypatch.setattr(fast_step, "INT4_DOT", "fp32")
+    torch.testing.assert_close(q(x), lin(x), rtol=0, atol=1e-5)
