@@ -16,7 +16,8 @@ an ungated MLP with SiLU or GELU (erf or tanh); optional biases, tied or untied 
 fp32 or bf16 linear weights with fp32 activations and an fp32 cache (the fp32 model, and
 engine/mixed.py's bf16-weight mode), or model/quant.py's int8 and int4 ones (a model loaded with
 quantize="int8": each row's sum of code x input, in fp32, times the row's scale; quantize="int4", any group
-size: per group the sum of code x input, times the group's scale, plus its zero term, native/q4.h). Numerics
+size: per group the sum of code x input, times the group's scale, plus its zero term, native/q4.h; by default
+with x rounded per block of 32 to int8 and integer sums, native/q4i.h: INT4_DOT below). Numerics
 are the torch path's in fp32 (for int8 and int4, the product with the dequantized weight, without the bf16
 rounding of x and y that torch's quantized ops need), so the cast orders of the families' norms are moot
 here. `unsupported(model)` names the first thing outside that (other quantized or custom linears,
