@@ -147,6 +147,19 @@ def test_int8_step_quick(tmp_path):
         assert row["native_over_torch_median"] > 0 and len(row["native_over_torch_per_round"]) == row["rounds"]
 
 
+def test_int4_dot_quick(tmp_path):
+    out = tmp_path / "int4.json"
+    _run("int4_dot.py", "--batch", "1,2", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["quick"] and set(r["rows"]) == {"decode B=1", "decode B=2", "prefill 16"}
+    for key in ("decode B=1", "decode B=2"):
+        row = r["rows"][key]
+        assert row["int8"]["tok_s_median"] > 0 and row["fp32"]["tok_s_median"] > 0
+        assert len(row["int8_over_fp32_per_round"]) == row["rounds"]
+    pre = r["rows"]["prefill 16"]
+    assert pre["torch"]["tok_s_median"] > 0 and pre["int8_over_torch_median"] > 0 and pre["int8_over_fp32_median"] > 0
+
+
 def test_batch_decode_quick(tiny_dir, tmp_path):
     """bench/batch_decode.py --quick; against llama-batched-bench too where it is built (CI: not)."""
     from sluice.benchmarks.batched_bench import find_batched_bench

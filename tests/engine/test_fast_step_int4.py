@@ -3,7 +3,10 @@ input in fp32 and adds the group's scale and zero terms once, so its reference i
 Int4Linear replaced by an fp32 nn.Linear holding the dequantized weight (quant.int4_reference's product without
 the bf16 rounding of x and y that torch's int4 op needs). Bound: 1e-4 of the largest logit, as the int8 and fp32
 steps', and greedy tokens equal. Group sizes 32 and 128 (every group pads the tiny models' inputs somewhere). A
-token's numbers never depend on its batch or on how its prompt was cut into chunks (bit for bit)."""
+token's numbers never depend on its batch or on how its prompt was cut into chunks (bit for bit).
+
+These are the fp32-widening products (fast_step.INT4_DOT "fp32", pinned here for every test); the integer dot
+that decode takes by default has its own bound: test_fast_step_int4_dot.py."""
 
 import os
 import subprocess
@@ -35,6 +38,11 @@ CASES = {
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
 }
 PROMPTS = [[1, 5, 9, 2, 7], [3, 11, 4, 6, 8, 10, 12, 13, 14]]  # rows at different positions
+
+
+@pytest.fixture(autouse=True)
+def fp32_products(monkeypatch):
+    monkeypatch.setattr(fast_step, "INT4_DOT", "fp32")
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +225,9 @@ def test_the_engine_decodes_an_int4_model_on_the_native_step(tiny_dir, dtype):
 
 @pytest.mark.slow
 def test_the_avx2_int4_products_pass_on_an_avx512_cpu():
-    """The AVX2 build (SLUICE_KERNEL_FLAGS=-mno-avx512f: q4_dot) passes this file's parity and bit-for-bit tests
-    in a subprocess, as test_fast_step_int8.py checks the int8 products."""
+    """The AVX2 build (SLUICE_KERNEL_FLAGS=-mno-avx512f: q4_dot, and q4i.h's maddubs) passes this file's and
+    test_fast_step_int4_dot.py's parity and bit-for-bit tests in a subprocess, as test_fast_step_int8.py checks
+    the int8 products."""
     if "avx512f" not in cpu_flags():
         pytest.skip("no AVX-512 on this CPU: the default build is the AVX2 path, which the tests above check")
     if os.environ.get("SLUICE_KERNEL_FLAGS"):
@@ -230,7 +239,8 @@ def test_the_avx2_int4_products_pass_on_an_avx512_cpu():
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     tests = Path(__file__).resolve()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), "-k",
+    both = [str(tests), str(tests.with_name("test_fast_step_int4_dot.py"))]  # and the integer dot's AVX2 form
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *both, "-k",
                         "(equal or same_numbers) and not avx512_cpu and not the_engine"],
                        env=env, capture_output=True, text=True, timeout=1800, cwd=tests.parents[2])
     assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]

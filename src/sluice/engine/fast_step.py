@@ -16,7 +16,8 @@ an ungated MLP with SiLU or GELU (erf or tanh); optional biases, tied or untied 
 fp32 or bf16 linear weights with fp32 activations and an fp32 cache (the fp32 model, and
 engine/mixed.py's bf16-weight mode), or model/quant.py's int8 and int4 ones (a model loaded with
 quantize="int8": each row's sum of code x input, in fp32, times the row's scale; quantize="int4", any group
-size: per group the sum of code x input, times the group's scale, plus its zero term, native/q4.h). Numerics
+size: per group the sum of code x input, times the group's scale, plus its zero term, native/q4.h; by default
+with x rounded per block of 32 to int8 and integer sums, native/q4i.h: INT4_DOT below). Numerics
 are the torch path's in fp32 (for int8 and int4, the product with the dequantized weight, without the bf16
 rounding of x and y that torch's quantized ops need), so the cast orders of the families' norms are moot
 here. `unsupported(model)` names the first thing outside that (other quantized or custom linears,
@@ -31,6 +32,8 @@ a norm or set a soft-cap: a step that no longer matches its model is built again
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +54,15 @@ _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 MAX_CHUNK = 64  # tokens per row per kernel call; a longer chunk runs as pieces of this many (small scratch)
 # config.hidden_act -> step.cpp's Act: gelu_new and torch's "tanh" GELU are one formula, equal in fp32 to an ulp
 _ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "gelu_new": 2}
+# The native step's int4 products: "int8" quantizes each activation row per block of 32 to int8 and sums code x
+# code in integers (native/q4i.h: llama.cpp's Q4_0 x Q8_0 arithmetic, faster, within its own bound of the
+# dequantized model), "fp32" widens the codes and sums in fp32 (q4.h: within 1e-4 of the dequantized model).
+# One mode for every chunk, decode and prefill, so a token's numbers never depend on its batch or chunk. Set
+# per process by SLUICE_INT4_DOT, or by assigning INT4_DOT before a FastStep is built, or per step:
+# FastStep(model, int4_dot=...).
+INT4_DOTS = ("int8", "fp32")
+INT4_DOT = os.environ.get("SLUICE_INT4_DOT", "int8")
+
 # step.cpp's Phase, in order: what FastStep's counters time (named as observatory/costs.py's components)
 PHASES = ("embedding", "norms", "qkv_proj", "attention", "o_proj", "mlp", "final_norm", "lm_head")
 
@@ -264,13 +276,18 @@ class FastStep:
     position past the table, a block id outside the pool) raises RuntimeError before anything runs.
     """
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, int4_dot: str | None = None):
         why = unsupported(model)
         if why is not None:
             raise ConfigError(f"the native step cannot run this model: {why}")
         self.model, cfg = model, model.config
         self.built_from = _sources(model)  # held, so no id in it can be reused while this step lives
         tensors, embed, pos, final, head, scales, inv, inv_local, per_layer, opts = self.built_from
+        self.int4_dot = int4_dot or INT4_DOT
+        if self.int4_dot not in INT4_DOTS:
+            raise ConfigError(f"SLUICE_INT4_DOT (int4_dot) must be one of {', '.join(INT4_DOTS)}, "
+                              f"got {self.int4_dot!r}")
+        opts = {**opts, "int4_dot": float(self.int4_dot == "int8")}
         # bf16 biases (mixed.py leaves a linear's bias in its dtype) and int8 row scales (quant.py keeps them in
         # bf16) widen exactly to the fp32 step.cpp reads: a copy of N floats per linear, made once here. int4 codes
         # have rows padded to a multiple of 16: step.cpp gets the first out_features (a view) and the scales as

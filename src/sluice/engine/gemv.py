@@ -171,15 +171,29 @@ def blocked_linear(x32: torch.Tensor, weight_rows, bias: torch.Tensor | None, N:
     return out
 
 
+def round_blocks_int8(x: torch.Tensor, padded: int) -> torch.Tensor:
+    """x as native/q4i.h's integer dot sees it: over each row zero-padded to `padded` inputs, per block of 32,
+    a = rint(clamp(x * (127 / max|x|), -127, 127)) times max|x| / 127 (Q8_0's rounding)."""
+    K = x.shape[-1]
+    xb = F.pad(x, (0, padded - K)).unflatten(-1, (-1, 32))
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round((xb * inv).clamp(-127, 127)) * (amax / 127)).flatten(-2)[..., :K]
+
+
 class FastInt4Linear(Int4Linear):
     """An Int4Linear whose fp32 inputs are multiplied in fp32 by its dequantized weight, made a block of rows at a
     time (blocked_linear): where the engine runs the torch forward of an int4 model (a hook attached, compile) it
     then gives the native step's numbers up to summation order, not those of torch's int4 op, which rounds x and
-    y to bf16 (and it builds no packed copy of the codes). Other inputs take torch's op, as before."""
+    y to bf16 (and it builds no packed copy of the codes). So with the native step's integer dot (fast_step.INT4_DOT
+    "int8") x is first rounded as that rounds it. Other inputs take torch's op, as before."""
 
     def forward(self, x):
         if x.dtype != torch.float32:
             return super().forward(x)
+        from . import fast_step  # (which imports this module)
+        if fast_step.INT4_DOT == "int8":
+            x = round_blocks_int8(x, 2 * self.qweight.shape[1])
         K, g = self.in_features, self.group_size
 
         def rows(a, b):

@@ -30,47 +30,14 @@ struct Q4In {
   int64_t ldx = 0;
   const float* xs = nullptr;
   int64_t ldxs = 0;
+  // The integer-dot mode's input (q4i.h), set instead of xs: int8 codes (M, K'), per row the blocks' scales d
+  // (nb = K' / 32 each) and the groups' sums of d * sum(a) (ng = K' / group each).
+  const int8_t* a = nullptr;
+  float* d = nullptr;
+  float* dsum = nullptr;
+  int64_t nb = 0, ng = 0;
 };
 
-// The Q4In of L's input x (M rows of L.k floats), in this thread's buffers: valid until the thread's next call.
-// Each thread makes its own (it is M * K' additions, a small part of the product), so no barrier is needed.
-inline Q4In q4_input(const Linear& L, const float* x, int64_t M) {
-  static thread_local Scratch pad, sums;
-  const int64_t K = L.k, Kp = 2 * L.ldw, gs = L.group, G = Kp / gs;
-  Q4In in;
-  in.x = x;
-  in.ldx = Kp;
-  if (Kp != K) {
-    if (static_cast<int64_t>(pad.size()) < M * Kp) pad.resize(M * Kp);
-    for (int64_t m = 0; m < M; ++m) {
-      std::copy(x + m * K, x + (m + 1) * K, pad.data() + m * Kp);
-      std::fill(pad.data() + m * Kp + K, pad.data() + (m + 1) * Kp, 0.f);
-    }
-    in.x = pad.data();
-  }
-  in.ldxs = G * kQ4Lanes;
-  if (static_cast<int64_t>(sums.size()) < M * in.ldxs) sums.resize(M * in.ldxs);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* xg = in.x + m * Kp + g * gs;
-      float* out = sums.data() + m * in.ldxs + g * kQ4Lanes;
-#ifdef SLUICE_AVX512
-      __m512 v = _mm512_loadu_ps(xg);
-      for (int64_t j = 16; j < gs; j += 16) v = _mm512_add_ps(v, _mm512_loadu_ps(xg + j));
-      _mm512_storeu_ps(out, v);
-#elif defined(SLUICE_AVX2)
-      __m256 v = _mm256_loadu_ps(xg);
-      for (int64_t j = 8; j < gs; j += 8) v = _mm256_add_ps(v, _mm256_loadu_ps(xg + j));
-      _mm256_storeu_ps(out, v);
-#else
-      float v = 0.f;
-      for (int64_t j = 0; j < gs; ++j) v += xg[j];
-      *out = v;
-#endif
-    }
-  in.xs = sums.data();
-  return in;
-}
 
 // Group g's scale s and c = z - 8 s for R weight rows (rows[r]), as fp32 into s[0:R], c[0:R]. R consecutive rows
 // (run) load as one vector; the scalar form rounds c the same way (one fma), so both give the same bits.
@@ -105,6 +72,52 @@ inline void q4_scales(const Linear& L, int64_t g, const int64_t* rows, bool run,
     s[r] = widen(p[2 * rows[r]]);
     c[r] = std::fma(-8.f, s[r], widen(p[2 * rows[r] + 1]));
   }
+}
+
+#include "q4i.h"
+
+// The Q4In of L's input x (M rows of L.k floats), in this thread's buffers: valid until the thread's next call.
+// Each thread makes its own (it is M * K' additions, a small part of the product), so no barrier is needed.
+inline Q4In q4_input(const Linear& L, const float* x, int64_t M) {
+  static thread_local Scratch pad, sums;
+  const int64_t K = L.k, Kp = 2 * L.ldw, gs = L.group, G = Kp / gs;
+  Q4In in;
+  in.x = x;
+  in.ldx = Kp;
+  if (Kp != K) {
+    if (static_cast<int64_t>(pad.size()) < M * Kp) pad.resize(M * Kp);
+    for (int64_t m = 0; m < M; ++m) {
+      std::copy(x + m * K, x + (m + 1) * K, pad.data() + m * Kp);
+      std::fill(pad.data() + m * Kp + K, pad.data() + (m + 1) * Kp, 0.f);
+    }
+    in.x = pad.data();
+  }
+  if (L.idot) {
+    q4i_quantize(gs, in.x, in.ldx, M, Kp, in);
+    return in;
+  }
+  in.ldxs = G * kQ4Lanes;
+  if (static_cast<int64_t>(sums.size()) < M * in.ldxs) sums.resize(M * in.ldxs);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = in.x + m * Kp + g * gs;
+      float* out = sums.data() + m * in.ldxs + g * kQ4Lanes;
+#ifdef SLUICE_AVX512
+      __m512 v = _mm512_loadu_ps(xg);
+      for (int64_t j = 16; j < gs; j += 16) v = _mm512_add_ps(v, _mm512_loadu_ps(xg + j));
+      _mm512_storeu_ps(out, v);
+#elif defined(SLUICE_AVX2)
+      __m256 v = _mm256_loadu_ps(xg);
+      for (int64_t j = 8; j < gs; j += 8) v = _mm256_add_ps(v, _mm256_loadu_ps(xg + j));
+      _mm256_storeu_ps(out, v);
+#else
+      float v = 0.f;
+      for (int64_t j = 0; j < gs; ++j) v += xg[j];
+      *out = v;
+#endif
+    }
+  in.xs = sums.data();
+  return in;
 }
 
 // The codes of a row from k on, as fp32: what a prefill pass's tiles read instead of the nibbles (same values).
@@ -270,6 +283,7 @@ inline void block_q4(const Linear& L, const Q4In& in, int64_t M, int64_t n0, int
   const uint8_t* w = static_cast<const uint8_t*>(L.w);
   [[maybe_unused]] const int64_t ldw = L.ldw, Kp = in.ldx, G = Kp / L.group;
   const float* bias = L.b;
+  if (in.a) return block_q4i(L, in, M, n0, n1, y, ldy, accumulate, after);
 #ifdef SLUICE_AVX512
   if (M == 1) {  // decode: tiles of 16 weight rows, the next 16 prefetched meanwhile, gs / 8 lines per group
     for (int64_t n = n0; n < n1; n += 16) {

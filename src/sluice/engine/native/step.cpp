@@ -284,6 +284,7 @@ struct Linear {  // weight (N, ldw) of which each row's first K are used, row sc
   // flight. Qwen3-0.6B shape in bf16, 2-core Xeon: 11.2 -> 14.3-15.9 tok/s; the bundled model (its weights in
   // the last-level cache) ran ~5% faster with T0, so it keeps that.
   bool far = false;
+  bool idot = false;  // int4: the products take the integer dot (q4i.h), not the fp32-widening one
   const float* b = nullptr;
   int64_t n = 0, k = 0;
   int64_t ldw = 0;  // elements from a weight row to the next: K, or more for int8 rows padded to a multiple of 16;
@@ -873,7 +874,7 @@ class Step {
   static constexpr int kPerLayer = 26, kLinearsPerLayer = 7;
   // opts: the model-wide numbers and switches, each key required (a misspelt one is an error, not a default).
   static constexpr const char* kOpts[] = {"eps", "norm_offset", "layer_norm", "scale", "act", "qk_full_width",
-                                          "parallel_residual", "embed_scale", "final_softcap"};
+                                          "parallel_residual", "embed_scale", "final_softcap", "int4_dot"};
 
   Step(std::vector<torch::Tensor> tensors, torch::Tensor embed, torch::Tensor pos_embed,
        std::vector<torch::Tensor> final_norm, torch::Tensor head, std::vector<torch::Tensor> scales,
@@ -948,9 +949,11 @@ class Step {
         TORCH_CHECK(Li->kind != kInt4 || !group || Li->group == group, "Step: int4 linears of one group size only");
         if (Li->kind == kInt4) group = Li->group;
       }
+    const bool idot = opt("int4_dot") != 0.0;
     head_.far = far;
+    head_.idot = idot;
     for (Layer& Ly : layers_)
-      for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) Li->far = far;
+      for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) Li->far = far, Li->idot = idot;
   }
 
   torch::Tensor run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, bool hidden,
