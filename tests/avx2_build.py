@@ -20,9 +20,9 @@ from sluice.engine.gemv import cpu_flags
 AVX2_FLAGS = "-mno-avx512f"
 
 
-def run_avx2_build(module: str, test_file: str, select: str) -> None:
+def run_avx2_build(module: str, test_files: str | list[str], select: str) -> None:
     """Build `sluice.engine.<module>`'s kernel for AVX2 only, check that the build lacks AVX-512, then
-    run the tests of `test_file` that `select` (a pytest -k expression) picks against it."""
+    run the tests of `test_files` (one path or several) that `select` (a pytest -k expression) picks against it."""
     if "avx512f" not in cpu_flags():
         pytest.skip("no AVX-512 on this CPU: the default build is the AVX2 path, which the tests above check")
     if os.environ.get("SLUICE_KERNEL_FLAGS"):
@@ -33,7 +33,7 @@ def run_avx2_build(module: str, test_file: str, select: str) -> None:
     # The limits stop hangs (10x+ the build's minute and the tests' minutes); they are not speed limits.
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
-    tests = Path(test_file).resolve()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), "-k", select],
-                       env=env, capture_output=True, text=True, timeout=1800, cwd=tests.parents[2])
+    tests = [Path(f).resolve() for f in ([test_files] if isinstance(test_files, str) else test_files)]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, tests), "-k", select],
+                       env=env, capture_output=True, text=True, timeout=1800, cwd=tests[0].parents[2])
     assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]

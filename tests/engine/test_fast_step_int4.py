@@ -8,9 +8,6 @@ token's numbers never depend on its batch or on how its prompt was cut into chun
 These are the fp32-widening products (fast_step.INT4_DOT "fp32", pinned here for every test); the integer dot
 that decode takes by default has its own bound: test_fast_step_int4_dot.py."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +15,11 @@ import torch
 from torch import nn
 
 import sluice
+from avx2_build import run_avx2_build
 from ckpt import build
 from sluice.engine import fast_step
 from sluice.engine.fast_step import FastStep, unsupported
 from sluice.engine.kv_cache import KVCache
-from sluice.engine.native import cpu_flags
 from sluice.model.quant import Int4Linear, quantize_
 
 pytestmark = pytest.mark.skipif(fast_step.kernel() is None, reason="needs sluice's whole-step CPU kernel")
@@ -228,22 +225,9 @@ def test_the_avx2_int4_products_pass_on_an_avx512_cpu():
     """The AVX2 build (SLUICE_KERNEL_FLAGS=-mno-avx512f: q4_dot, and q4i.h's maddubs) passes this file's and
     test_fast_step_int4_dot.py's parity and bit-for-bit tests in a subprocess, as test_fast_step_int8.py checks
     the int8 products."""
-    if "avx512f" not in cpu_flags():
-        pytest.skip("no AVX-512 on this CPU: the default build is the AVX2 path, which the tests above check")
-    if os.environ.get("SLUICE_KERNEL_FLAGS"):
-        pytest.skip("SLUICE_KERNEL_FLAGS is set: the tests above already run the build it asks for")
-    env = {**os.environ, "SLUICE_KERNEL_FLAGS": "-mno-avx512f"}
-    probe = ("from sluice.engine import fast_step; k = fast_step.kernel(); "
-             "assert k is not None, fast_step.why_unavailable(); assert k.has_avx2() and not k.has_avx512()")
-    # The limits stop hangs: 10x+ the ~1 minute the AVX2 build takes, and the minutes of the tests on it.
-    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    tests = Path(__file__).resolve()
-    both = [str(tests), str(tests.with_name("test_fast_step_int4_dot.py"))]  # and the integer dot's AVX2 form
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *both, "-k",
-                        "(equal or same_numbers) and not avx512_cpu and not the_engine"],
-                       env=env, capture_output=True, text=True, timeout=1800, cwd=tests.parents[2])
-    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-3000:]
+    here = Path(__file__)  # and the integer dot's AVX2 form (q4i.h's maddubs)
+    run_avx2_build("fast_step", [str(here), str(here.with_name("test_fast_step_int4_dot.py"))],
+                   "(equal or same_numbers) and not avx512_cpu and not the_engine")
 
 
 def test_the_engines_torch_forward_of_an_int4_linear_computes_in_fp32():
