@@ -45,10 +45,12 @@ ROWS = {"fp32 eager": ("float32", False), "fp32 compile": ("float32", True),
 # --ablate adds two variants per eager row: "timed hooks", the probe with a clock around every hook
 # (summed per kind of module below), and "no-op hooks", an empty function in place of every hook:
 # the price of ~400 hook calls per forward (nn.Module's slow call path) before any arithmetic.
-GROUPS = ("residual", "norms", "branches", "logits", "linears", "begin")
+GROUPS = ("residual", "norms", "branches", "logits", "linears", "attention", "begin")
 
 
-def group_of(obs, name: str, pre: bool) -> str:
+def group_of(obs, name: str, pre: bool, fn=None) -> str:
+    if (getattr(fn, "__module__", None) or "").endswith("observatory.attention"):
+        return "attention"  # the per-head valves: a hook on each attn.attend and their own pre-hook
     if name == "" and pre:
         return "begin"     # the model's pre-hook: zeroes the statistics of the forward to come
     if name in obs.norm_names:
@@ -67,7 +69,7 @@ class Switch:
 
     def __init__(self, model, obs):
         ids = {h.id for h in obs._handles}  # found by id, however observe() registered them
-        self.entries = [(hooks, hid, hooks[hid], group_of(obs, name, hooks is module._forward_pre_hooks))
+        self.entries = [(hooks, hid, hooks[hid], group_of(obs, name, hooks is module._forward_pre_hooks, hooks[hid]))
                         for name, module in model.named_modules()
                         for hooks in (module._forward_pre_hooks, module._forward_hooks)
                         for hid in list(hooks) if hid in ids]
@@ -289,7 +291,7 @@ def print_table(r: dict) -> None:
         print("|---|" + "---:|" * (len(GROUPS) + 1))
         for row in timed:
             ms = row["inside_hooks_ms"]
-            print(f"| {row['row']} | " + " | ".join(f"{ms[g]:.1f}" for g in GROUPS) + f" | {sum(ms.values()):.1f} |")
+            print(f"| {row['row']} | " + " | ".join(f"{ms.get(g, 0.0):.1f}" for g in GROUPS) + f" | {sum(ms.values()):.1f} |")
     for key, err in r["errors"].items():
         print(f"FAILED {key}: {err}")
 

@@ -67,6 +67,7 @@ def test_probe_overhead_quick(tmp_path):
     variants = ("plain", "probed", "timed hooks", "no-op hooks")
     assert set(rows) == {(row, v) for row in ("fp32 eager", "bf16 eager") for v in variants}  # --no-compile
     assert r["hooks"]["begin"] == 1 and sum(r["hooks"].values()) > 1
+    assert r["hooks"]["attention"] >= 2  # observe()'s per-head valves: their pre-hook and one per layer
     for (_, variant), row in rows.items():
         assert row["step_ms"] > 0 and row["prefill_s"] > 0 and row["step_ratio"] > 0
         if variant == "plain":  # the hooks were out: the probe's buffers saw nothing
