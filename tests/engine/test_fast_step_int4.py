@@ -5,7 +5,7 @@ the bf16 rounding of x and y that torch's int4 op needs). Bound: 1e-4 of the lar
 steps', and greedy tokens equal. Group sizes 32 and 128 (every group pads the tiny models' inputs somewhere). A
 token's numbers never depend on its batch or on how its prompt was cut into chunks (bit for bit).
 
-These are the fp32-widening products (fast_step.INT4_DOT "fp32", pinned here for every test); the integer dot
+These are the fp32-widening products (gemv.INT4_DOT "fp32", pinned here for every test); the integer dot
 that decode takes by default has its own bound: test_fast_step_int4_dot.py."""
 
 from pathlib import Path
@@ -17,7 +17,7 @@ from torch import nn
 import sluice
 from avx2_build import run_avx2_build
 from ckpt import build
-from sluice.engine import fast_step
+from sluice.engine import fast_step, gemv
 from sluice.engine.fast_step import FastStep, unsupported
 from sluice.engine.kv_cache import KVCache
 from sluice.model.quant import Int4Linear, quantize_
@@ -39,7 +39,7 @@ PROMPTS = [[1, 5, 9, 2, 7], [3, 11, 4, 6, 8, 10, 12, 13, 14]]  # rows at differe
 
 @pytest.fixture(autouse=True)
 def fp32_products(monkeypatch):
-    monkeypatch.setattr(fast_step, "INT4_DOT", "fp32")
+    monkeypatch.setattr(gemv, "INT4_DOT", "fp32")
 
 
 @pytest.fixture(scope="module")

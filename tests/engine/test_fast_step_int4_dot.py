@@ -1,4 +1,4 @@
-"""native/q4i.h, the integer-dot mode of the native step's int4 products (fast_step.INT4_DOT "int8", the default;
+"""native/q4i.h, the integer-dot mode of the native step's int4 products (gemv.INT4_DOT "int8", the default;
 every chunk, decode and prefill): each activation row is rounded per block of 32 inputs to int8 (d = max|x| / 127,
 a = rint(x / d), as llama.cpp's Q8_0) and code x code sums in integers.
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.engine import fast_step
+from sluice.engine import fast_step, gemv
 from sluice.engine.fast_step import FastStep
 from sluice.engine.kv_cache import KVCache
 from sluice.model.quant import Int4Linear
@@ -144,9 +144,9 @@ def test_the_mode_is_checked_and_chosen(ckpt_dirs, monkeypatch):
     model = load4(ckpt_dirs["qwen3"], 32)
     with pytest.raises(fast_step.ConfigError, match="SLUICE_INT4_DOT.*'int16'"):
         FastStep(model, int4_dot="int16")
-    monkeypatch.setattr(fast_step, "INT4_DOT", "fp32")
+    monkeypatch.setattr(gemv, "INT4_DOT", "fp32")
     assert FastStep(model).int4_dot == "fp32" and FastStep(model, int4_dot="int8").int4_dot == "int8"
-    monkeypatch.setattr(fast_step, "INT4_DOT", "int8")
+    monkeypatch.setattr(gemv, "INT4_DOT", "int8")
     t, pos = torch.tensor([[3, 4]]), torch.tensor([[0, 1]])
 
     def run(step):
@@ -171,9 +171,9 @@ def test_the_torch_forward_of_an_int4_linear_rounds_x_as_the_integer_dot(monkeyp
         lin.weight.copy_(q.dequantize())
         lin.bias.copy_(q.bias)
     x = torch.randn(5, 100)
-    monkeypatch.setattr(fast_step, "INT4_DOT", "int8")
+    monkeypatch.setattr(gemv, "INT4_DOT", "int8")
     got = q(x)
     torch.testing.assert_close(got, RoundedInputLinear(lin, 128)(x), rtol=0, atol=1e-5)
     assert (got - lin(x)).abs().max() > 1e-4  # (the rounding shows)
-    monkeypatch.setattr(fast_step, "INT4_DOT", "fp32")
+    monkeypatch.setattr(gemv, "INT4_DOT", "fp32")
     torch.testing.assert_close(q(x), lin(x), rtol=0, atol=1e-5)

@@ -42,6 +42,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..model.layers import ACTIVATION_FUNCTIONS, MLP, Attention, Block, LayerNorm, RMSNorm, Transformer
 from ..model.quant import INT4_GROUP_SIZES, Int4Linear, Int8Linear
+from . import gemv
 from .gemv import FastInt4Linear, FastInt8Linear, FastLinear
 from .mixed import Bf16WeightLinear, UpcastEmbedding, activation_dtype
 from .native import NATIVE_DIR, NativeExtension
@@ -58,10 +59,9 @@ _ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "gelu_new": 2}
 # code in integers (native/q4i.h: llama.cpp's Q4_0 x Q8_0 arithmetic, faster, within its own bound of the
 # dequantized model), "fp32" widens the codes and sums in fp32 (q4.h: within 1e-4 of the dequantized model).
 # One mode for every chunk, decode and prefill, so a token's numbers never depend on its batch or chunk. Set
-# per process by SLUICE_INT4_DOT, or by assigning INT4_DOT before a FastStep is built, or per step:
+# per process by SLUICE_INT4_DOT, or by assigning gemv.INT4_DOT before a FastStep is built, or per step:
 # FastStep(model, int4_dot=...).
-INT4_DOTS = ("int8", "fp32")
-INT4_DOT = os.environ.get("SLUICE_INT4_DOT", "int8")
+INT4_DOTS = gemv.INT4_DOTS  # the setting lives in gemv.py, whose FastInt4Linear follows it too
 
 # step.cpp's Phase, in order: what FastStep's counters time (named as observatory/costs.py's components)
 PHASES = ("embedding", "norms", "qkv_proj", "attention", "o_proj", "mlp", "final_norm", "lm_head")
@@ -283,7 +283,7 @@ class FastStep:
         self.model, cfg = model, model.config
         self.built_from = _sources(model)  # held, so no id in it can be reused while this step lives
         tensors, embed, pos, final, head, scales, inv, inv_local, per_layer, opts = self.built_from
-        self.int4_dot = int4_dot or INT4_DOT
+        self.int4_dot = int4_dot or gemv.INT4_DOT
         if self.int4_dot not in INT4_DOTS:
             raise ConfigError(f"SLUICE_INT4_DOT (int4_dot) must be one of {', '.join(INT4_DOTS)}, "
                               f"got {self.int4_dot!r}")

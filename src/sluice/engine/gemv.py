@@ -181,18 +181,24 @@ def round_blocks_int8(x: torch.Tensor, padded: int) -> torch.Tensor:
     return (torch.round((xb * inv).clamp(-127, 127)) * (amax / 127)).flatten(-2)[..., :K]
 
 
+# The native step's int4 arithmetic (fast_step.py, native/q4i.h): "int8" rounds x per block of 32 to int8 for an
+# integer dot, "fp32" widens the codes. Per process by SLUICE_INT4_DOT, or by assigning gemv.INT4_DOT before a
+# FastStep is built; FastInt4Linear below rounds x the same way, so the torch forward keeps the step's numbers.
+INT4_DOTS = ("int8", "fp32")
+INT4_DOT = os.environ.get("SLUICE_INT4_DOT", "int8")
+
+
 class FastInt4Linear(Int4Linear):
     """An Int4Linear whose fp32 inputs are multiplied in fp32 by its dequantized weight, made a block of rows at a
     time (blocked_linear): where the engine runs the torch forward of an int4 model (a hook attached, compile) it
     then gives the native step's numbers up to summation order, not those of torch's int4 op, which rounds x and
-    y to bf16 (and it builds no packed copy of the codes). So with the native step's integer dot (fast_step.INT4_DOT
+    y to bf16 (and it builds no packed copy of the codes). So with the native step's integer dot (INT4_DOT
     "int8") x is first rounded as that rounds it. Other inputs take torch's op, as before."""
 
     def forward(self, x):
         if x.dtype != torch.float32:
             return super().forward(x)
-        from . import fast_step  # (which imports this module)
-        if fast_step.INT4_DOT == "int8":
+        if INT4_DOT == "int8":
             x = round_blocks_int8(x, 2 * self.qweight.shape[1])
         K, g = self.in_features, self.group_size
 
