@@ -31,12 +31,13 @@ from __future__ import annotations
 import torch
 
 from ..errors import ObservatoryError
+from .recorder import GrowingRecorder
 
 PER_HEAD = ("entropy", "sink_mass", "top_mass", "max_logit", "max_logit_raw", "q_norm")
 CHUNK_BYTES = 64 << 20  # the fp32 scores of one chunk of heads; larger attention runs head group by group
 
 
-class AttentionProbe:
+class AttentionProbe(GrowingRecorder):
     """Hooks on every layer's `attn.attend` writing per-head statistics into preallocated buffers."""
 
     def __init__(self, model, capacity: tuple[int, int], max_bytes: int):
@@ -56,11 +57,7 @@ class AttentionProbe:
         return B * T * (4 * self.L * (len(PER_HEAD) * self.H + self.K) + 8 * self.L * (self.H + 1))
 
     def _allocate(self, B: int, T: int) -> None:
-        need = self.bytes_for(B, T)
-        if need > self.max_bytes:
-            raise ObservatoryError(f"the attention statistics of a forward of {B} x {T} tokens need "
-                                   f"{need / 2**20:,.0f} MiB, over the limit of {self.max_bytes / 2**20:,.0f} MiB "
-                                   "(pass max_bytes= to observe() to allow more, attention=False, or a shorter input)")
+        self._check_bytes(B, T, "the attention statistics of a forward of {B} x {T} tokens need", "attention=False, ")
         dev = next(self.model.parameters()).device
         f32 = dict(dtype=torch.float32, device=dev)
         with torch.inference_mode(False):  # see probes.Observation._allocate
@@ -71,11 +68,7 @@ class AttentionProbe:
         self._capacity = (B, T)
 
     def _begin(self, _module, args, kwargs):
-        ids = args[0] if args else kwargs["input_ids"]
-        B, T = ids.shape
-        if B > self._capacity[0] or T > self._capacity[1]:
-            self._allocate(max(B, self._capacity[0]), max(T, self._capacity[1]))
-        self.shape = (B, T)
+        B, T = self._reserve(args, kwargs)
         for buf in self._buf.values():  # a layer that does not run must not show stale numbers
             buf[..., :B, :T].zero_()
 

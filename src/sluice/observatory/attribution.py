@@ -36,6 +36,7 @@ from torch import nn
 
 from ..errors import ObservatoryError
 from ..model.layers import LayerNorm
+from .recorder import GrowingRecorder
 
 FROZEN_NOTE = ("direct logit attribution: the final norm's scale is frozen at its value for the full residual "
                "x_L at each position (as TransformerLens does), so the components add up; they sum to the "
@@ -60,7 +61,7 @@ class Attribution:
     note: str = FROZEN_NOTE
 
 
-class BranchRecorder:
+class BranchRecorder(GrowingRecorder):
     """Hooks that keep x_0, every branch's addition to the stream and x_L of the last forward."""
 
     def __init__(self, model, capacity: tuple[int, int], max_bytes: int):
@@ -89,11 +90,7 @@ class BranchRecorder:
         return 4 * (2 * self.L + 2) * B * T * self.C
 
     def _allocate(self, B: int, T: int) -> None:
-        need = self.bytes_for(B, T)
-        if need > self.max_bytes:
-            raise ObservatoryError(f"recording the residual parts for attribution of {B} x {T} tokens needs "
-                                   f"{need / 2**20:,.0f} MiB, over the limit of {self.max_bytes / 2**20:,.0f} MiB "
-                                   "(pass max_bytes= to observe() to allow more, or a shorter input)")
+        self._check_bytes(B, T, "recording the residual parts for attribution of {B} x {T} tokens needs", "")
         dev = next(self.model.parameters()).device
         with torch.inference_mode(False):  # see probes.Observation._allocate
             # rows: x_0, then the 2L branch additions in order, then x_L
@@ -101,11 +98,7 @@ class BranchRecorder:
         self._capacity = (B, T)
 
     def _begin(self, _module, args, kwargs):
-        ids = args[0] if args else kwargs["input_ids"]
-        B, T = ids.shape
-        if B > self._capacity[0] or T > self._capacity[1]:
-            self._allocate(max(B, self._capacity[0]), max(T, self._capacity[1]))
-        self.shape = (B, T)
+        B, T = self._reserve(args, kwargs)
         self._parts[:, :B, :T].zero_()
 
     def _keep(self, row: int, x: torch.Tensor) -> None:
