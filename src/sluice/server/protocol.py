@@ -162,6 +162,7 @@ class TopLogprobOut(BaseModel):
 
 class ChatTokenLogprob(TopLogprobOut):
     top_logprobs: list[TopLogprobOut]
+    entropy: float | None = None  # sluice's extension: of the whole distribution at this position, nats
 
 
 class ChatLogprobs(BaseModel):
@@ -179,6 +180,7 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]]
     text_offset: list[int]
+    entropy: list[float | None] = Field(default_factory=list)  # sluice's extension, as ChatTokenLogprob's, one per token
 
 
 class ChatChoice(BaseModel):

@@ -43,7 +43,7 @@ def _lp(value: float) -> float:
 def chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
     return ChatLogprobs(content=[
         ChatTokenLogprob(token=t.token, logprob=_lp(t.logprob), bytes=t.bytes, top_logprobs=[
-            TopLogprobOut(token=a.token, logprob=_lp(a.logprob), bytes=a.bytes) for a in t.top])
+            TopLogprobOut(token=a.token, logprob=_lp(a.logprob), bytes=a.bytes) for a in t.top], entropy=t.entropy)
         for t in items])
 
 
@@ -62,6 +62,7 @@ def completion_logprobs(items: list[TokenLogprob], offset: int) -> tuple[Complet
         out.token_logprobs.append(_lp(t.logprob))
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
+        out.entropy.append(t.entropy)
         offset += len(t.token)
     return out, offset
 
