@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over a ServingEngine: `create_app(engine)` gives the ASGI app.
 
-Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. Every refusal is
+Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; the live page at /live/
+with its /v1/sluice/valves (live.py). Every refusal is
 OpenAI's error object (errors.py); FastAPI's own 422s and HTML pages never reach a client. Bodies
 are parsed here with pydantic's strict JSON mode, not through FastAPI's body injection, so that the
 400 names the parameter exactly and the body was already bounded by the Guard.
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException
 from .engine import Draining, NotReady, QueueFull, ServingEngine
 from .errors import RETRY_AFTER_S, ServerError, from_validation, param_from_loc
 from .guard import Guard
+from .live import add_live_page
 from .metrics import render
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving import Run, to_generation
@@ -100,6 +102,7 @@ def create_app(engine: ServingEngine, api_key: str | None = None,
     async def completions(request: Request):
         return await _complete(engine, request, CompletionRequest)
 
+    add_live_page(app, engine)
     return Guard(app, api_key, max_body_bytes)
 
 

@@ -13,6 +13,8 @@ and step, with each step's calls broadcast to the followers first). Then the idl
 heartbeats, and a failed step is fatal: the ranks cannot be trusted to agree after it, so the
 requests in flight end with GroupFailed, new ones and /health get 503, and on_fatal tells the CLI.
 
+Jobs (Inbox.call: fn(llm), the live page's observed forward) run on the worker between two steps.
+
 Abort (a client gone, the drain deadline): a request still in the queue fails at once; a running one
 has its sequences aborted by the worker, which frees their blocks at once.
 
@@ -107,6 +109,11 @@ class BatchServingEngine:
     def submit(self, request) -> RequestHandle:
         return self.inbox.submit(request)
 
+    def call(self, fn):
+        """Run fn(llm) on the worker thread between two steps (the live page's valves); an asyncio
+        future of its result. Raises NotReady, Draining or QueueFull instead of queueing."""
+        return self.inbox.call(fn)
+
     def begin_drain(self) -> None:
         self.inbox.begin_drain()
 
@@ -180,6 +187,8 @@ class BatchServingEngine:
             new = self.inbox.take(bool(self._live), idle_wait)
             if new is None:  # closed
                 break
+            for job in self.inbox.take_jobs():  # between steps: nothing else is using the model
+                job.run(self._llm)
             if not new and not self._live:
                 if self._group is not None and not self._heartbeat():
                     return
