@@ -12,9 +12,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +19,7 @@ import pytest
 import torch
 
 import sluice
-from server_harness import request, wait_for
+from server_harness import serve_process
 
 webdriver = pytest.importorskip("selenium.webdriver")
 CHROMIUM = next((p for p in (shutil.which("chromium"), "/usr/bin/chromium") if p and os.path.exists(p)), None)
@@ -46,21 +43,8 @@ TIMEOUT_S = 120  # hang-stoppers, 10x+ what each wait takes here under load
 
 @pytest.fixture(scope="module")
 def server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "sluice", "serve", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-    def up():
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            return request(port, "GET", "/health")[0] == 200
-        except OSError:
-            return False
+    proc, port = serve_process(timeout=TIMEOUT_S)  # the bundled model
     try:
-        wait_for(up, timeout=TIMEOUT_S, what="sluice serve to load the bundled model")
         yield port
     finally:
         proc.terminate()

@@ -167,3 +167,34 @@ def test_streamed_entropy_is_the_whole_vocabularys_under_transformers(served, ti
         logits = hf(torch.tensor([ids + ref.token_ids])).logits[0, len(ids) - 1:-1].double()  # (6, V)
     want = entropy(torch.softmax(logits, -1).numpy(), axis=-1)
     np.testing.assert_allclose([c["entropy"] for c in content], want, atol=1e-4)
+
+
+def test_jobs_are_bounded_and_never_left_hanging():
+    """More than MAX_JOBS measurements waiting is QueueFull (the route's 429); closing the inbox settles
+    the waiting ones with Draining (the route's 503) instead of leaving their clients waiting."""
+    import asyncio
+    from sluice.server.engine import Draining, QueueFull
+    from sluice.server.inbox import MAX_JOBS, Inbox
+
+    async def main():
+        inbox = Inbox(max_queue=4)
+        inbox.set_ready()  # no worker: the jobs wait
+        futures = [inbox.call(lambda llm: 1) for _ in range(MAX_JOBS)]
+        with pytest.raises(QueueFull, match=f"at most {MAX_JOBS}"):
+            inbox.call(lambda llm: 1)
+        inbox.close()
+        for f in futures:
+            with pytest.raises(Draining):
+                await asyncio.wait_for(f, 10)
+        with pytest.raises(Draining):
+            inbox.call(lambda llm: 1)
+    asyncio.run(main())
+
+
+def test_valves_are_refused_by_name_under_tensor_parallelism():
+    from sluice.server.live import NotHere, ValvesRequest, measure
+
+    class RankLLM:  # what measure() reads first: an LLM whose model is split over ranks
+        tp = object()
+    with pytest.raises(NotHere, match="--tp"):
+        measure(RankLLM(), ValvesRequest(prompt="a"))

@@ -9,6 +9,8 @@
                       LLM.requests / add_request / step / abort; under `sluice serve --tp N` it drives a
                       parallel.lockstep.Leader over the LLM instead (composed, not a subclass); every
                       LLM option (speculative decoding, compile, the fused head) runs in its batch
+    live.py         the live page (page/: HTML, JS, CSS shipped in the package) and POST /v1/sluice/valves,
+                    an observed forward run as a job on the worker between two steps
 """
 
 from .app import create_app

@@ -31,7 +31,7 @@ from .errors import RETRY_AFTER_S, ServerError, from_sluice, from_validation
 from .protocol import ChatMessage
 
 # The batch waits while the valves are measured: a forward of this many tokens costs about one prefill
-# chunk of the same size (~0.1 s for the bundled model on 2 cores). The page sends the whole context.
+# chunk of the same size. The page sends the whole context.
 MAX_VALVE_TOKENS = 1024
 
 

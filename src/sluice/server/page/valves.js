@@ -105,13 +105,15 @@ const Valves = (() => {
     const L = data.logits, T = L.max.length, svg = svgOf("logits");
     const fp16 = data.softmax.with_final_norm.headroom.float16 + data.softmax.with_final_norm.logit_max;
     const all = finite([...L.max, ...L.min, ...L.logsumexp, fp16]);
-    const y = yAxis(svg, Math.min(...all), Math.max(...all), false);
+    const lo = Math.min(...all), hi = Math.max(...all);
+    const y = yAxis(svg, lo, hi + 0.15 * (hi - lo), false);  // the top strip stays free for the key
     const x = (t) => PAD.l + (T === 1 ? 0.5 : t / (T - 1)) * (W - PAD.l - PAD.r);
     const band = [...L.max.map((v, t) => `${x(t)},${y(v)}`), ...L.min.map((v, t) => `${x(t)},${y(v)}`).reverse()];
     el("polygon", { points: band.join(" "), fill: "#4f7cac", "fill-opacity": 0.25, stroke: "#4f7cac", "stroke-width": 0.8 }, svg);
     el("polyline", { points: L.logsumexp.map((v, t) => `${x(t)},${y(v)}`).join(" "), fill: "none", stroke: "#1d1d1f", "stroke-width": 1.2 }, svg);
     el("line", { x1: PAD.l, x2: W - PAD.r, y1: y(fp16), y2: y(fp16), class: "ref" }, svg);
-    el("text", { x: PAD.l + 4, y: y(fp16) - 3 }, svg, `fp16 exp() limit ${fmt(fp16)}`);
+    el("line", { x1: W - PAD.r - 146, x2: W - PAD.r - 126, y1: PAD.t + 5, y2: PAD.t + 5, class: "ref" }, svg);
+    el("text", { x: W - PAD.r, y: PAD.t + 8, "text-anchor": "end" }, svg, `fp16 exp() limit ${fmt(fp16)}`);
     const t = T - 1;
     el("text", { x: PAD.l + 4, y: H - 4 }, svg,
        `${T} positions · last: max ${fmt(L.max[t])}, min ${fmt(L.min[t])}, entropy ${fmt(L.entropy[t])} nats, top-1 p ${fmt(L.top1_prob[t])}`);
