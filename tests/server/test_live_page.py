@@ -29,6 +29,7 @@ if CHROMIUM is None or CHROMEDRIVER is None:
 
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.select import Select  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -130,3 +131,26 @@ def test_the_page_streams_tokens_with_probabilities_and_draws_the_valves(server,
         wait.until(lambda d: int(d.find_element(By.TAG_NAME, "body").get_attribute("data-valves-tokens")) > len(ids))
         ActionChains(browser).move_to_element(browser.find_elements(By.CSS_SELECTOR, ".tok")[-6]).perform()
         browser.save_screenshot(str(out / "live-page.png"))
+
+
+def test_chat_mode_renders_the_template_and_measures_the_same_context(server, browser):
+    wait = WebDriverWait(browser, TIMEOUT_S)
+    browser.get(f"http://127.0.0.1:{server}/live/")
+    wait.until(lambda d: d.find_element(By.ID, "model").text == "sluice-stdlib")
+    Select(browser.find_element(By.ID, "mode")).select_by_value("chat")
+    _set(browser, "temperature", "0")
+    _set(browser, "max-tokens", "12")
+    _set(browser, "input", "def add(a, b):")
+    browser.find_element(By.ID, "send").click()
+    wait.until(lambda d: "finished" in d.find_element(By.ID, "status").text)
+    assert [t.get_attribute("textContent") for t in browser.find_elements(By.CSS_SELECTOR, ".turn .who")] == ["you", "model"]
+    spans = browser.find_elements(By.CSS_SELECTOR, ".turn.assistant .tok")
+    llm = sluice.LLM()
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    ref = llm.chat(messages, sluice.SamplingParams(temperature=0, max_tokens=12, logprobs=TOP))
+    assert [s.get_attribute("textContent") for s in spans] == [t.token for t in ref.logprobs]
+    np.testing.assert_allclose([float(s.get_attribute("data-p")) for s in spans],
+                               [math.exp(t.logprob) for t in ref.logprobs], rtol=1e-4)
+    written = "".join(t.token for t in ref.logprobs)
+    ids = llm.chat_prompt(messages) + llm.tokenizer.encode(written, add_special_tokens=False)
+    wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-valves-tokens") == str(len(ids)))

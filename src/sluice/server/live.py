@@ -59,8 +59,9 @@ def context_ids(llm, req: ValvesRequest) -> list[int]:
     ids = prompt_ids(llm, _Prompt(req.prompt, messages))
     if req.completion:
         ids = ids + llm.tokenizer.encode(req.completion, add_special_tokens=False, max_tokens=llm.max_model_len)
-    if len(ids) > MAX_VALVE_TOKENS:
-        raise TooLong(f"the context is {len(ids)} tokens; the live valves take at most {MAX_VALVE_TOKENS}")
+    limit = min(MAX_VALVE_TOKENS, llm.max_model_len)  # past the model's context the forward means nothing
+    if len(ids) > limit:
+        raise TooLong(f"the context is {len(ids)} tokens; the live valves take at most {limit}")
     bad = next((i for i in ids if not 0 <= i < llm.config.vocab_size), None) if req.prompt is not None else None
     if bad is not None:
         raise ServerError(400, f"prompt: token id {bad} is outside the vocabulary (0..{llm.config.vocab_size - 1})",
