@@ -80,7 +80,7 @@ def test_chat_messages_are_rendered_as_the_engine_renders_them(served, tiny_llm)
     ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt", "exactly one"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": [1, 10**9]}, "prompt", "outside the vocabulary"),
-    ({"prompt": "a " * (MAX_VALVE_TOKENS + 50)}, "prompt", f"at most {MAX_VALVE_TOKENS}"),
+    ({"prompt": "a " * (MAX_VALVE_TOKENS + 50)}, "prompt", "the live valves take at most"),
     ({"prompt": 5}, "prompt", ""),
 ])
 def test_bad_requests_are_named_400s(served, body, param, words):
@@ -198,3 +198,11 @@ def test_valves_are_refused_by_name_under_tensor_parallelism():
         tp = object()
     with pytest.raises(NotHere, match="--tp"):
         measure(RankLLM(), ValvesRequest(prompt="a"))
+
+
+def test_the_bound_is_the_smaller_of_the_page_limit_and_the_models_context(served):
+    limit = min(MAX_VALVE_TOKENS, served.llm.max_model_len)
+    for n, want in ((limit, 200), (limit + 1, 400)):
+        status, got = valves(served.port, {"prompt": [1] * n})
+        assert status == want, got
+    assert f"at most {limit}" in got["error"]["message"] and got["error"]["code"] == "context_too_long"
