@@ -78,6 +78,9 @@ def test_the_page_streams_tokens_with_probabilities_and_draws_the_valves(server,
     _set(browser, "temperature", "0")
     _set(browser, "max-tokens", str(MAX_TOKENS))
     _set(browser, "input", PROMPT)
+    browser.execute_script("""window.seen = [];  // every context size the valve panel shows, in order
+        new MutationObserver(() => window.seen.push(Number(document.body.dataset.valvesTokens)))
+            .observe(document.body, {attributes: true, attributeFilter: ["data-valves-tokens"]});""")
     browser.find_element(By.ID, "send").click()
     wait.until(lambda d: "finished" in d.find_element(By.ID, "status").text)
 
@@ -108,6 +111,8 @@ def test_the_page_streams_tokens_with_probabilities_and_draws_the_valves(server,
     text = "".join(t.token for t in ref.logprobs)
     ids = llm.tokenizer.encode(PROMPT) + llm.tokenizer.encode(text, add_special_tokens=False)
     wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-valves-tokens") == str(len(ids)))
+    seen = browser.execute_script("return window.seen")  # the panel followed the text: prompt first, then growing
+    assert seen[0] == len(llm.tokenizer.encode(PROMPT)) and seen[-1] == len(ids) and seen == sorted(seen), seen
     with sluice.observe(llm.model, attention=False) as obs, torch.inference_mode():
         llm.model(torch.tensor([ids]))
     residual = browser.find_elements(By.CSS_SELECTOR, 'figure[data-valve="residual"] rect[data-value]')

@@ -175,10 +175,11 @@ async function send(event) {
   state.controller = new AbortController();
   $("send").disabled = true; $("stop").disabled = false;
   status("generating…");
-  let written = "", count = 0;
+  let written = "", count = 0, answered = false;
   try {
     const r = await fetch(url, { method: "POST", headers: headers(), body: JSON.stringify(body), signal: state.controller.signal });
     if (!r.ok) throw new Error(await failure(r));
+    answered = true;
     Valves.grow({ ...context, completion: "" }, headers());
     for await (const chunk of events(r)) {
       for (const choice of chunk.choices || []) {
@@ -190,6 +191,7 @@ async function send(event) {
   } catch (e) {
     status(e.name === "AbortError" ? `stopped after ${count} tokens` : String(e.message || e), e.name !== "AbortError");
   } finally {
+    if (answered) Valves.grow({ ...context, completion: written }, headers(), true);
     if (chat) state.messages.push({ role: "assistant", content: written }); else state.doc += written;
     state.controller = null;
     $("send").disabled = false; $("stop").disabled = true;

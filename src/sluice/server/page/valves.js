@@ -1,13 +1,17 @@
 "use strict";
 // The valve panel: POST /v1/sluice/valves with the context, drawn as small inline SVG charts.
 // One request in flight at a time; while it runs, only the newest context waits (older ones are
-// dropped), so the panel follows the text as fast as the server measures it and never queues up.
+// dropped). The server measures on its engine's thread, between two generation steps, so while the
+// model writes the panel waits GAP_FACTOR times the last measurement's duration between two: the
+// valves then take at most a fifth of the engine's time. The last context of an answer ("final") is
+// measured without waiting.
 
 const Valves = (() => {
   const NS = "http://www.w3.org/2000/svg";
   const W = 420, H = 150, PAD = { l: 38, r: 8, t: 8, b: 22 };
   const KIND_COLOURS = { attn: "#4f7cac", mlp: "#c07a2f", q: "#7a9f5a", k: "#9b6fb0", final: "#a3261b", other: "#888" };
-  let inflight = false, pending = null, generation = 0;
+  const GAP_FACTOR = 4, MIN_GAP_MS = 250;
+  let inflight = false, pending = null, generation = 0, lastMs = 0, lastEnd = 0;
 
   const $ = (sel) => document.querySelector(sel);
   function el(tag, attrs, parent, text) {
@@ -165,11 +169,19 @@ const Valves = (() => {
   async function pump() {
     inflight = true;
     while (pending) {
+      const wait = lastEnd + Math.max(MIN_GAP_MS, GAP_FACTOR * lastMs) - performance.now();
+      if (!pending.final && wait > 0) {
+        await new Promise((resolve) => setTimeout(resolve, wait));
+        continue;  // pending may have changed meanwhile (a newer context, a final one, a reset)
+      }
       const { body, headers } = pending, gen = generation;
       pending = null;
+      const start = performance.now();
       try {
         const r = await fetch("/v1/sluice/valves", { method: "POST", headers, body: JSON.stringify(body) });
         const data = await r.json();
+        lastEnd = performance.now();
+        lastMs = lastEnd - start;
         if (gen !== generation) continue;
         if (r.ok) draw(data); else showError(`valves: ${data.error ? data.error.message : r.status}`);
       } catch (e) {
@@ -180,8 +192,8 @@ const Valves = (() => {
   }
 
   return {
-    // The context grew: measure it (now, or when the request in flight is back).
-    grow(body, headers) { pending = { body, headers }; if (!inflight) pump(); },
+    // The context grew: measure it (after the gap, or when the request in flight is back; final: no gap).
+    grow(body, headers, final = false) { pending = { body, headers, final }; if (!inflight) pump(); },
     reset() {
       generation++; pending = null;
       document.querySelectorAll("figure[data-valve] svg, figure[data-valve] table").forEach((n) => n.replaceChildren());
