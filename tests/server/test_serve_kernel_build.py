@@ -95,8 +95,10 @@ def test_wait_mode_the_load_waits_and_says_503_naming_the_build(tiny_dir, held_l
         try:
             builder = f"being built by pid {os.getpid()}"
             # the model loads, then waits for the kernels: /health names the build while it does
-            wait_for(lambda: builder in request(port, "GET", "/health")[2].decode(), timeout=LOAD_S,
-                     what="/health to name the build")
+            wait_for(lambda: "the model is loaded; waiting" in open(log.name).read(), timeout=LOAD_S,
+                     what="the load to wait for the kernels")
+            status, _, health = request(port, "GET", "/health")
+            assert status == 503 and builder in health.decode()
             status, headers, body, took = _complete(port)
             assert status == 503 and headers["retry-after"] == "1" and took < ANSWER_S
             assert builder in body["error"]["message"] and "loading" in body["error"]["message"]

@@ -60,15 +60,17 @@ def wait_for_kernels(stopped: Callable[[], bool], timeout: float = KERNEL_WAIT_S
     there is nothing left to wait for, else why the wait ended early."""
     if os.environ.get("SLUICE_NO_KERNELS") or not {"avx2", "fma"} <= cpu_flags() or missing_tools():
         return None  # the kernels cannot be had here; the extensions say why when asked
-    deadline, started = time.monotonic() + timeout, False
+    deadline, started, said = time.monotonic() + timeout, False, False
     while missing := [t for t in _targets() if not t.ready()]:
         if not building_under(cache_root()):
             if started:  # ours ended without them: its log says why; the torch path serves
                 return f"the kernel build ended without {missing[0].source.name} (see {missing[0].log})"
-            pid = start_background(missing[0])
+            start_background(missing[0])
             started = True
-            print(f"sluice serve: building its native CPU kernels in the background (pid {pid}) before it says "
-                  "ready (SLUICE_KERNEL_BUILD=wait)", file=sys.stderr, flush=True)
+        if not said:
+            said = True
+            print(f"sluice serve: the model is loaded; waiting before it says ready (SLUICE_KERNEL_BUILD=wait): "
+                  f"{build_in_progress() or 'its native CPU kernels are being built'}", file=sys.stderr, flush=True)
         if stopped():
             return "the server is shutting down"
         if time.monotonic() > deadline:
