@@ -71,7 +71,8 @@ def _stop(proc) -> float:
 
 def _complete(port: int):
     t0 = time.monotonic()
-    status, headers, body = request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+    status, headers, body = request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4},
+                                    {"X-Request-Id": "kb-1"})
     return status, headers, json.loads(body), time.monotonic() - t0
 
 
@@ -87,6 +88,7 @@ def test_background_builds_the_torch_path_answers_the_first_request(tiny_dir, he
         out = open(log.name).read()
     assert took < SHUTDOWN_S, out
     assert f"being built by pid {os.getpid()}" in out and "using the torch path meanwhile" in out
+    assert '"POST /v1/completions HTTP/1.1" 200 OK x-request-id=kb-1' in out  # uvicorn's access line names it
 
 
 def test_wait_mode_the_load_waits_and_says_503_naming_the_build(tiny_dir, held_locks, tmp_path):

@@ -12,6 +12,7 @@ rank 0 drains with their help, then tells them to stop).
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import socket
@@ -173,7 +174,7 @@ def cmd_serve(args) -> int:
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     # uvicorn's own drain timeout is the backstop for a connection that will not close after ours
     config = uvicorn.Config(app, log_level="info", lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout + 5,
-                            **UVICORN_OPTIONS)
+                            log_config=_log_config(), **UVICORN_OPTIONS)
     server.append(_DrainingServer(config, engine, args.shutdown_timeout))
     if engine.load_error is not None or engine.fatal_error is not None:  # before the server existed to be told
         server[0].should_exit = True
@@ -196,6 +197,16 @@ def cmd_serve(args) -> int:
         raise err if isinstance(err, (SluiceError, OSError, MemoryError)) else SluiceError(
             f"the model failed to load: {type(err).__name__}: {err}")
     return 0
+
+
+def _log_config() -> dict:
+    """uvicorn's own logging, its access line ending in the request's x-request-id (server/guard.py)."""
+    from uvicorn.config import LOGGING_CONFIG
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["formatters"]["access"]["fmt"] += " x-request-id=%(request_id)s"
+    config["filters"] = {"request_id": {"()": "sluice.server.guard.RequestIdFilter"}}
+    config["handlers"]["access"]["filters"] = ["request_id"]
+    return config
 
 
 def _draining_server_class():

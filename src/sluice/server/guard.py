@@ -6,13 +6,15 @@ an unauthenticated caller learns nothing about the routes behind /v1.
 
 Every response, refusals and streams included, carries `x-request-id`: the client's own when it sent
 one that is short and plain (REQUEST_ID), else a new one. Routes read it from scope["state"], so a
-log line about the request can name it.
+log line about the request can name it; RequestIdFilter gives it to uvicorn's access line.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hmac
 import json
+import logging
 import re
 import secrets
 
@@ -21,6 +23,19 @@ from .errors import ServerError
 # What a client's x-request-id may be to be echoed: it goes back in a header and into log lines, so no
 # control characters, no spaces (log parsing), and short. Anything else is replaced, not refused.
 REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=@-]{1,128}")
+
+
+# The request being answered in this context: uvicorn writes its access line from inside the app's send,
+# in the request's own task, where the Guard has set it.
+CURRENT_REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("sluice_request_id", default="-")
+
+
+class RequestIdFilter(logging.Filter):
+    """Gives each record `request_id` (the x-request-id being answered, else "-"), for a log format."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = CURRENT_REQUEST_ID.get()
+        return True
 
 
 def request_id(given: bytes | None) -> str:
@@ -49,6 +64,7 @@ class Guard:
         headers = dict(scope["headers"])
         rid = request_id(headers.get(b"x-request-id"))
         scope.setdefault("state", {})["request_id"] = rid  # request.state.request_id in a route
+        CURRENT_REQUEST_ID.set(rid)
         send = _with_header(send, b"x-request-id", rid.encode())
         if self.api_key is not None and scope["path"].startswith("/v1"):
             auth = headers.get(b"authorization", b"")
