@@ -11,7 +11,8 @@ import shutil
 import pytest
 
 from server_harness import one_torch_thread  # noqa: F401 -- a fixture
-from server_harness import LiveServer, assert_error_shape, make_engine, metric, request, sse_events
+from server_harness import LiveServer, assert_error_shape, metric, request, sse_events
+from test_server import client, served  # noqa: F401 -- fixtures: a live server over the tiny model, its client
 
 openai = pytest.importorskip("openai")
 
@@ -20,21 +21,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPTS = ["The quick brown fox", "Once upon a time", "A"]
 SAMPLED = dict(model="tiny", max_tokens=6, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
 FINGERPRINT = re.compile(r"fp_[0-9a-f]{10}")
-
-
-@pytest.fixture(scope="module")
-def served(tiny_dir):
-    engine, llm = make_engine(tiny_dir, max_queue=16)
-    live = LiveServer(engine)
-    live.llm = llm
-    yield live
-    live.stop()
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return served.client()
 
 
 def test_a_list_of_prompts_gives_each_prompts_choices_prompt_major(client):

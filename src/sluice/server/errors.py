@@ -45,12 +45,13 @@ class ServerError(Exception):
 
 
 class ContextOverflow(RequestError):
-    """The prompt plus the tokens asked for do not fit the model's context."""
+    """The prompt plus the tokens asked for do not fit the model's context. where: which prompt of a
+    list ("prompt 2: "), else ""."""
 
     def __init__(self, prompt_tokens: int, max_tokens: int, limit: int, where: str = ""):
-        super().__init__(f"{where}this model's maximum context length is {limit} tokens, but {prompt_tokens + max_tokens} "
-                         f"were requested ({prompt_tokens} in the prompt, {max_tokens} for the completion); "
-                         "shorten the prompt or lower max_tokens")
+        super().__init__(f"{where}this model's maximum context length is {limit} tokens, but "
+                         f"{prompt_tokens + max_tokens} were requested ({prompt_tokens} in the prompt, {max_tokens} "
+                         "for the completion); shorten the prompt or lower max_tokens")
 
 
 # SamplingParams' messages start with the field's name: "temperature must be ...". Built from its
