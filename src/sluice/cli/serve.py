@@ -155,7 +155,7 @@ def cmd_serve(args) -> int:
         llm = LLM(config=options)
         llm.tokenizer.special_tokens_in_messages = args.special_tokens_in_messages
         if wait_kernels and not tp:
-            why = wait_for_kernels(lambda: bool(engines) and engines[0].draining)
+            why = wait_for_kernels(llm, lambda: bool(engines) and engines[0].draining)
             if why:
                 print(f"sluice serve: not waiting for its native kernels any more ({why}); the torch path serves "
                       "until they land", file=sys.stderr)

@@ -142,6 +142,8 @@ class BatchServingEngine:
         """Build the LLM on this (the worker's) thread; on failure keep the error and say so."""
         try:
             llm = self._make_llm()
+            if self.inbox.draining:  # SIGTERM came during the load: serve nobody, and skip sizing the KV pool
+                return False
             self.max_model_len = llm.max_model_len
             llm.snapshot()  # sizes the KV pool now: a budget too small fails the load
             self._fingerprint = Fingerprint(llm)

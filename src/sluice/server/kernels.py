@@ -4,7 +4,7 @@ Elsewhere SLUICE_KERNEL_BUILD=wait makes the first call that needs a missing ker
 foreground, waiting as long as another process holds its build lock. A server cannot: its one worker
 thread would hold every request, and SIGTERM could not stop it on time. So `sluice serve` switches its
 process to background builds (no_request_waits), and reads "wait" as: the load waits, at most
-KERNEL_WAIT_S and never past a SIGTERM, for this environment's kernels to be built (wait_for_kernels),
+KERNEL_WAIT_S and never past a SIGTERM, for the native whole-step kernel to be built (wait_for_kernels),
 while /health and requests get a 503 with Retry-After that names the build (build_in_progress). After
 the load, a kernel still missing is picked up when its background build lands; the torch path serves
 meanwhile.
@@ -18,11 +18,12 @@ import sys
 import time
 from typing import Callable
 
-from ..engine.native import NATIVE_DIR, build_mode, cache_root, cpu_flags, missing_tools, target
-from ..engine.native.extension import building_under, start_background
+from ..engine import fast_step
+from ..engine.cpu_paths import native_step_fits
+from ..engine.native import NATIVE_DIR, build_mode, target
 from ..engine.native.lock import holder
 
-KERNEL_WAIT_S = 900.0  # a cold build of all five on a busy 2-core machine took ~5 min; past this, serve without
+KERNEL_WAIT_S = 900.0  # the step kernel's cold build takes 1-3 min on a busy 2-core machine; past this, serve without
 POLL_S = 0.5
 
 
@@ -54,19 +55,16 @@ def loading_message(message: str) -> str:
     return f"{message}: {build}" if build else message
 
 
-def wait_for_kernels(stopped: Callable[[], bool], timeout: float = KERNEL_WAIT_S) -> str | None:
-    """Wait until every kernel of this environment is built, or has no build running (another process's
-    is waited for; with none, one is started in the background), or stopped(), or timeout. None when
-    there is nothing left to wait for, else why the wait ended early."""
-    if os.environ.get("SLUICE_NO_KERNELS") or not {"avx2", "fma"} <= cpu_flags() or missing_tools():
-        return None  # the kernels cannot be had here; the extensions say why when asked
-    deadline, started, said = time.monotonic() + timeout, False, False
-    while missing := [t for t in _targets() if not t.ready()]:
-        if not building_under(cache_root()):
-            if started:  # ours ended without them: its log says why; the torch path serves
-                return f"the kernel build ended without {missing[0].source.name} (see {missing[0].log})"
-            start_background(missing[0])
-            started = True
+def wait_for_kernels(llm, stopped: Callable[[], bool], timeout: float = KERNEL_WAIT_S) -> str | None:
+    """If llm's model can take the native whole step (the kernel that decides its speed, 5x the torch
+    step on small models) and that kernel is still to be built: wait for it (another process's build, or
+    one started now in the background) until it lands, stopped(), or timeout. None when there is nothing
+    left to wait for, else why the wait ended early. The other kernels land while the server serves:
+    the sampler's give the torch functions' results bit for bit, so switching to them changes nothing."""
+    if llm.engine_config.kernels is False or not native_step_fits(llm.model, llm.device):
+        return None
+    deadline, said = time.monotonic() + timeout, False
+    while fast_step.building():
         if not said:
             said = True
             print(f"sluice serve: the model is loaded; waiting before it says ready (SLUICE_KERNEL_BUILD=wait): "
