@@ -34,6 +34,7 @@ SCRIPT = [[("é", [TLP(3, -0.5, [(3, -0.5), (7, -1.25)])]),
 class ScriptedEngine:
     """A ServingEngine that answers every request with SCRIPT (its first n choices), for the HTTP shapes."""
     model_name, max_model_len, ready, draining, load_error = "fake", 512, True, False, None
+    system_fingerprint = "fp_fake"
 
     def __init__(self):
         self.requests = []

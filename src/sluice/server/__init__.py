@@ -2,8 +2,11 @@
 
     app.py          routes, error handlers          serving.py     OpenAI request <-> engine events, SSE
     protocol.py     pydantic wire models            errors.py      OpenAI's error object, statuses
-    guard.py        API key and body size           metrics.py     Prometheus text
+    guard.py        x-request-id, API key, body     metrics.py     Prometheus text
     engine.py       the ServingEngine interface (submit, abort, stats, drain) and its events
+    prompts.py      a request's prompts -> the LLM's checked Requests (a list of prompts too)
+    fingerprint.py  system_fingerprint: a hash of what decides the output
+    kernels.py      `sluice serve` and the native kernel builds: no request ever waits for one
     inbox.py        the bounded queue of accepted requests, the server's state, the worker thread
     batch_engine.py   the ServingEngine: one object holding the LLM, an inbox and one worker that drives
                       LLM.requests / add_request / step / abort; under `sluice serve --tp N` it drives a

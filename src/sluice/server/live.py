@@ -25,9 +25,9 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import SluiceError
-from .batch_engine import prompt_ids
-from .engine import Draining, NotReady, QueueFull
+from .engine import Draining, GenerationRequest, NotReady, QueueFull
 from .errors import RETRY_AFTER_S, ServerError, from_sluice, from_validation
+from .prompts import prompt_ids
 from .protocol import ChatMessage
 
 # The batch waits while the valves are measured: a forward of this many tokens costs about one prefill
@@ -56,7 +56,7 @@ def context_ids(llm, req: ValvesRequest) -> list[int]:
         raise ServerError(400, "give either prompt or messages (exactly one)", param="prompt")
     messages = None if req.messages is None else [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-    ids = prompt_ids(llm, _Prompt(req.prompt, messages))
+    ids = prompt_ids(llm, GenerationRequest([], prompt=req.prompt, messages=messages))
     if req.completion:
         ids = ids + llm.tokenizer.encode(req.completion, add_special_tokens=False, max_tokens=llm.max_model_len)
     limit = min(MAX_VALVE_TOKENS, llm.max_model_len)  # past the model's context the forward means nothing
@@ -67,11 +67,6 @@ def context_ids(llm, req: ValvesRequest) -> list[int]:
         raise ServerError(400, f"prompt: token id {bad} is outside the vocabulary (0..{llm.config.vocab_size - 1})",
                           param="prompt")
     return ids
-
-
-class _Prompt:  # what batch_engine.prompt_ids reads of a request
-    def __init__(self, prompt, messages):
-        self.prompt, self.messages = prompt, messages
 
 
 def measure(llm, req: ValvesRequest) -> dict:
