@@ -32,6 +32,7 @@ import torch
 from ..errors import RequestError, SluiceError
 from .engine import Aborted, Delta, Done, Draining, Failed, Finished, HeldEvents, RequestHandle, Started
 from .inbox import Inbox
+from .tools import for_template
 
 log = logging.getLogger("sluice.server")
 
@@ -58,8 +59,8 @@ def nonfinite_origin(model, ids: list[int]) -> str:
 
 def prompt_ids(llm, request) -> list[int]:
     """A request's prompt as token ids: chat messages rendered, text tokenized (ids are checked at the door)."""
-    if request.messages is not None:
-        return llm.chat_prompt(request.messages)  # refuses a conversation that cannot fit, unrendered
+    if request.messages is not None:  # refuses a conversation that cannot fit, unrendered
+        return llm.chat_prompt(for_template(request.messages, llm.tokenizer.chat_template), tools=request.tools)
     if isinstance(request.prompt, str):
         ids = llm.tokenizer.encode(request.prompt, max_tokens=llm.max_model_len)
     else:

@@ -53,6 +53,7 @@ class GenerationRequest:
     prompt: Union[str, list[int], None] = None
     messages: list[dict] | None = None
     max_tokens_given: bool = True
+    tools: list[dict] | None = None  # the chat template's `tools` (OpenAI's tool dicts, transformers' convention)
 
 
 @dataclass
