@@ -120,7 +120,8 @@ def test_required_and_named_are_constrained_and_read_back(fake, engine, stream):
     engine.reply = json.dumps(CALL["arguments"])
     named = {"type": "function", "function": {"name": "get_weather"}}
     out = client.chat.completions.create(model="fake", messages=USER, tools=[WEATHER, NOOP], tool_choice=named)
-    assert engine.requests[-1].params[0].constraint.spec == WEATHER["function"]["parameters"]
+    assert engine.requests[-1].params[0].constraint.spec == {**WEATHER["function"]["parameters"],
+                                                             "additionalProperties": False}  # closed: see tools.py
     [call] = out.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == CALL["arguments"]
 
@@ -181,6 +182,8 @@ def test_legacy_functions_answer_in_function_call(fake, engine):
     ({"tools": [{"type": "function"}]}, "tools.0.function"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
      "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}]}, "tools.0.function.parameters"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
@@ -190,6 +193,8 @@ def test_legacy_functions_answer_in_function_call(fake, engine):
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": []}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}}},
      "response_format.json_schema.schema"),
     ({"tools": [WEATHER], "functions": [WEATHER["function"]]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),

@@ -4,8 +4,10 @@ Requests validate in strict mode: "0.5" is not a temperature and true is not an 
 own API, so a client bug is named instead of guessed at. Unknown fields are ignored (clients send
 "user", "store", "metadata"...), but fields this server knows and cannot honour yet (logit_bias,
 echo...) are refused by `unsupported()` rather than dropped silently, so nobody reads
-made-up numbers. Tools and response_format are in tool_protocol.py (served by tools.py). Ranges OpenAI documents (penalties in [-2, 2], top_logprobs 0..20, the legacy
+made-up numbers. Ranges OpenAI documents (penalties in [-2, 2], top_logprobs 0..20, the legacy
 logprobs 0..5) are pydantic constraints, so their 400 names the parameter.
+
+The models of tools, tool calls and response_format are in tool_protocol.py (served by tools.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from .tool_protocol import (TOOL_FIELD_NAMES, CalledFunction, FunctionCallOut, FunctionDef, FunctionName, MessageToolCall,
-                            NamedToolChoice, ResponseFormat, ToolCallDelta, ToolCallOut, ToolDef)
+from .tool_protocol import (TOOL_FIELD_NAMES, CalledFunction, FunctionCallOut, FunctionDef, FunctionName,
+                            MessageToolCall, NamedToolChoice, ResponseFormat, ToolCallDelta, ToolCallOut, ToolDef)
 
 MAX_N = 16  # choices per request: each one is a full generation
 MAX_STOPS = 16

@@ -29,9 +29,8 @@ from .errors import RETRY_AFTER_S, ServerError, from_sluice
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                        ChatLogprobs, ChatTokenLogprob, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs,
                        CompletionRequest, Delta as DeltaOut, TopLogprobOut, Usage)
-from .tool_calls import Piece, read_whole
-from .tool_protocol import FunctionCallOut, FunctionDelta, ToolCallDelta, ToolCallOut
-from .tools import ToolPlan, call_id, plan as tool_plan, template_messages
+from .tool_answers import ToolAnswers
+from .tools import ToolPlan, plan as tool_plan, template_messages
 
 _PLACEHOLDER = "sluice-text-placeholder-5b1e9c"  # _text_chunk's: a string whose JSON is itself in quotes
 
@@ -127,7 +126,7 @@ class Run:
         self.n = len(gen.params)
         self.logprobs = gen.params[0].logprobs is not None  # every choice asks the same
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
-        self.tools = tool_plan(req) if self.chat else ToolPlan()  # how to read tool calls out of the text
+        self.tools = ToolAnswers(tool_plan(req) if self.chat else ToolPlan(), self.n)  # tool calls in the text
         self.created = int(time.time())
         self._templates: dict[int, list[str] | bool] = {}  # _text_chunk's, per choice
         self.handle = engine.submit(gen)  # NotReady / Draining / QueueFull: the app answers them
@@ -180,7 +179,8 @@ class Run:
             raise ServerError(422, broken[0].error or "generation failed", code="generation_error")
         usage = self._usage(prompt_tokens, sum(f.completion_tokens for f in finished.values()))
         if self.chat:
-            choices = [ChatChoice(index=i, **self._message(texts[i], finished[i].finish_reason),
+            messages = [self.tools.message(texts[i], finished[i].finish_reason) for i in range(self.n)]
+            choices = [ChatChoice(index=i, message=messages[i][0], finish_reason=messages[i][1],
                                   logprobs=chat_logprobs(logprobs[i]) if self.logprobs else None)
                        for i in range(self.n)]
             return ChatCompletion(id=self.id, created=self.created, model=self.engine.model_name,
@@ -191,45 +191,10 @@ class Run:
         return Completion(id=self.id, created=self.created, model=self.engine.model_name, choices=choices,
                           usage=usage).model_dump()
 
-    def _message(self, text: str, finish_reason: str) -> dict:
-        """A chat choice's message and finish_reason: the text, or the tool calls read out of it."""
-        reader = self.tools.reader()
-        if reader is None:
-            return {"message": AssistantMessage(content=text), "finish_reason": finish_reason}
-        content, calls = read_whole(reader, text)
-        if not calls:
-            return {"message": AssistantMessage(content=text), "finish_reason": finish_reason}
-        if self.tools.legacy:
-            message = AssistantMessage(content=content, function_call=FunctionCallOut(name=calls[0][0],
-                                                                                      arguments=calls[0][1]))
-        else:
-            message = AssistantMessage(content=content, tool_calls=[
-                ToolCallOut(id=call_id(), function=FunctionCallOut(name=name, arguments=arguments))
-                for name, arguments in calls])
-        return {"message": message, "finish_reason": self._called(finish_reason)}
-
-    def _called(self, finish_reason: str) -> str:
-        """The finish_reason of a choice that made calls: OpenAI's "tool_calls" where the model chose to stop."""
-        return ("function_call" if self.tools.legacy else "tool_calls") if finish_reason == "stop" else finish_reason
-
-    def _call_delta(self, piece: Piece, calls: dict[int, int]) -> DeltaOut:
-        """A stream delta for a piece of a tool call; calls maps the reader's call numbers to the response's."""
-        if piece.name is not None:
-            calls[piece.call] = len(calls)
-        if self.tools.legacy:
-            part = {"name": piece.name, "arguments": piece.arguments} if piece.name is not None \
-                else {"arguments": piece.arguments}
-            return DeltaOut(function_call=part)
-        first = piece.name is not None
-        return DeltaOut(tool_calls=[ToolCallDelta(index=calls[piece.call], id=call_id() if first else None,
-                                                  type="function" if first else None,
-                                                  function=FunctionDelta(name=piece.name, arguments=piece.arguments))])
-
-    def _piece_chunks(self, index: int, pieces: list[Piece], calls: dict[int, int], logprobs=None) -> list[str]:
-        """One choice's pieces of message as chunks; logprobs ride on the first (or alone, if none)."""
+    def _delta_chunks(self, index: int, deltas: list[DeltaOut], logprobs=None) -> list[str]:
+        """One choice's deltas as chunks; logprobs ride on the first (or alone, if none)."""
         out = []
-        for piece in pieces:
-            delta = DeltaOut(content=piece.content) if piece.content is not None else self._call_delta(piece, calls)
+        for delta in deltas:
             out.append(self._chunk(index, delta=delta, logprobs=logprobs))
             logprobs = None
         if logprobs is not None:
@@ -275,8 +240,6 @@ class Run:
         self._stop_watching()  # from here the streaming response listens for the client leaving
         completion_tokens, open_choices, why = 0, set(range(self.n)), "internal error (see the server log)"
         offsets = [0] * self.n  # completions: where each choice's next token starts in its text
-        readers = [self.tools.reader() for _ in range(self.n)]  # None: no tool calls to read
-        calls: list[dict[int, int]] = [{} for _ in range(self.n)]
         try:
             if self.chat:
                 yield "".join(self._chunk(i, "", role="assistant") for i in range(self.n))
@@ -284,10 +247,9 @@ class Run:
             async for events in self.handle.batches():
                 out = []
                 for event in events:
-                    reader = readers[event.index] if isinstance(event, (Delta, Finished)) else None
-                    if isinstance(event, Delta) and reader is not None:
-                        lp = chat_logprobs(event.logprobs or []) if self.logprobs and event.logprobs else None
-                        out += self._piece_chunks(event.index, reader.feed(event.text), calls[event.index], lp)
+                    if isinstance(event, Delta) and self.tools.active:
+                        lp = chat_logprobs(event.logprobs) if self.logprobs and event.logprobs else None
+                        out += self._delta_chunks(event.index, self.tools.feed(event.index, event.text), lp)
                     elif isinstance(event, Delta) and (event.text or (self.logprobs and event.logprobs)):
                         logprobs = None
                         if self.logprobs and self.chat:
@@ -301,9 +263,9 @@ class Run:
                         completion_tokens += event.completion_tokens
                         open_choices.discard(event.index)
                         finish = event.finish_reason
-                        if reader is not None:
-                            out += self._piece_chunks(event.index, reader.finish(), calls[event.index])
-                            finish = self._called(finish) if calls[event.index] else finish
+                        if self.tools.active:
+                            deltas, finish = self.tools.finish(event.index, finish)
+                            out += self._delta_chunks(event.index, deltas)
                         out.append(self._chunk(event.index, finish=finish, error=event.error))
                     elif isinstance(event, Failed):
                         why = str(event.error) if isinstance(event.error, Draining) else why

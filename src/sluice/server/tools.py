@@ -19,9 +19,10 @@ import secrets
 from dataclasses import dataclass
 
 from ..engine.constraints import Constraint
+from ..errors import ConstraintError
 from .errors import ServerError
 from .protocol import ChatCompletionRequest
-from .tool_calls import OPEN, CLOSE, CallReader
+from .tool_calls import CLOSE, OPEN, CallReader
 from .tool_protocol import NamedToolChoice, ToolDef
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}
@@ -63,14 +64,35 @@ def _legacy(req: ChatCompletionRequest) -> tuple[list[ToolDef] | None, object, b
     return tools, choice, True
 
 
+def _constraint(kind: str, spec, param: str) -> Constraint:
+    try:
+        return Constraint(kind, spec)
+    except ConstraintError as e:  # the schema does not compile: say which field holds it
+        raise _bad(param, str(e)) from None
+
+
 def _parameters(tool: ToolDef, i: int, param: str) -> dict:
-    schema = tool.function.parameters
+    """The tool's parameters schema, checked: an object's schema that compiles."""
+    schema, where = tool.function.parameters, f"{param}.{i}.function.parameters"
     if schema is None:
         return NO_ARGUMENTS
     if schema.get("type", "object") != "object":
-        raise _bad(f"{param}.{i}.function.parameters", f"must be a JSON Schema of an object (arguments are named), "
-                                                        f"got type {schema.get('type')!r}")
-    return schema
+        raise _bad(where, f"must be a JSON Schema of an object (arguments are named), got type {schema.get('type')!r}")
+    _constraint("json_schema", schema, where)
+    return closed(schema)
+
+
+def closed(schema):
+    """The schema with additionalProperties false on each object that does not say: arguments are handed to a
+    function, where a key it does not take is an error (a constrained small model adds keys freely)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and schema.get("type", "object") == "object":
+        out.setdefault("additionalProperties", False)
+    return out
 
 
 def plan(req: ChatCompletionRequest) -> ToolPlan:
@@ -95,13 +117,14 @@ def plan(req: ChatCompletionRequest) -> ToolPlan:
     if fmt is not None:
         raise _bad("response_format", f"cannot be combined with a {choice_param} that forces a call")
     if choice == "required":
-        return ToolPlan(offered, Constraint("json_schema", calls_schema(schemas, limit)), "required", limit=limit,
-                        legacy=legacy)
+        return ToolPlan(offered, _constraint("json_schema", calls_schema(schemas, limit), param), "required",
+                        limit=limit, legacy=legacy)
     name = choice.function.name
     if name not in schemas:
         raise _bad(choice_param, f"names the function {name!r}, which is not among the {param} "
                                  f"({', '.join(sorted(schemas))})")
-    return ToolPlan(offered, Constraint("json_schema", schemas[name]), "named", name=name, limit=1, legacy=legacy)
+    return ToolPlan(offered, _constraint("json_schema", schemas[name], param), "named", name=name, limit=1,
+                    legacy=legacy)
 
 
 def _response_format(req: ChatCompletionRequest) -> Constraint | None:
@@ -113,7 +136,9 @@ def _response_format(req: ChatCompletionRequest) -> Constraint | None:
     if fmt.json_schema is None:
         raise _bad("response_format.json_schema", "is required when response_format.type is 'json_schema'")
     schema = fmt.json_schema.schema_
-    return Constraint("json_schema", schema) if schema is not None else Constraint("json_object", None)
+    if schema is None:
+        return Constraint("json_object", None)
+    return _constraint("json_schema", schema, "response_format.json_schema.schema")
 
 
 def calls_schema(schemas: dict[str, dict], limit: int | None) -> dict:
@@ -186,8 +211,8 @@ def for_template(messages: list[dict], template: str | None) -> list[dict]:
     out = []
     for m in messages:
         if "tool_calls" in m:
-            blocks = [f"{OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n{CLOSE}"
-                      for c in m["tool_calls"]]
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+            blocks = [f"{OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE}" for call in calls]
             m = {k: v for k, v in m.items() if k != "tool_calls"}
             m["content"] = "\n".join(filter(None, [m.get("content"), *blocks]))
         out.append(m)
