@@ -7,6 +7,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 import sluice
 from sluice import Constraint, ConstraintError, SamplingParams
@@ -125,9 +126,15 @@ def test_logprobs_are_the_raw_logits(llm):
     out = llm.generate("The", SamplingParams(temperature=0, max_tokens=8, logprobs=5,
                                              constraint=Constraint("regex", "[0-9]{8}")))[0]
     assert re.fullmatch("[0-9]{8}", out.text)
-    assert any(not re.fullmatch("[0-9]+", t.text or "x") for lp in out.logprobs for t in lp.top)
+    assert any(not re.fullmatch("[0-9]+", t.token or "x") for lp in out.logprobs for t in lp.top)
     plain = llm.generate("The", SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
     assert [t.token_id for t in out.logprobs[0].top] == [t.token_id for t in plain.logprobs[0].top]
+    ids = llm.tokenizer.encode("The") + out.token_ids
+    with torch.no_grad():
+        raw = torch.log_softmax(llm.model(torch.tensor([ids])).float()[0], -1)
+    n = len(llm.tokenizer.encode("The"))
+    want = [raw[n - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
+    assert [lp.logprob for lp in out.logprobs] == pytest.approx(want, abs=1e-4)
 
 
 def test_ends_when_the_grammar_is_complete_even_without_eos(llm):
@@ -141,7 +148,7 @@ def test_ends_when_the_grammar_is_complete_even_without_eos(llm):
     ("json_schema", {"type": "nonsense"}, "json schema.*nonsense"),
     ("json_schema", "{not json", "json_schema spec is not valid JSON"),
     ("json_schema", [1, 2], "dict or its JSON text"),
-    ("regex", "a(b", "invalid regex.*unclosed group"),
+    ("regex", "a(b", "(?s)invalid regex.*unclosed group"),
     ("grammar", "start: x\nx: \"a\" | y", "invalid grammar.*unknown name"),
     ("grammar", "", "non-empty str"),
     ("yaml", "a: 1", "kind must be one of"),
