@@ -4,13 +4,11 @@ streamed), the constraint and template inputs each choice asks of the engine, an
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 
-from sluice.server.engine import Delta, Done, Finished, RequestHandle, Started
-from server_harness import LiveServer, assert_error_shape, request, sse_events
+from server_harness import LiveServer, ScriptedEngine, assert_error_shape, request, sse_events
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -25,39 +23,28 @@ CALL = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
 HERMES = f"I will check.\n<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
 
 
-class ScriptedEngine:
-    """A ServingEngine that answers every choice with `reply`, three characters per Delta (so stream pieces
-    split names, keys and tags), finishing with "stop"."""
-    model_name, max_model_len, ready, draining, load_error = "fake", 512, True, False, None
+class Replies:
+    """What the scripted engine answers every choice with: `reply`, three characters per Delta (so stream
+    pieces split names, keys and tags), finishing with "stop"."""
 
     def __init__(self):
-        self.requests, self.reply = [], HERMES
+        self.reply = HERMES
 
-    def submit(self, request):
-        self.requests.append(request)
-        handle = RequestHandle(request, asyncio.get_running_loop())
-        handle.emit(Started(prompt_tokens=3))
-        for i in range(len(request.params)):
-            for at in range(0, len(self.reply), 3):
-                handle.emit(Delta(i, self.reply[at:at + 3]))
-            handle.emit(Finished(i, "stop", len(self.reply)))
-        handle.emit(Done())
-        return handle
-
-    def abort(self, handle, reason=None):
-        pass
+    def __call__(self, request, i):
+        return [(self.reply[at:at + 3], None) for at in range(0, len(self.reply), 3)]
 
 
 @pytest.fixture(scope="module")
 def fake():
-    live = LiveServer(ScriptedEngine())
+    live = LiveServer(ScriptedEngine(Replies(), finish="stop"))
     yield live
     live.stop()
 
 
 @pytest.fixture
 def engine(fake):
-    fake.engine.reply = HERMES
+    """The scripted engine, answering HERMES until a test sets engine.script.reply."""
+    fake.engine.script.reply = HERMES
     return fake.engine
 
 
@@ -75,7 +62,7 @@ def test_auto_reads_hermes_blocks_into_tool_calls(fake, engine):
         assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
         assert json.loads(call.function.arguments) == CALL["arguments"]
     assert out.choices[0].message.tool_calls[0].id != out.choices[1].message.tool_calls[0].id
-    engine.reply = "Just text."
+    engine.script.reply = "Just text."
     plain = fake.client().chat.completions.create(model="fake", messages=USER, tools=[WEATHER])
     assert plain.choices[0].message.content == "Just text." and plain.choices[0].message.tool_calls is None
     assert plain.choices[0].finish_reason == "stop"
@@ -102,12 +89,12 @@ def test_a_streamed_call_comes_in_openais_delta_shape(fake, engine):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_and_named_are_constrained_and_read_back(fake, engine, stream):
-    engine.reply = json.dumps([CALL, {"name": "noop", "arguments": {}}])
+    engine.script.reply = json.dumps([CALL, {"name": "noop", "arguments": {}}])
     body = {"tools": [WEATHER, NOOP], "tool_choice": "required", "stream": stream}
     assert post(fake, body)[0] == 200
     constraint = engine.requests[-1].params[0].constraint
     assert constraint.kind == "json_schema"
-    jsonschema.validate(json.loads(engine.reply), constraint.spec)  # what the model wrote fits what it was held to
+    jsonschema.validate(json.loads(engine.script.reply), constraint.spec)  # fits the constraint
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "get_weather", "arguments": {"days": 2}}], constraint.spec)
     client = fake.client()
@@ -117,7 +104,7 @@ def test_required_and_named_are_constrained_and_read_back(fake, engine, stream):
     assert out.choices[0].message.content is None and out.choices[0].finish_reason == "tool_calls"
     post(fake, {**body, "parallel_tool_calls": False})
     assert engine.requests[-1].params[0].constraint.spec["maxItems"] == 1
-    engine.reply = json.dumps(CALL["arguments"])
+    engine.script.reply = json.dumps(CALL["arguments"])
     named = {"type": "function", "function": {"name": "get_weather"}}
     out = client.chat.completions.create(model="fake", messages=USER, tools=[WEATHER, NOOP], tool_choice=named)
     assert engine.requests[-1].params[0].constraint.spec == {**WEATHER["function"]["parameters"],
@@ -168,7 +155,7 @@ def test_legacy_functions_answer_in_function_call(fake, engine):
     parts = [d["function_call"] for d in deltas if "function_call" in d]
     assert parts[0] == {"name": "get_weather", "arguments": ""}
     assert json.loads("".join(p["arguments"] for p in parts)) == CALL["arguments"]
-    engine.reply = json.dumps(CALL["arguments"])
+    engine.script.reply = json.dumps(CALL["arguments"])
     named = fake.client().chat.completions.create(model="fake", messages=[*USER, {
         "role": "function", "name": "get_weather", "content": "sunny"}], functions=[fn],
         function_call={"name": "get_weather"})
