@@ -54,6 +54,7 @@ class GenerationRequest:
     messages: list[dict] | None = None
     max_tokens_given: bool = True
     tools: list[dict] | None = None  # the chat template's `tools` (OpenAI's tool dicts, transformers' convention)
+    tool_plan: object = None  # tools.ToolPlan: how the server reads tool calls out of the text (not the engine's)
 
 
 @dataclass

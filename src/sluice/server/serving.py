@@ -102,7 +102,7 @@ def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationR
               for i in range(n)]
     if chat:
         return GenerationRequest(params, messages=template_messages(req), max_tokens_given=max_tokens is not None,
-                                 tools=tools.template_tools)
+                                 tools=tools.template_tools, tool_plan=tools)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -126,7 +126,7 @@ class Run:
         self.n = len(gen.params)
         self.logprobs = gen.params[0].logprobs is not None  # every choice asks the same
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
-        self.tools = ToolAnswers(tool_plan(req) if self.chat else ToolPlan(), self.n)  # tool calls in the text
+        self.tools = ToolAnswers(gen.tool_plan or ToolPlan(), self.n)  # tool calls in the text
         self.created = int(time.time())
         self._templates: dict[int, list[str] | bool] = {}  # _text_chunk's, per choice
         self.handle = engine.submit(gen)  # NotReady / Draining / QueueFull: the app answers them
