@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from sluice.engine.logprobs import TokenLogprob
 from server_harness import LiveServer, ScriptedEngine, assert_error_shape, request, sse_events
 
 openai = pytest.importorskip("openai")
@@ -31,7 +32,8 @@ class Replies:
         self.reply = HERMES
 
     def __call__(self, request, i):
-        return [(self.reply[at:at + 3], None) for at in range(0, len(self.reply), 3)]
+        pieces = [self.reply[at:at + 3] for at in range(0, len(self.reply), 3)]
+        return [(p, [TokenLogprob(0, p, -0.5, list(p.encode()), [])]) for p in pieces]  # one "token" a piece
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +113,15 @@ def test_required_and_named_are_constrained_and_read_back(fake, engine, stream):
                                                              "additionalProperties": False}  # closed: see tools.py
     [call] = out.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == CALL["arguments"]
+
+
+def test_logprobs_ride_along_with_tool_call_deltas(fake, engine):
+    tokens = [HERMES[at:at + 3] for at in range(0, len(HERMES), 3)]
+    out = fake.client().chat.completions.create(model="fake", messages=USER, tools=[WEATHER], logprobs=True)
+    assert out.choices[0].message.tool_calls and [t.token for t in out.choices[0].logprobs.content] == tokens
+    status, _, raw = post(fake, {"tools": [WEATHER], "logprobs": True, "stream": True})
+    chunks = [e["choices"][0] for e in sse_events(raw)[:-1]]
+    assert [t["token"] for c in chunks if c.get("logprobs") for t in c["logprobs"]["content"]] == tokens
 
 
 def test_tool_choice_none_offers_no_tools(fake, engine):

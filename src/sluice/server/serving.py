@@ -224,7 +224,7 @@ class Run:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         model, why = self.engine.model_name, {} if error is None else {"error": error}
         if self.chat:
-            delta = delta or DeltaOut(role=role, content=text)
+            delta = DeltaOut(role=role, content=text) if delta is None else delta
             choices = [] if index is None else [ChunkChoice(index=index, delta=delta,
                                                             finish_reason=finish, logprobs=logprobs, **why)]
             chunk = ChatCompletionChunk(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
