@@ -4,12 +4,13 @@ random_checkpoint.write_tokenizer's), for a JSON Schema (nested objects, arrays,
 
     bash /work/.prof/quiet.sh .venv/bin/python bench/constrained_mask.py --json docs/results/constrained-mask.json
 
-Per library, vocabulary and constraint:
+Per library and vocabulary, vocab_setup_s: seconds to read the vocabulary (once per engine); then per constraint:
 - compile: seconds from the constraint's text to a matcher ready for its first mask (the grammar built
   against the vocabulary; caches off), the median of --compiles;
 - per token: one decode step's work on the host, the next-token bitmask computed and the matcher
   advanced by a token, walked along a valid output (the JSON text of a sample instance, tokenized):
-  microseconds, the median and the 90th percentile over every step of --repeats walks;
+  microseconds, the median, mean and 90th percentile over every step of --repeats walks (llguidance
+  builds its lexer's states lazily, as masks need them: the mean and p90 carry that, the compile not);
 - allowed: how many tokens the masks allowed along the walk, summed: libraries that agree on the
   language agree on this number (a cross-check of correctness; where one differs, its JSON options do).
 A library that is not installed is recorded as such (xgrammar is not a dependency of sluice: it needs
@@ -30,6 +31,7 @@ import numpy as np
 
 from common import environment, save_json
 from random_checkpoint import write_tokenizer
+from sluice.observatory.disturbance import LoadWatch
 
 SCHEMA = {
     "$defs": {"address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"},
@@ -89,11 +91,13 @@ class Llguidance:
         import llguidance as llg
         self.llg, self.tok = llg, llg.LLTokenizer(tokenizer_json, n_vocab=len(vocab), eos_token=eos)
 
-    def compile(self, kind, spec):
+    def build(self, kind, spec):
         m = self.llg.LLMatcher
-        g = m.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False}) if kind == "json_schema" \
+        return m.grammar_from_json_schema(spec, overrides={"whitespace_flexible": False}) if kind == "json_schema" \
             else m.grammar_from_regex(spec)
-        matcher = m(self.tok, g, log_level=0)
+
+    def matcher(self, grammar):  # llguidance compiles against the vocabulary here, lazily as masks need it
+        matcher = self.llg.LLMatcher(self.tok, grammar, log_level=0)
         assert not matcher.is_error(), matcher.get_error()
         return matcher
 
@@ -112,11 +116,13 @@ class Xgrammar:
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[eos])
         self.info, self.bitmask = info, xgr.allocate_token_bitmask(1, len(vocab))
 
-    def compile(self, kind, spec):
+    def build(self, kind, spec):
         compiler = self.xgr.GrammarCompiler(self.info, cache_enabled=False)
-        g = compiler.compile_json_schema(spec, any_whitespace=False, separators=(",", ":")) if kind == "json_schema" \
-            else compiler.compile_regex(spec)
-        return self.xgr.GrammarMatcher(g)
+        return compiler.compile_json_schema(spec, any_whitespace=False, separators=(",", ":")) \
+            if kind == "json_schema" else compiler.compile_regex(spec)
+
+    def matcher(self, compiled):
+        return self.xgr.GrammarMatcher(compiled)
 
     def step(self, matcher, token):
         matcher.fill_next_token_bitmask(self.bitmask)
@@ -136,10 +142,13 @@ class OutlinesCore:
         self.vocabulary = oc.Vocabulary(eos, by_bytes)
         self.mask = np.zeros((len(vocab) + 31) // 32, dtype=np.int32)
 
-    def compile(self, kind, spec):
+    def build(self, kind, spec):
         from outlines_core.json_schema import build_regex_from_schema
         regex = build_regex_from_schema(json.dumps(spec), whitespace_pattern="") if kind == "json_schema" else spec
-        return self.oc.Guide(self.oc.Index(regex, self.vocabulary))
+        return self.oc.Index(regex, self.vocabulary)
+
+    def matcher(self, index):
+        return self.oc.Guide(index)
 
     def step(self, guide, token):
         guide.write_mask_into(self.mask.ctypes.data, self.mask.size, 4)
@@ -158,29 +167,31 @@ def vocabularies(tmp: Path) -> dict[str, str]:
     big = tmp / "qwen-sized"
     big.mkdir()
     write_tokenizer(big, 151_936, 151_643)
-    return {"8k (bundled)": (loading.bundled_model_dir() / "tokenizer.json").read_text(),
-            "152k (byte-level BPE)": (big / "tokenizer.json").read_text()}
+    # keys: the vocabulary sizes (the bundled model's tokenizer; write_tokenizer's byte-level BPE)
+    return {"vocab_8192": (loading.bundled_model_dir() / "tokenizer.json").read_text(),
+            "vocab_151936": (big / "tokenizer.json").read_text()}
 
 
 def measure(lib_cls, tokenizer_json: str, compiles: int, repeats: int) -> dict:
     vocab, specials, tok = token_bytes(tokenizer_json)
     eos = specials[0] if specials else 0
     try:
+        t0 = time.perf_counter()
         lib = lib_cls(tokenizer_json, vocab, eos)
     except ImportError as e:
         return {"error": f"not installed: {e}"}
-    out = {}
+    out = {"vocab_setup_s": time.perf_counter() - t0}  # once per engine: the vocabulary as the library reads it
     for kind, (spec, text) in CASES.items():
         ids = tok.encode(text, add_special_tokens=False).ids
         times = []
         for _ in range(compiles):
             t0 = time.perf_counter()
-            matcher = lib.compile(kind, spec)
-            lib.step(matcher, ids[0])  # the first mask is part of getting ready (lazy builds)
+            compiled = lib.build(kind, spec)
+            lib.step(lib.matcher(compiled), ids[0])  # the first mask is part of getting ready (lazy builds)
             times.append(time.perf_counter() - t0)
         per_token, allowed, legal = [], 0, True
         for r in range(repeats):
-            matcher = lib.compile(kind, spec)
+            matcher = lib.matcher(compiled)
             for t in ids:
                 t0 = time.perf_counter()
                 bits, ok = lib.step(matcher, t)
@@ -199,7 +210,7 @@ def measure(lib_cls, tokenizer_json: str, compiles: int, repeats: int) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--compiles", type=int, default=5)
+    ap.add_argument("--compiles", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args(argv)
     import importlib.metadata as md
@@ -211,15 +222,15 @@ def main(argv=None) -> None:
         except md.PackageNotFoundError:
             versions[lib] = None
     result = {"env": env, "libraries": versions, "compiles": args.compiles, "repeats": args.repeats, "results": {}}
+    watch = LoadWatch()  # who else used the CPU, as the other benchmarks record it (observatory/disturbance.py)
     with tempfile.TemporaryDirectory() as tmp:
         for vname, tj in vocabularies(Path(tmp)).items():
             for lib in LIBRARIES:
                 r = measure(lib, tj, args.compiles, args.repeats)
                 result["results"].setdefault(vname, {})[lib.name] = r
                 print(vname, lib.name, json.dumps(r), file=sys.stderr, flush=True)
-    import os
-    result["loadavg_at_end"] = list(os.getloadavg())
-    result["disturbed"] = max(env["loadavg_at_start"][0], result["loadavg_at_end"][0]) > (env["cores"] or 1)
+    load = watch.result()
+    result.update(loadavg_at_end=load["loadavg_at_end"], disturbed=load["disturbed"], load=load)
     save_json(args.json, result)
 
 
