@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import (CheckpointError, ConfigError, ModelNotFoundError, NumericsError, RequestError,
-                     SluiceError, TemplateError)
+from .errors import (CheckpointError, ConfigError, ConstraintError, ModelNotFoundError, NumericsError,
+                     RequestError, SluiceError, TemplateError)
 
 __version__ = "0.1.0"
 
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": (".llm", "LLM"), "RequestOutput": (".engine", "RequestOutput"),
     "SamplingParams": (".engine.sampling", "SamplingParams"),
+    "Constraint": (".engine.constraints", "Constraint"),
     "ModelConfig": (".model", "ModelConfig"), "Transformer": (".model", "Transformer"),
     "Model": (".model", "Transformer"), "load": (".model", "load"),
     "observe": (".observatory", "observe"), "surgery": (".observatory.surgery", None),
@@ -26,9 +27,9 @@ _LAZY = {
     "Tokenizer": (".text.tokenizer", "Tokenizer"),
 }
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "load", "observe", "Model", "ModelConfig", "Tokenizer",
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "Constraint", "load", "observe", "Model", "ModelConfig", "Tokenizer",
            "Transformer", "SluiceError", "ConfigError", "CheckpointError", "ModelNotFoundError", "TemplateError",
-           "RequestError", "NumericsError", "surgery", "inspect"]
+           "RequestError", "ConstraintError", "NumericsError", "surgery", "inspect"]
 
 
 def __getattr__(name: str):
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # what editors and type checkers see
     from .engine import RequestOutput
     from .llm import LLM
     from .engine.sampling import SamplingParams
+    from .engine.constraints import Constraint
     from .model import ModelConfig, Transformer, load
     from .model import Transformer as Model
     from .observatory import observe, surgery

@@ -50,3 +50,8 @@ class ContextExceeded(RequestError):
         super().__init__(f"{what}has {prompt_tokens} tokens and asks for max_tokens={max_tokens}: "
                          f"{prompt_tokens + max_tokens} tokens do not fit the context of {limit} "
                          "tokens (shorten the prompt or lower max_tokens)")
+
+
+class ConstraintError(RequestError):
+    """A constrained-decoding request (engine/constraints.py) is malformed: an unknown kind, or a JSON
+    Schema, regex or grammar that does not compile; the message names which and where."""

@@ -19,6 +19,7 @@ import torch
 from .engine.batching import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, BatchEngine, EngineState, collect
 from .engine.config import EngineConfig
 from .engine.cpu_paths import decode_kernel_building, kernels_pay_off, set_compute, use_kernels
+from .engine.guide import Guides
 from .engine.kv_cache import default_budget
 from .engine.outputs import RequestOutput, Stats
 from .engine.requests import Door, PoolCapacity, Request, as_prompt_list
@@ -231,7 +232,8 @@ class LLM:
                                           head=self.tp and self.tp.head, compile=self.compile,
                                           fused_head=self.fused_head, speculative=self.speculative,
                                           draft=self.draft_model, num_speculative_tokens=self.num_speculative_tokens,
-                                          plans=self.tp and self.tp.plan_channel())
+                                          plans=self.tp and self.tp.plan_channel(),
+                                          guides=Guides(self.tokenizer, self.config.vocab_size, self.eos_token_ids))
             return self._batch
 
     def _swap_kernels(self, rows: int) -> None:

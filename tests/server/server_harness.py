@@ -85,6 +85,34 @@ class SlowLLM:
         return updates
 
 
+class ScriptedEngine:
+    """A ServingEngine for the HTTP shapes: each choice i of every request gets the (text, logprobs) deltas
+    of script(request, i), then finish_reason `finish`; the requests are kept, for what the server asked."""
+    model_name, max_model_len, ready, draining, load_error = "fake", 512, True, False, None
+    system_fingerprint = "fp_fake"
+
+    def __init__(self, script, finish: str = "length"):
+        self.requests, self.script, self.finish = [], script, finish
+
+    def submit(self, request):
+        import asyncio
+
+        from sluice.server.engine import Delta, Done, Finished, RequestHandle, Started
+        self.requests.append(request)
+        handle = RequestHandle(request, asyncio.get_running_loop())
+        handle.emit(Started(prompt_tokens=3))
+        for i in range(len(request.params)):
+            deltas = self.script(request, i)
+            for text, logprobs in deltas:
+                handle.emit(Delta(i, text, logprobs))
+            handle.emit(Finished(i, self.finish, len(deltas)))
+        handle.emit(Done())
+        return handle
+
+    def abort(self, handle, reason=None):
+        pass
+
+
 def make_engine(tiny_dir, slow: bool = False, max_queue: int = 8, **llm_kwargs):
     """The engine `sluice serve` runs (BatchServingEngine, continuous batching) on its own LLM over
     tiny_dir, loaded; returns (engine, llm). slow=True: over a SlowLLM, whose steps a test can hold

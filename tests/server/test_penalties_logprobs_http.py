@@ -3,15 +3,13 @@ types) from a scripted engine, the 400s for bad values, and penalties reaching t
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest
 
 from sluice.engine.logprobs import TokenLogprob, TopLogprob
 from sluice.engine.sampling import SamplingParams
-from sluice.server.engine import Delta, Done, Finished, RequestHandle, Started
-from server_harness import LiveServer, assert_error_shape, make_engine, request
+from server_harness import LiveServer, ScriptedEngine, assert_error_shape, make_engine, request
 
 pytest.importorskip("openai")
 
@@ -31,34 +29,14 @@ SCRIPT = [[("é", [TLP(3, -0.5, [(3, -0.5), (7, -1.25)])]),
           [("<5>", [TLP(5, -0.125, [(5, -0.125), (6, -3.0)])])]]
 
 
-class ScriptedEngine:
-    """A ServingEngine that answers every request with SCRIPT (its first n choices), for the HTTP shapes."""
-    model_name, max_model_len, ready, draining, load_error = "fake", 512, True, False, None
-    system_fingerprint = "fp_fake"
-
-    def __init__(self):
-        self.requests = []
-
-    def submit(self, request):
-        self.requests.append(request)
-        handle = RequestHandle(request, asyncio.get_running_loop())
-        handle.emit(Started(prompt_tokens=3))
-        n = len(request.params)
-        for i in range(n):
-            for text, lps in SCRIPT[i]:
-                handle.emit(Delta(i, text, lps))
-            handle.emit(Delta(i, "", None))  # nothing new: no chunk
-            handle.emit(Finished(i, "length", len(SCRIPT[i])))
-        handle.emit(Done())
-        return handle
-
-    def abort(self, handle, reason=None):
-        pass
+def scripted(request, i):
+    """Choice i answers SCRIPT[i], then a Delta with nothing new (no chunk)."""
+    return [*SCRIPT[i], ("", None)]
 
 
 @pytest.fixture(scope="module")
 def fake():
-    live = LiveServer(ScriptedEngine())
+    live = LiveServer(ScriptedEngine(scripted))
     yield live
     live.stop()
 

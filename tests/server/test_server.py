@@ -183,19 +183,6 @@ def test_metrics_count_requests_and_tokens(served, client):
 
 
 
-@pytest.mark.parametrize("field,value", [
-    ("functions", [{"name": "f", "parameters": {"type": "object"}}]), ("function_call", "auto"),
-    ("function_call", {"name": "f"}), ("tool_choice", "auto"), ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("parallel_tool_calls", False),
-    ("parallel_tool_calls", True),
-])
-def test_tool_fields_are_refused_by_name_until_tools_exist(served, field, value):
-    """Tools come later (issue 32); until then nothing about them is silently dropped."""
-    status, _, raw = request(served.port, "POST", "/v1/chat/completions", {"messages": MESSAGES, field: value})
-    error = assert_error_shape(status, raw, 400)
-    assert error["param"] == field and error["code"] == "unsupported" and "not supported" in error["message"]
-
-
 def test_tool_choice_none_is_honoured_as_asked(served):
     status, _, raw = request(served.port, "POST", "/v1/chat/completions",
                              {"messages": MESSAGES, "tool_choice": "none", "max_tokens": 2})

@@ -14,7 +14,7 @@ import os
 import sys
 
 from ..errors import SluiceError
-from .common import check_streams, model_args, sampling_args, special_tokens_arg, tp_args
+from .common import check_streams, constraint_args, model_args, sampling_args, special_tokens_arg, tp_args
 from .inspect import cmd_inspect
 from .run import cmd_chat, cmd_demo, cmd_generate
 from .serve import add_serve_parser
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     tp_args(p)
     sampling_args(p)
+    constraint_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     special_tokens_arg(p)

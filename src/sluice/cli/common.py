@@ -6,8 +6,9 @@ import argparse
 import contextlib
 import os
 import sys
+from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ConstraintError
 
 
 def model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
@@ -101,6 +102,41 @@ def sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-token-id", action="append", type=int, dest="stop_token_ids")
     g.add_argument("--ignore-eos", action="store_true")
     speculative_args(p)
+
+
+def constraint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("constrained output (the output always matches; docs/constrained.md)")
+    one = g.add_mutually_exclusive_group()
+    one.add_argument("--json-object", action="store_true", help="any JSON object")
+    one.add_argument("--json-schema", metavar="FILE|JSON", help="a JSON Schema: a file, or the schema's JSON text")
+    one.add_argument("--regex", metavar="R", help="a regular expression the whole output matches")
+    one.add_argument("--grammar", metavar="FILE", help="a grammar file in llguidance's Lark dialect")
+
+
+def constraint_of(args):
+    """The Constraint the --json-object / --json-schema / --regex / --grammar flags ask for, or None;
+    checked now (a bad schema, regex or grammar is a ConstraintError naming it), before the load."""
+    from ..engine.constraints import MAX_SPEC_CHARS, Constraint
+    if args.json_object:
+        return Constraint("json_object")
+    if args.regex is not None:
+        return Constraint("regex", args.regex)
+    for flag, value, kind in (("--json-schema", args.json_schema, "json_schema"), ("--grammar", args.grammar, "grammar")):
+        if value is None:
+            continue
+        if kind == "json_schema" and value.lstrip().startswith("{"):
+            return Constraint(kind, value)
+        path = Path(value)
+        if not path.is_file():
+            raise ConstraintError(f"{flag} {value!r}: no such file" + (" (nor JSON text: it does not start with "
+                                                                        "'{')" if kind == "json_schema" else ""))
+        if path.stat().st_size > 4 * MAX_SPEC_CHARS:  # before reading it; Constraint checks the characters
+            raise ConstraintError(f"{flag} {value}: {path.stat().st_size} bytes, over the limit of {MAX_SPEC_CHARS} characters")
+        try:
+            return Constraint(kind, path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConstraintError(f"{flag} {value}: not UTF-8 text ({e})") from None
+    return None
 
 
 def speculative_args(p: argparse.ArgumentParser) -> None:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 from ..errors import RequestError, SluiceError
-from .common import engine_config, load_llm, sampling_params, stdin_lines, tp_rank, utf8_arg
+from .common import constraint_of, engine_config, load_llm, sampling_params, stdin_lines, tp_rank, utf8_arg
 
 
 def cmd_generate(args) -> int:
-    params = sampling_params(args)  # validate before the (slow) load
+    params = dataclasses.replace(sampling_params(args), constraint=constraint_of(args))  # validate before the (slow) load
     utf8_arg(args.prompt, "the prompt")
     config = engine_config(args)  # every engine flag checked, before the (slow) load
     tp_rank(args, "generate")

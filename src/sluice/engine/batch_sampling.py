@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .fused_head import FusedHead
+from .guide import masked
 from .logprobs import token_logprobs
 from .plan import Row, StepPlan
 from .sampling import NONFINITE, Sampler, SamplingParams, argmax_rows
@@ -70,11 +71,13 @@ class StepDraw:
 
     Rows without guesses draw one token: through BatchDraw from logits, or through the fused LM head
     (fused_head.py) from hidden states when the plan says fused; rows with guesses keep a prefix of
-    them (verify.py). Logprobs are of the raw logits at each emitted token's position."""
+    them (verify.py). A constrained row's logits are masked first (guide.py), on every path; logprobs
+    are of the raw logits at each emitted token's position."""
 
     def __init__(self, model, head, decode_one):
         self.model, self.head, self.decode_one = model, head, decode_one
         self.batch = BatchDraw(head)
+        self.start = getattr(head, "start", 0)  # the first vocabulary id of the logits' columns
         self.fused_calls = self.fused_filtered = self.fused_fallback = 0  # what "auto" decides on
 
     @property
@@ -92,10 +95,14 @@ class StepDraw:
             seqs = [r.seq for r in plain]
             batch = getattr(out, "batch", None)  # forward's stacked one-token rows (batch_forward.StepOut)
             x = batch[1] if batch is not None and batch[0] == plain else torch.stack([out[r] for r in plain])
+            if not plan.fused:  # the scheduler never fuses a constrained row
+                x = masked(x, [s.guide and s.guide.allowed() for s in seqs], self.start)
             tokens = (self._fused(seqs, x) if plan.fused else self.batch(seqs, x)).tolist()  # the step's host sync
             runs.update((r, [t]) for r, t in zip(plain, tokens, strict=True))
         if guessing:
-            runs.update(zip(guessing, verify(guessing, [out[r] for r in guessing]), strict=True))
+            logits = [out[r] if r.seq.guide is None else
+                      masked(out[r], list(r.seq.guide.allowed_along(r.guesses)), self.start) for r in guessing]
+            runs.update(zip(guessing, verify(guessing, logits), strict=True))
             for r in guessing:  # what plain sampling would have recorded, token by token
                 r.seq.sampler.add_generated(0, [t for t in runs[r] if t != NONFINITE])
         return runs, self._logprobs(plan, out, runs)

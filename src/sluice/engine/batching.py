@@ -59,8 +59,9 @@ class BatchEngine:
                  max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
                  native: bool = True, nonfinite_origin=None, head=None, compile: bool = False,
                  fused_head: bool | str = False, speculative: str = "off", draft: Transformer | None = None,
-                 num_speculative_tokens: int | str = 0, plans=None):
-        """speculative: "off", "draft" (draft: the draft model) or "prompt-lookup" (verify.py)."""
+                 num_speculative_tokens: int | str = 0, plans=None, guides=None):
+        """speculative: "off", "draft" (draft: the draft model) or "prompt-lookup" (verify.py).
+        guides: guide.Guides, for constrained requests (None refuses them)."""
         blocks = pool_blocks(model, max_model_len, max_num_seqs, block_size, budget, budget_given, draft)
         self.pool = BlockPool(model.config, blocks, block_size, activation_dtype(model), model.embed.weight.device)
         speculation = None
@@ -70,7 +71,7 @@ class BatchEngine:
         elif speculative == "prompt-lookup":
             speculation = Speculation("prompt-lookup", PromptLookup(), num_speculative_tokens)
         self.scheduler = Scheduler(model, self.pool, decode, max_num_seqs, max_num_batched_tokens, native,
-                                   nonfinite_origin, head, compile, fused_head, speculation, plans)
+                                   nonfinite_origin, head, compile, fused_head, speculation, plans, guides)
         self._lock = threading.Lock()
 
     def add(self, request: Request) -> Seq:

@@ -36,9 +36,15 @@ class OutputStage:
             if tok in seq.stop_ids:
                 text, reason = text + seq.stream.finish(), "stop"
                 break
+            if seq.guide is not None and not seq.guide.advance(tok):
+                reason = "violation"
+                break
             text += seq.stream.push(tok)
             if seq.stream.stopped:
                 reason = "stop"
+                break
+            if seq.guide is not None and seq.guide.done:  # its grammar is complete and can take no more
+                text, reason = text + seq.stream.finish(), "stop"
                 break
             if len(seq.ids) >= limit:
                 text, reason = text + seq.stream.finish(), "length"
@@ -53,6 +59,9 @@ class OutputStage:
                      "NaN or inf in the weights or the config? `sluice inspect` shows the layer where it starts")
             self.end(seq, "error", f"the model produced non-finite logits (NaN or inf) at step "
                                    f"{len(seq.token_ids)} of {seq.label}; {where}")
+        elif reason == "violation":  # guide.py masks every draw, so this is a bug in sluice, said loudly
+            self.end(seq, "error", f"token {taken[-1]} at step {len(seq.token_ids)} of {seq.label} breaks its "
+                                   f"constraint ({seq.guide.matcher.get_error()}); the logits mask missed it")
         elif reason is not None:
             self.end(seq, reason, None)
         seq.pending.append(update)

@@ -12,6 +12,7 @@ import numbers
 from dataclasses import dataclass, replace
 
 from ..errors import RequestError
+from .constraints import Constraint
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -85,6 +86,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n = each token's logprob and its n most likely alternatives
+    # The output must match it: JSON, a JSON Schema, a regex or a grammar (constraints.py, guide.py)
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -118,6 +121,8 @@ class SamplingParams:
                     _fail("stop_token_ids", rule, t)
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", "a bool", self.ignore_eos)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            _fail("constraint", "a sluice.Constraint or None", self.constraint)
 
     def with_defaults(self, generation_config: dict | None = None) -> SamplingParams:
         """A new, validated copy with every field but seed and logprobs (None = off) filled.

@@ -62,7 +62,7 @@ class Scheduler:
     def __init__(self, model: Transformer, pool: BlockPool, decode: Callable[[list[int]], str],
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 256, native: bool = True,
                  nonfinite_origin: Callable[[list[int]], str] | None = None, head=None, compile: bool = False,
-                 fused_head: bool | str = False, speculation=None, plans=None):
+                 fused_head: bool | str = False, speculation=None, plans=None, guides=None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise RequestError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got "
                                f"{max_num_seqs} and {max_num_batched_tokens}")
@@ -78,6 +78,7 @@ class Scheduler:
         self.fused_head = fused_head  # True, False or "auto" (fused_head.params_want_fused)
         self._fused_rows: tuple[list[Seq], bool] = ([], False)  # the last step's final rows, and their params' say
         self.speculation = speculation  # verify.Speculation, or None
+        self.guides = guides  # guide.Guides: a constrained request's grammar state (None: refused)
         # Under tensor parallelism (parallel/plans.PlanChannel) rank 0 schedules and the others follow its plans.
         self.plans = plans
         self.follower = plans is not None and not plans.leads
@@ -113,6 +114,10 @@ class Scheduler:
                   TextStream(self.decode, params.stop), set(request.stop_ids), label=request.label)
         if self.speculation is not None:
             seq.spec = self.speculation.new_state()
+        if params.constraint is not None:
+            if self.guides is None:
+                raise RequestError(f"{request.label}: this engine takes no constraint (built without a tokenizer)")
+            seq.guide = self.guides.new(params.constraint, request.stop_ids)
         with self._lock:
             seq.number, self.added = self.added, self.added + 1
             self.live[seq.number] = seq
@@ -262,9 +267,10 @@ class Scheduler:
         key = [r.seq for r in finals]
         if key != self._fused_rows[0]:  # what the rows' params say holds while the rows stay the same
             params = [s.params for s in key]
-            # logprobs need the logits; the fused head keeps no generated counts
+            # logprobs need the logits, and so does a constraint's mask; the fused head keeps no generated counts
             self._fused_rows = (key, not any(p.logprobs is not None or p.presence_penalty or p.frequency_penalty
-                                             for p in params) and params_want_fused(self.fused_head, params))
+                                             or p.constraint is not None for p in params)
+                                and params_want_fused(self.fused_head, params))
         if not self._fused_rows[1]:
             return False
         if self.fused_head == "auto" and self.draw.fused_calls >= AUTO_PROBATION and self.draw.fallback_rate > 0.25:

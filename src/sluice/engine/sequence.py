@@ -47,6 +47,7 @@ class Seq:
     number: int = -1  # adds to its scheduler before it: the same on every tensor-parallel rank (parallel/plans.py)
     fused_steps: int = 0  # tokens drawn through the fused LM head
     fused_fallbacks: int = 0  # of those, drawn by its plain fallback (fused_head.py)
+    guide: object | None = None  # guide.Guide, its grammar's state, when its params carry a constraint
 
     @property
     def max_len(self) -> int:

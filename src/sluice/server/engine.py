@@ -57,6 +57,8 @@ class GenerationRequest:
     max_tokens_given: bool = True
     prompts: list[Union[str, list[int]]] | None = None
     request_id: str | None = None  # the HTTP request's x-request-id, for log lines
+    tools: list[dict] | None = None  # the chat template's `tools` (OpenAI's tool dicts, transformers' convention)
+    tool_plan: object = None  # tools.ToolPlan: how the server reads tool calls out of the text (not the engine's)
 
 
 @dataclass

@@ -14,14 +14,16 @@ from dataclasses import replace
 from ..errors import ContextExceeded, RequestError
 from .errors import ContextOverflow
 from .protocol import MAX_LIST_TOKENS
+from .tools import for_template
 
 _NUMBERED = re.compile(r"prompt \d+")
 
 
 def prompt_ids(llm, request) -> list[int]:
     """A request's prompt as token ids: chat messages rendered, text tokenized (ids are checked at the door)."""
-    if request.messages is not None:
-        return llm.chat_prompt(request.messages)  # refuses a conversation that cannot fit, unrendered
+    if request.messages is not None:  # refuses a conversation that cannot fit, unrendered
+        return llm.chat_prompt(for_template(request.messages, llm.tokenizer.chat_template),
+                               tools=getattr(request, "tools", None))
     if isinstance(request.prompt, str):
         ids = llm.tokenizer.encode(request.prompt, max_tokens=llm.max_model_len)
     else:

@@ -3,9 +3,11 @@
 Requests validate in strict mode: "0.5" is not a temperature and true is not an n, as in OpenAI's
 own API, so a client bug is named instead of guessed at. Unknown fields are ignored (clients send
 "user", "store", "metadata"...), but fields this server knows and cannot honour yet (logit_bias,
-tools, echo...) are refused by `unsupported()` rather than dropped silently, so nobody reads
+echo...) are refused by `unsupported()` rather than dropped silently, so nobody reads
 made-up numbers. Ranges OpenAI documents (penalties in [-2, 2], top_logprobs 0..20, the legacy
 logprobs 0..5) are pydantic constraints, so their 400 names the parameter.
+
+The models of tools, tool calls and response_format are in tool_protocol.py (served by tools.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from .tool_protocol import (TOOL_FIELD_NAMES, CalledFunction, FunctionCallOut, FunctionDef, FunctionName,
+                            MessageToolCall, NamedToolChoice, ResponseFormat, ToolCallDelta, ToolCallOut, ToolDef)
 
 MAX_N = 16  # choices per request: each one is a full generation
 MAX_STOPS = 16
@@ -45,10 +50,13 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    # "tool" messages need tool calls, which this server does not do yet: refused by the Literal.
-    role: Literal["system", "developer", "user", "assistant"]
+    # "function" is the legacy "tool": a function's result, named by `name`
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # the assistant's
+    tool_call_id: str | None = None  # a tool message's: which call it answers
+    function_call: CalledFunction | None = None  # the legacy assistant's call
 
     def needs_content(self) -> bool:
         """OpenAI requires content on every message but the assistant's (whose tool calls may stand in)."""
@@ -102,30 +110,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict] | None = None
-    tool_choice: Union[str, dict, None] = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
-    functions: list[dict] | None = None  # the legacy form of tools, with function_call as its tool_choice
-    function_call: Union[str, dict, None] = None
-    response_format: dict | None = None
-
-    def unsupported(self) -> str | None:
-        # Until tool calls exist (issue 32), anything about them is refused by name: "none" is the only choice
-        # this server honours as asked. ("auto" passed before, but with no tools it asks for nothing real,
-        # and OpenAI refuses a tool_choice without tools too.)
-        if self.tools:
-            return "tools"
-        if self.functions:
-            return "functions"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice"
-        if self.function_call not in (None, "none"):
-            return "function_call"
-        if self.parallel_tool_calls is not None:
-            return "parallel_tool_calls"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format"
-        return super().unsupported()
+    functions: list[FunctionDef] | None = None  # the legacy form of tools, with function_call as its tool_choice
+    function_call: Union[Literal["none", "auto"], FunctionName, None] = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -162,7 +152,14 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+    function_call: FunctionCallOut | None = None  # the legacy functions' answer
+
+    @model_serializer(mode="wrap")
+    def _calls_if_any(self, handler) -> dict:
+        # content is always there (null beside tool calls); the call fields only when there are calls
+        return {k: v for k, v in handler(self).items() if v is not None or k == "content"}
 
 
 class TopLogprobOut(BaseModel):
@@ -214,11 +211,15 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    function_call: dict | None = None  # the legacy functions' pieces: {"name"} first, then {"arguments"}
 
     @model_serializer
     def _present_only(self) -> dict:
         # OpenAI's deltas carry only what changed: {"role": ...} first, then {"content": ...}, then {}.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        calls = None if self.tool_calls is None else [c.model_dump() for c in self.tool_calls]
+        return {k: v for k, v in (("role", self.role), ("content", self.content), ("tool_calls", calls),
+                                  ("function_call", self.function_call)) if v is not None}
 
 
 class ChunkChoice(BaseModel):
@@ -285,4 +286,4 @@ class ErrorResponse(BaseModel):
 # Every field name a request model has: a validation error's location keeps these (and list indices)
 # and drops pydantic's union tags such as "list[TextPart]" (see errors.param_from_loc).
 FIELD_NAMES = frozenset(name for m in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart,
-                                       StreamOptions) for name in m.model_fields)
+                                       StreamOptions) for name in m.model_fields) | TOOL_FIELD_NAMES

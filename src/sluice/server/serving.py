@@ -29,6 +29,8 @@ from .errors import RETRY_AFTER_S, ServerError, from_sluice
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                        ChatLogprobs, ChatTokenLogprob, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs,
                        CompletionRequest, Delta as DeltaOut, MAX_CHOICES, TopLogprobOut, Usage)
+from .tool_answers import ToolAnswers
+from .tools import ToolPlan, plan as tool_plan, template_messages
 
 _PLACEHOLDER = "sluice-text-placeholder-5b1e9c"  # _text_chunk's: a string whose JSON is itself in quotes
 
@@ -87,20 +89,21 @@ def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationR
         raise ServerError(400, "top_logprobs: logprobs must be set to true to use top_logprobs", param="top_logprobs")
     # chat: logprobs true, with top_logprobs alternatives (0 if unset); completions: logprobs = alternatives
     logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
+    tools = tool_plan(req) if chat else ToolPlan()
     try:
         base = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               min_p=req.min_p, repetition_penalty=req.repetition_penalty,
                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                              seed=req.seed, stop=req.stop, ignore_eos=bool(req.ignore_eos), logprobs=logprobs)
+                              seed=req.seed, stop=req.stop, ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+                              constraint=tools.constraint)
     except RequestError as e:
         raise from_sluice(e, "messages" if chat else "prompt", aliases) from None
     # Choice i is seeded seed + i: n > 1 gives n different samples, and each is reproducible alone.
     params = [base if base.seed is None else SamplingParams(**{**vars(base), "seed": base.seed + i})
               for i in range(n)]
     if chat:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
-        return GenerationRequest(params, messages=messages, max_tokens_given=max_tokens is not None)
+        return GenerationRequest(params, messages=template_messages(req), max_tokens_given=max_tokens is not None,
+                                 tools=tools.template_tools, tool_plan=tools)
     prompts = req.prompts()
     if len(prompts) * n > MAX_CHOICES:  # before anything runs; the prompts' tokens together: at the engine's door
         raise ServerError(400, f"prompt: {len(prompts)} prompts x n={n} make {len(prompts) * n} choices; a request "
@@ -126,6 +129,7 @@ class Run:
         self.n = len(gen.params)
         self.logprobs = gen.params[0].logprobs is not None  # every choice asks the same
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
+        self.tools = ToolAnswers(gen.tool_plan or ToolPlan(), self.n)  # tool calls in the text
         self.created = int(time.time())
         self._templates: dict[int, list[str] | bool] = {}  # _text_chunk's, per choice
         self.handle = engine.submit(gen)  # NotReady / Draining / QueueFull: the app answers them
@@ -180,8 +184,8 @@ class Run:
             raise ServerError(422, broken[0].error or "generation failed", code="generation_error")
         usage = self._usage(prompt_tokens, sum(f.completion_tokens for f in finished.values()))
         if self.chat:
-            choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]),
-                                  finish_reason=finished[i].finish_reason,
+            messages = [self.tools.message(texts[i], finished[i].finish_reason) for i in range(self.n)]
+            choices = [ChatChoice(index=i, message=messages[i][0], finish_reason=messages[i][1],
                                   logprobs=chat_logprobs(logprobs[i]) if self.logprobs else None)
                        for i in range(self.n)]
             return ChatCompletion(id=self.id, created=self.created, model=self.engine.model_name,
@@ -191,6 +195,16 @@ class Run:
                    for i in range(self.n)]
         return Completion(id=self.id, created=self.created, model=self.engine.model_name, choices=choices,
                           usage=usage, system_fingerprint=self.fingerprint).model_dump()
+
+    def _delta_chunks(self, index: int, deltas: list[DeltaOut], logprobs=None) -> list[str]:
+        """One choice's deltas as chunks; logprobs ride on the first (or alone, if none)."""
+        out = []
+        for delta in deltas:
+            out.append(self._chunk(index, delta=delta, logprobs=logprobs))
+            logprobs = None
+        if logprobs is not None:
+            out.append(self._chunk(index, delta=DeltaOut(), logprobs=logprobs))
+        return out
 
     def _text_chunk(self, index: int, text: str) -> str:
         """_chunk(index, text) for the usual chunk (a piece of text, nothing else), from a template.
@@ -211,11 +225,12 @@ class Run:
 
     def _chunk(self, index: int | None, text: str | None = None, finish: str | None = None,
                role: str | None = None, usage: Usage | None = None, error: str | None = None,
-               logprobs=None) -> str:
+               logprobs=None, delta: DeltaOut | None = None) -> str:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         model, why = self.engine.model_name, {} if error is None else {"error": error}
         if self.chat:
-            choices = [] if index is None else [ChunkChoice(index=index, delta=DeltaOut(role=role, content=text),
+            delta = DeltaOut(role=role, content=text) if delta is None else delta
+            choices = [] if index is None else [ChunkChoice(index=index, delta=delta,
                                                             finish_reason=finish, logprobs=logprobs, **why)]
             chunk = ChatCompletionChunk(id=self.id, created=self.created, model=model, choices=choices, usage=usage,
                                         system_fingerprint=self.fingerprint)
@@ -239,7 +254,10 @@ class Run:
             async for events in self.handle.batches():
                 out = []
                 for event in events:
-                    if isinstance(event, Delta) and (event.text or (self.logprobs and event.logprobs)):
+                    if isinstance(event, Delta) and self.tools.active:
+                        lp = chat_logprobs(event.logprobs) if self.logprobs and event.logprobs else None
+                        out += self._delta_chunks(event.index, self.tools.feed(event.index, event.text), lp)
+                    elif isinstance(event, Delta) and (event.text or (self.logprobs and event.logprobs)):
                         logprobs = None
                         if self.logprobs and self.chat:
                             logprobs = chat_logprobs(event.logprobs or [])
@@ -251,7 +269,11 @@ class Run:
                     elif isinstance(event, Finished):
                         completion_tokens += event.completion_tokens
                         open_choices.discard(event.index)
-                        out.append(self._chunk(event.index, finish=event.finish_reason, error=event.error))
+                        finish = event.finish_reason
+                        if self.tools.active:
+                            deltas, finish = self.tools.finish(event.index, finish)
+                            out += self._delta_chunks(event.index, deltas)
+                        out.append(self._chunk(event.index, finish=finish, error=event.error))
                     elif isinstance(event, Failed):
                         why = str(event.error) if isinstance(event.error, Draining) else why
                 if out:

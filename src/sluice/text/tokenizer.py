@@ -128,6 +128,11 @@ class Tokenizer:
     def token_to_id(self, tok: str) -> int | None:
         return self._backend.token_to_id(tok)
 
+    def to_json(self) -> str:
+        """The tokenizers library's JSON of this tokenizer, special tokens added here included (what a
+        grammar library reads the vocabulary's bytes from, engine/guide.py)."""
+        return self._backend.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
