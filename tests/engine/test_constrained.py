@@ -163,3 +163,9 @@ def test_bad_constraint_refused_by_name(kind, spec, match):
 def test_constraint_field_type_checked():
     with pytest.raises(sluice.RequestError, match="constraint must be a sluice.Constraint"):
         SamplingParams(constraint={"type": "object"})
+
+
+def test_a_grammar_past_the_librarys_limits_ends_with_a_constraint_error(llm):
+    """(a{1000}){1000} compiles, then llguidance's lexer gives up at the first token: a clear error, no hang."""
+    with pytest.raises(ConstraintError, match="constraint of prompt 0 failed.*too many expressions.*simplify it"):
+        llm.generate("x", SamplingParams(max_tokens=5, constraint=Constraint("regex", "(a{1000}){1000}")))
