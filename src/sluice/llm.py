@@ -248,7 +248,7 @@ class LLM:
 
     def _collect(self, outputs: list[RequestOutput], seqs: list, t0: float) -> None:
         """Fill the outputs and last_stats; a sequence whose logits went non-finite raises NumericsError, one
-        whose constraint failed (beyond llguidance's limits) ConstraintError."""
+        whose constraint llguidance refused (a grammar past its limits) ConstraintError."""
         self.last_stats = collect(outputs, seqs, t0, self.speculative)
         bad = next((s for s in seqs if s.finish_reason == "error"), None)
         if bad is not None:  # a constrained one whose grammar failed (output_stage.py), else non-finite logits
