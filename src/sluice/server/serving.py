@@ -28,7 +28,7 @@ from .engine import Aborted, Delta, Draining, Failed, Finished, GenerationReques
 from .errors import RETRY_AFTER_S, ServerError, from_sluice
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                        ChatLogprobs, ChatTokenLogprob, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs,
-                       CompletionRequest, Delta as DeltaOut, TopLogprobOut, Usage)
+                       CompletionRequest, Delta as DeltaOut, MAX_CHOICES, TopLogprobOut, Usage)
 
 _PLACEHOLDER = "sluice-text-placeholder-5b1e9c"  # _text_chunk's: a string whose JSON is itself in quotes
 
@@ -43,7 +43,7 @@ def _lp(value: float) -> float:
 def chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
     return ChatLogprobs(content=[
         ChatTokenLogprob(token=t.token, logprob=_lp(t.logprob), bytes=t.bytes, top_logprobs=[
-            TopLogprobOut(token=a.token, logprob=_lp(a.logprob), bytes=a.bytes) for a in t.top])
+            TopLogprobOut(token=a.token, logprob=_lp(a.logprob), bytes=a.bytes) for a in t.top], entropy=t.entropy)
         for t in items])
 
 
@@ -62,6 +62,7 @@ def completion_logprobs(items: list[TokenLogprob], offset: int) -> tuple[Complet
         out.token_logprobs.append(_lp(t.logprob))
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
+        out.entropy.append(t.entropy)
         offset += len(t.token)
     return out, offset
 
@@ -100,13 +101,15 @@ def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationR
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         return GenerationRequest(params, messages=messages, max_tokens_given=max_tokens is not None)
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise ServerError(400, f"prompt: this server takes one prompt per request, got {len(prompt)} "
-                                   "(send them as separate requests)", param="prompt")
-        prompt = prompt[0]
-    return GenerationRequest(params, prompt=prompt, max_tokens_given=max_tokens is not None)
+    prompts = req.prompts()
+    if len(prompts) * n > MAX_CHOICES:  # before anything runs; the prompts' tokens together: at the engine's door
+        raise ServerError(400, f"prompt: {len(prompts)} prompts x n={n} make {len(prompts) * n} choices; a request "
+                               f"may ask for at most {MAX_CHOICES} (split the list over several requests)",
+                          param="prompt")
+    if len(prompts) == 1:
+        return GenerationRequest(params, prompt=prompts[0], max_tokens_given=max_tokens is not None)
+    return GenerationRequest([p for _ in prompts for p in params], prompts=prompts,
+                             max_tokens_given=max_tokens is not None)
 
 
 async def _watch_disconnect(receive, engine: ServingEngine, handle: RequestHandle) -> None:
@@ -126,6 +129,8 @@ class Run:
         self.created = int(time.time())
         self._templates: dict[int, list[str] | bool] = {}  # _text_chunk's, per choice
         self.handle = engine.submit(gen)  # NotReady / Draining / QueueFull: the app answers them
+        # Read once: a busy period's path (which the fingerprint names) does not change within it.
+        self.fingerprint = engine.system_fingerprint
         # Until the response starts streaming nobody else listens for the client leaving: this does.
         self._watch = asyncio.create_task(_watch_disconnect(receive, engine, self.handle))
 
@@ -180,12 +185,12 @@ class Run:
                                   logprobs=chat_logprobs(logprobs[i]) if self.logprobs else None)
                        for i in range(self.n)]
             return ChatCompletion(id=self.id, created=self.created, model=self.engine.model_name,
-                                  choices=choices, usage=usage).model_dump()
+                                  choices=choices, usage=usage, system_fingerprint=self.fingerprint).model_dump()
         choices = [CompletionChoice(index=i, text=texts[i], finish_reason=finished[i].finish_reason,
                                     logprobs=completion_logprobs(logprobs[i], 0)[0] if self.logprobs else None)
                    for i in range(self.n)]
         return Completion(id=self.id, created=self.created, model=self.engine.model_name, choices=choices,
-                          usage=usage).model_dump()
+                          usage=usage, system_fingerprint=self.fingerprint).model_dump()
 
     def _text_chunk(self, index: int, text: str) -> str:
         """_chunk(index, text) for the usual chunk (a piece of text, nothing else), from a template.
@@ -212,11 +217,13 @@ class Run:
         if self.chat:
             choices = [] if index is None else [ChunkChoice(index=index, delta=DeltaOut(role=role, content=text),
                                                             finish_reason=finish, logprobs=logprobs, **why)]
-            chunk = ChatCompletionChunk(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
+            chunk = ChatCompletionChunk(id=self.id, created=self.created, model=model, choices=choices, usage=usage,
+                                        system_fingerprint=self.fingerprint)
         else:
             choices = [] if index is None else [CompletionChoice(index=index, text=text or "", finish_reason=finish,
                                                                  logprobs=logprobs, **why)]
-            chunk = Completion(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
+            chunk = Completion(id=self.id, created=self.created, model=model, choices=choices, usage=usage,
+                               system_fingerprint=self.fingerprint)
         # usage appears (as null until the last chunk) only when the client asked for it
         return f"data: {chunk.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
 
