@@ -26,7 +26,7 @@ from .engine.requests import Door, PoolCapacity, Request, as_prompt_list
 from .engine.sampling import SamplingParams
 from .engine.sequence import Seq, Update
 from .engine.speculative import check_draft, draft_dir
-from .errors import ConfigError, NumericsError, RequestError
+from .errors import ConfigError, ConstraintError, NumericsError, RequestError
 from .model.hub import resolve_model_dir
 from .model.loading import bundled_model_dir, load
 from .text.tokenizer import Tokenizer
@@ -247,11 +247,12 @@ class LLM:
                 not self.kernels_in_use and decode_kernel_building(self.device))
 
     def _collect(self, outputs: list[RequestOutput], seqs: list, t0: float) -> None:
-        """Fill the outputs and last_stats; a sequence whose logits went non-finite raises NumericsError."""
+        """Fill the outputs and last_stats; a sequence whose logits went non-finite raises NumericsError, one
+        whose constraint llguidance refused (a grammar past its limits) ConstraintError."""
         self.last_stats = collect(outputs, seqs, t0, self.speculative)
         bad = next((s for s in seqs if s.finish_reason == "error"), None)
-        if bad is not None:
-            raise NumericsError(bad.error)
+        if bad is not None:  # a constrained one whose grammar failed (output_stage.py), else non-finite logits
+            raise (ConstraintError if bad.guide is not None and bad.guide.matcher.is_error() else NumericsError)(bad.error)
 
     # ------------------------------------------------------------------ loading
     def _load_draft(self, draft, kernels):

@@ -163,3 +163,28 @@ def test_bad_constraint_refused_by_name(kind, spec, match):
 def test_constraint_field_type_checked():
     with pytest.raises(sluice.RequestError, match="constraint must be a sluice.Constraint"):
         SamplingParams(constraint={"type": "object"})
+
+
+def test_a_grammar_past_the_librarys_limits_ends_with_a_constraint_error(llm):
+    """(a{1000}){1000} compiles, then llguidance's lexer gives up at the first token: a clear error, no hang."""
+    with pytest.raises(ConstraintError, match="constraint of prompt 0 failed.*too many expressions.*simplify it"):
+        llm.generate("x", SamplingParams(max_tokens=5, constraint=Constraint("regex", "(a{1000}){1000}")))
+
+
+def test_native_sampler_draws_from_the_masked_logits_and_the_fused_head_is_skipped(llm):
+    """The mask goes before the native sampler kernel (sample.py), which then draws as it would: a kernel
+    call per step, its tokens legal; an LLM with the fused LM head gives a constrained row the plain draw."""
+    from sluice.engine import sample
+    c = Constraint("json_schema", PERSON)
+    params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=s, max_tokens=120, constraint=c) for s in range(3)]
+    before = dict(sample.STATS)
+    outs = llm.generate(PROMPTS, params)
+    if sample.kernel() is not None:
+        assert sample.STATS["calls"] - before["calls"] >= max(len(o.token_ids) for o in outs) - 1
+    for out in outs:
+        jsonschema.validate(json.loads(out.text), PERSON)
+    fused = sluice.LLM(fused_head=True)
+    greedy = [SamplingParams(temperature=0, max_tokens=80, constraint=c)] * 2
+    got = fused.generate(PROMPTS[:2], greedy)
+    assert [o.token_ids for o in got] == [o.token_ids for o in llm.generate(PROMPTS[:2], greedy)]
+    assert fused.last_stats.fused_head_steps == 0

@@ -72,6 +72,8 @@ class Guide:
     def allowed(self) -> torch.Tensor:
         """(V,) bool: the tokens that may come next."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        if self.matcher.is_error():  # a grammar past llguidance's limits: advance() fails, the row ends (output_stage)
+            return torch.ones(self.vocab_size, dtype=torch.bool)
         ok = torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool))
         if len(self.stop_ids):
             ok[self.stop_ids] = self.matcher.is_accepting()
@@ -94,8 +96,14 @@ class Guide:
         return torch.stack(rows)
 
     def advance(self, token: int) -> bool:
-        """Take a drawn token; False if the grammar refuses it (then the mask let it through: a bug)."""
+        """Take a drawn token; False if llguidance refuses it: its limits reached (a grammar too complex,
+        e.g. (a{1000}){1000}, gives up as it grows its lexer), or else the mask let it through (a bug)."""
         return self.matcher.consume_token(int(token))
+
+    @property
+    def error(self) -> str:
+        """Why llguidance refused (its first line), once it has."""
+        return (self.matcher.get_error().splitlines() or [""])[0]
 
 
 def masked(x: torch.Tensor, allowed: list[torch.Tensor | None], start: int = 0) -> torch.Tensor:

@@ -59,9 +59,10 @@ class OutputStage:
                      "NaN or inf in the weights or the config? `sluice inspect` shows the layer where it starts")
             self.end(seq, "error", f"the model produced non-finite logits (NaN or inf) at step "
                                    f"{len(seq.token_ids)} of {seq.label}; {where}")
-        elif reason == "violation":  # guide.py masks every draw, so this is a bug in sluice, said loudly
-            self.end(seq, "error", f"token {taken[-1]} at step {len(seq.token_ids)} of {seq.label} breaks its "
-                                   f"constraint ({seq.guide.matcher.get_error()}); the logits mask missed it")
+        elif reason == "violation":  # a grammar past llguidance's limits, or a bug in the mask: its error says which
+            self.end(seq, "error", f"the constraint of {seq.label} failed at step {len(seq.token_ids)}: llguidance refused "
+                                   f"token {taken[-1]} ({seq.guide.error}); a schema, regex or grammar past its limits "
+                                   "fails so (simplify it), any other refusal is a bug in sluice's logits mask")
         elif reason is not None:
             self.end(seq, reason, None)
         seq.pending.append(update)
