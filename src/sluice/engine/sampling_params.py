@@ -60,6 +60,8 @@ _RULES = {
     "seed": ("an integer", _is_int),
     "logprobs": ("an integer in [0, 20] (how many alternatives to report; None = off)",
                  lambda v: _is_int(v) and 0 <= v <= 20),
+    "prompt_logprobs": ("an integer in [0, 20] (how many alternatives to report per prompt token; None = off)",
+                        lambda v: _is_int(v) and 0 <= v <= 20),
 }
 
 
@@ -85,6 +87,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n = each token's logprob and its n most likely alternatives
+    # None = off; n = each prompt token's logprob given the tokens before it (the first: None) and its n most
+    # likely alternatives (engine/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,7 +125,7 @@ class SamplingParams:
             _fail("ignore_eos", "a bool", self.ignore_eos)
 
     def with_defaults(self, generation_config: dict | None = None) -> SamplingParams:
-        """A new, validated copy with every field but seed and logprobs (None = off) filled.
+        """A new, validated copy with every field but seed and the logprobs (None = off) filled.
 
         Precedence: the request, then the model's generation_config.json, then the library
         defaults. As in HF, do_sample false in the config means greedy (temperature 0) unless
@@ -150,7 +155,7 @@ class SamplingParams:
             setattr(out, name, float(getattr(out, name)))
         for name in ("max_tokens", "top_k"):
             setattr(out, name, int(getattr(out, name)))
-        for name in ("seed", "logprobs"):  # optional: None stays None
+        for name in ("seed", "logprobs", "prompt_logprobs"):  # optional: None stays None
             if getattr(out, name) is not None:
                 setattr(out, name, int(getattr(out, name)))
         return out
