@@ -222,7 +222,11 @@ class BatchServingEngine:
         seqs = [self._engine.add_request(r) for r in requests]
         entry = self._live[handle.number] = _Live(handle, seqs, len(ids), set(range(len(seqs))))
         self._owner.update((s.id, (entry, i)) for i, s in enumerate(seqs))
-        handle.emit(Started(len(ids)))
+        # echo: the prompt as sent (special tokens included); its first token's text as logprobs name tokens
+        tok = self._llm.tokenizer
+        echo = (request.prompt if isinstance(request.prompt, str) else tok.decode(ids, skip_special_tokens=False),
+                tok.decode(ids[:1])) if request.echo else ()
+        handle.emit(Started(len(ids), *echo))
 
     def _route_all(self, updates) -> None:
         for u in updates:
@@ -234,8 +238,8 @@ class BatchServingEngine:
             return
         entry, index = self._owner[seq.id] if not u.finished else self._owner.pop(seq.id)
         handle = entry.handle
-        if u.text or u.logprobs:
-            handle.emit(Delta(index, u.text, u.logprobs))
+        if u.text or u.logprobs or u.prompt_logprobs:
+            handle.emit(Delta(index, u.text, u.logprobs, u.prompt_logprobs))
         if not u.finished:
             return
         entry.open.discard(index)

@@ -53,11 +53,14 @@ class GenerationRequest:
     prompt: Union[str, list[int], None] = None
     messages: list[dict] | None = None
     max_tokens_given: bool = True
+    echo: bool = False  # Started carries the prompt's text (server/echo.py)
 
 
 @dataclass
 class Started:
     prompt_tokens: int
+    prompt_text: str | None = None  # when the request echoes: the prompt's text
+    first_token: str | None = None  # and its first token's text
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Delta:
     index: int
     text: str
     logprobs: list | None = None  # engine.logprobs.TokenLogprob of the tokens consumed since the last Delta
+    prompt_logprobs: list | None = None  # a choice's first Delta, when its params asked: Seq.prompt_logprobs
 
 
 @dataclass

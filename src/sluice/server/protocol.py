@@ -3,7 +3,7 @@
 Requests validate in strict mode: "0.5" is not a temperature and true is not an n, as in OpenAI's
 own API, so a client bug is named instead of guessed at. Unknown fields are ignored (clients send
 "user", "store", "metadata"...), but fields this server knows and cannot honour yet (logit_bias,
-tools, echo...) are refused by `unsupported()` rather than dropped silently, so nobody reads
+tools, suffix...) are refused by `unsupported()` rather than dropped silently, so nobody reads
 made-up numbers. Ranges OpenAI documents (penalties in [-2, 2], top_logprobs 0..20, the legacy
 logprobs 0..5) are pydantic constraints, so their 400 names the parameter.
 """
@@ -132,8 +132,6 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.suffix:
             return "suffix"
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -170,14 +168,15 @@ class ChatLogprobs(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions' logprobs: parallel lists, one entry per generated token.
+    """The legacy completions' logprobs: parallel lists, one entry per generated token (with echo, per
+    prompt token first: the first one's logprob and top_logprobs are null, server/echo.py).
 
     top_logprobs[i] maps token text -> logprob for the top alternatives plus the chosen token (so up
     to logprobs + 1 entries, as OpenAI documents); text_offset[i] is where token i starts in the
     completion's text, counting the token texts before it."""
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
