@@ -8,28 +8,14 @@ import pytest
 import torch
 
 from server_harness import one_torch_thread  # noqa: F401 -- a fixture
-from server_harness import MODEL, LiveServer, assert_error_shape, make_engine, request, sse_events
+from server_harness import MODEL, assert_error_shape, request, sse_events
+from test_server import client, served  # noqa: F401 -- fixtures: a live server on the tiny model, its client
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 IDS = [17, 200, 5, 311, 42, 99, 7, 480, 63, 250, 12, 301, 88, 64, 3, 150, 222, 19, 401, 77]
-
-
-@pytest.fixture(scope="module")
-def served(tiny_dir):
-    engine, llm = make_engine(tiny_dir)
-    live = LiveServer(engine)
-    live.llm = llm
-    yield live
-    live.stop()
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return served.client()
 
 
 @pytest.fixture(scope="module")
