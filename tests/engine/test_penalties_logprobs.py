@@ -255,6 +255,17 @@ def test_token_logprobs_match_log_softmax_and_topk():
     assert out[1].token_id not in [t.token_id for t in out[1].top] and out[1].logprob < out[1].top[0].logprob
 
 
+def test_token_logprobs_entropy_is_the_whole_distributions():
+    from scipy.stats import entropy
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2)) * 4
+    logits[1, 100:] = -math.inf  # tokens the model rules out add nothing (0 log 0 = 0), not NaN
+    logits[2] = 0.0  # uniform: log V
+    out = token_logprobs(logits, torch.tensor([0, 1, 2]), [2, 2, 2], decode_one)
+    for row, item in zip(logits, out, strict=True):
+        assert item.entropy == pytest.approx(entropy(torch.softmax(row.double(), -1).numpy()), abs=1e-5)
+    assert out[2].entropy == pytest.approx(math.log(300), abs=1e-5)
+
+
 def test_token_logprobs_are_the_raw_fp32_distribution_for_any_dtype():
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     out = token_logprobs(logits, torch.tensor([5, 6]), [3, 3], decode_one)

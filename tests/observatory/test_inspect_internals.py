@@ -79,3 +79,31 @@ def test_bad_targets_are_refused_in_one_line(gemma2, capsys, target, message):
 def test_target_with_surgery_is_refused(gemma2, capsys):
     assert main(["inspect", "--model", str(gemma2), "--target", "id:3", "--surgery", "final-norm=off", PROMPT]) == 2
     assert "--target" in capsys.readouterr().err
+
+
+def test_terminal_tables_show_both_sections(gemma2):
+    """The tables hold the JSON's numbers: the head with the most sink mass per block, and every
+    branch's growth and logit share (the shares summing to the logit the table's caption gives)."""
+    from rich.console import Console
+
+    from sluice.observatory.tables import print_all
+    model, tok = sluice.load(gemma2), Tokenizer.from_pretrained(gemma2)
+    data = inspect(model, tok, PROMPT, progress=False)
+    console = Console(width=200, record=True)
+    print_all(data, console)
+    text = console.export_text()
+    assert "attention valves per block" in text and "attribution per branch" in text
+    m = data["attention"]["head_means"]
+    for i, sink in enumerate(m["sink_mass"]):
+        h = max(range(len(sink)), key=lambda j: sink[j])
+        row = next(line for line in text.splitlines()
+                   if line.startswith("│") and line.split("│")[1].strip() == str(i) and "(" in line)
+        assert f"{sink[h]:.3g} ({h})" in row
+    a = data["attribution"]
+    last = [row[-1] for row in a["logit"]["contribution"]]
+    for name, share in zip(a["components"], last):
+        row = next(line for line in text.splitlines() if f" {name} " in line and "│" in line)
+        assert f"{share:.3g}" in row
+        if name in a["growth"]["branches"]:
+            assert f"{a['growth']['mean_delta'][a['growth']['branches'].index(name)]:.3g}" in row
+    assert abs(sum(last) - a["logit"]["logit"][-1]) < 1e-3

@@ -3,8 +3,8 @@
 Every rank runs the same calls (as a torchrun script would); rank 0 also runs the single-process LLM.
 Families: Llama with random biases on q/k/v/o and the MLP, Gemma 2 (attention and final soft-caps,
 sandwich norms), Qwen3 (one KV head replicated on every rank, tied embeddings). Checked: batched
-greedy generation, seeded sampling with every filter and penalty, logprobs and prompt logprobs (within
-1e-5, same top ids), every rank returning the same outputs; the options tensor parallelism refuses; and a rank
+greedy generation, seeded sampling with every filter and penalty, logprobs, prompt logprobs and entropy
+(within 1e-5, same top ids), every rank returning the same outputs; the options tensor parallelism refuses; and a rank
 killed mid-generation (or silent past the timeout) making the other raise ParallelError within the
 collective timeout.
 """
@@ -42,7 +42,7 @@ def _outputs(llm):
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     sampled = llm.generate(PROMPTS, [SamplingParams(**s, max_tokens=10, ignore_eos=True) for s in SAMPLED])
     # each row: its generated tokens' logprobs, then its prompt's (the first prompt token has none)
-    lps = [[(t.token_id, t.logprob, [(a.token_id, a.logprob) for a in t.top])
+    lps = [[(t.token_id, t.logprob, [(a.token_id, a.logprob) for a in t.top], t.entropy)
             for t in (o.logprobs or []) + (o.prompt_logprobs or [None])[1:]] for o in sampled]
     return dict(greedy=[o.token_ids for o in greedy], sampled=[o.token_ids for o in sampled],
                 text=[o.text for o in sampled], logprobs=lps)
@@ -83,9 +83,9 @@ def test_generation_equals_single_process(world_run, refs, fam):
     worst = 0.0
     for tp_row, ref_row in zip(results[0][fam]["logprobs"], ref["logprobs"], strict=True):
         assert len(tp_row) == len(ref_row)
-        for (tok, lp, top), (rtok, rlp, rtop) in zip(tp_row, ref_row, strict=True):
+        for (tok, lp, top, h), (rtok, rlp, rtop, rh) in zip(tp_row, ref_row, strict=True):
             assert tok == rtok and [i for i, _ in top] == [i for i, _ in rtop]
-            worst = max([worst, abs(lp - rlp)] + [abs(a - b) for (_, a), (_, b) in zip(top, rtop, strict=True)])
+            worst = max([worst, abs(lp - rlp), abs(h - rh)] + [abs(a - b) for (_, a), (_, b) in zip(top, rtop, strict=True)])
     print(f"{fam} world={world}: greedy and seeded sampling identical; max |logprob diff| = {worst:.1e}")
     assert worst < 1e-5
     assert any(ref["logprobs"]) and len(set(map(tuple, ref["sampled"]))) > 1

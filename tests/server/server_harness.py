@@ -159,3 +159,30 @@ def wait_for(check, timeout: float = 20.0, what: str = "condition") -> None:
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_process(*args: str, timeout: float = 120):
+    """`sluice serve *args` as a process on a free port, once /health says 200; returns (proc, port).
+    One torch thread (see one_torch_thread). The timeout stops a hang: 10x+ the ~12 s a load takes here."""
+    import os
+    import subprocess
+    import sys
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sluice", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def up():
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            return request(port, "GET", "/health")[0] == 200
+        except OSError:
+            return False
+    wait_for(up, timeout=timeout, what="the server to load")
+    return proc, port

@@ -112,3 +112,15 @@ def test_max_tokens_zero_needs_echo_and_the_rest_stays_refused(served):
                               {"prompt": "x", "echo": True, "max_tokens": 0, "stream": True})
     events = sse_events(body)
     assert status == 200 and events[-1] == "[DONE]" and events[0]["choices"][0]["text"] == "x"
+
+
+def test_a_list_of_prompts_echoes_each_its_own(served, client):
+    tok = served.llm.tokenizer
+    prompts = [IDS, IDS[:5]]
+    out = client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=0, n=2)
+    for c in out.choices:  # prompt-major: choices 0, 1 echo the first prompt, 2, 3 the second
+        ids = prompts[c.index // 2]
+        assert c.text == tok.decode(ids, skip_special_tokens=False) and len(c.logprobs.tokens) == len(ids)
+        assert c.logprobs.token_logprobs[0] is None and c.logprobs.entropy[0] is None
+    out = client.completions.create(model=MODEL, prompt=["The quick brown fox", "Hello"], echo=True, max_tokens=2)
+    assert out.choices[0].text.startswith("The quick brown fox") and out.choices[1].text.startswith("Hello")

@@ -22,7 +22,8 @@ def decode_one(i: int) -> str:
 
 
 TLP = lambda i, lp, top=(): TokenLogprob(i, decode_one(i), lp, list(decode_one(i).encode()),  # noqa: E731
-                                         [TopLogprob(j, decode_one(j), v, list(decode_one(j).encode())) for j, v in top])
+                                         [TopLogprob(j, decode_one(j), v, list(decode_one(j).encode())) for j, v in top],
+                                         entropy=i / 4)
 # Choice 0: "é" then text held back ("" with a logprob), then "<1><2>" for two tokens; -inf becomes -9999.
 SCRIPT = [[("é", [TLP(3, -0.5, [(3, -0.5), (7, -1.25)])]),
            ("", [TLP(1, -2.0, [(8, -0.25), (9, -1.5)])]),
@@ -33,6 +34,7 @@ SCRIPT = [[("é", [TLP(3, -0.5, [(3, -0.5), (7, -1.25)])]),
 class ScriptedEngine:
     """A ServingEngine that answers every request with SCRIPT (its first n choices), for the HTTP shapes."""
     model_name, max_model_len, ready, draining, load_error = "fake", 512, True, False, None
+    system_fingerprint = "fp_fake"
 
     def __init__(self):
         self.requests = []
@@ -63,7 +65,8 @@ def fake():
 
 def expected_chat(i):
     return [{"token": t.token, "logprob": max(t.logprob, -9999.0), "bytes": t.bytes,
-             "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": a.bytes} for a in t.top]}
+             "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": a.bytes} for a in t.top],
+             "entropy": t.entropy}  # sluice's extension
             for _, lps in SCRIPT[i] for t in lps]
 
 
@@ -106,6 +109,7 @@ def test_completion_logprobs_whole_and_streamed(fake):
     assert [x for s in streamed for x in s.tokens] == lp.tokens
     assert [x for s in streamed for x in s.text_offset] == [0, 1, 4]  # offsets run on across chunks
     assert [x for s in streamed for x in s.top_logprobs] == lp.top_logprobs
+    assert lp.entropy == [0.75, 0.25, 0.5] and [x for s in streamed for x in s.entropy] == lp.entropy
     assert client.completions.create(model="fake", prompt="hi").choices[0].logprobs is None
 
 

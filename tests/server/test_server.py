@@ -137,8 +137,8 @@ def test_bad_fields_are_400s_naming_the_parameter(served, field, value):
 def test_bad_bodies_are_400s(served):
     for body in (b"{not json", b"[1, 2]", b"", b'{"messages": "hi"}', b'{"model": "tiny"}'):
         assert_error_shape(*request(served.port, "POST", "/v1/chat/completions", body)[::2], 400)
-    error = assert_error_shape(*request(served.port, "POST", "/v1/completions", {"prompt": ["a", "b"]})[::2], 400)
-    assert error["param"] == "prompt"
+    error = assert_error_shape(*request(served.port, "POST", "/v1/completions", {"prompt": ["a", ""]})[::2], 400)
+    assert error["param"] == "prompt" and error["message"].startswith("prompt 1: ")  # a list: the prompt named
     error = assert_error_shape(*request(served.port, "POST", "/v1/completions", {"prompt": [10**9]})[::2], 400)
     assert error["param"] == "prompt" and "vocabulary" in error["message"]
     for body in (b'{"prompt": "\\ud800"}', b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}'):

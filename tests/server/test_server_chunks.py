@@ -25,6 +25,7 @@ def run(chat: bool, include_usage: bool, model: str = "tiny") -> Run:
     r = Run.__new__(Run)
     r.engine, r.req, r.chat = types.SimpleNamespace(model_name=model), req, chat
     r.id, r.created, r._templates = ("chatcmpl-" if chat else "cmpl-") + "ab12", 1764547200, {}
+    r.fingerprint = "fp_0123456789"
     return r
 
 

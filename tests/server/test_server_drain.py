@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from server_harness import request, sse_events, wait_for
+from server_harness import free_port, request, serve_process, sse_events, wait_for
 
 pytestmark = pytest.mark.slow  # a server process per test
 
@@ -25,27 +25,8 @@ pytest.importorskip("uvicorn")
 # 10x+ what it waits on takes here under load; none checks speed.
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(tiny_dir, *flags):
-    port = _free_port()
-    # one torch thread: see server_harness.one_torch_thread
-    proc = subprocess.Popen([sys.executable, "-m", "sluice", "serve", "--model", str(tiny_dir), "--port", str(port),
-                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-    def up():
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            return request(port, "GET", "/health")[0] == 200
-        except OSError:
-            return False
-    wait_for(up, timeout=120, what="the server to load")  # a hang-stopper: 10x+ the ~12 s here
-    return proc, port
+    return serve_process("--model", str(tiny_dir), *flags)
 
 
 class Stream(threading.Thread):
@@ -123,7 +104,7 @@ def test_drain_deadline_ends_streams_cleanly(tiny_dir):
 def test_a_model_that_fails_to_load_exits_2(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     out = subprocess.run([sys.executable, "-m", "sluice", "serve", "--model", str(tmp_path), "--port",
-                          str(_free_port())], capture_output=True, text=True, timeout=120,
+                          str(free_port())], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "SLUICE_TRACEBACK": ""})
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and "sluice serve: error:" in out.stderr
@@ -149,6 +130,6 @@ def test_serve_takes_the_speculative_flags_as_generate_does(tiny_dir):
     assert config.model == str(tiny_dir) and config.draft_model is None
     assert _check(build_parser().parse_args(["serve"])).speculative == "off"
     out = subprocess.run([sys.executable, "-m", "sluice", "serve", "--model", str(tiny_dir), "--port",
-                          str(_free_port()), "--prompt-lookup", "--draft-model", "bundled"],
+                          str(free_port()), "--prompt-lookup", "--draft-model", "bundled"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "pick one" in out.stderr and "Traceback" not in out.stderr

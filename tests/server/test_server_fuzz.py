@@ -133,6 +133,30 @@ def test_fuzz_completions(served, body):
     check(status, raw, body.get("stream") is True)
 
 
+VALVES = st.one_of(
+    st.fixed_dictionaries({"prompt": st.one_of(st.text(min_size=1, max_size=80), st.lists(st.integers(0, 511), min_size=1,
+                                                                                         max_size=60))},
+                          optional={"completion": st.text(max_size=80)}),
+    st.fixed_dictionaries({"messages": good_messages}, optional={"completion": st.text(max_size=40)}),
+    st.fixed_dictionaries({}, optional={"prompt": st.one_of(token_ids, anything), "completion": anything,
+                                        "messages": st.one_of(st.lists(message, max_size=2), anything)}))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=VALVES)
+def test_fuzz_valves(served, body):
+    """The live page's route: a 4xx in OpenAI's shape, or the valves of a context within the model's."""
+    status, _, raw = request(served.port, "POST", "/v1/sluice/valves", json.dumps(body).encode())
+    hypothesis.event(f"status {status}")
+    assert status < 500, raw
+    if status >= 400:
+        assert status in (400, 429), (status, raw)
+        assert_error_shape(status, raw)
+        return
+    out = json.loads(raw)
+    assert 1 <= out["tokens"] == len(out["token_ids"]) <= 40 and len(out["residual"]["rms_mean"]) == out["num_layers"] + 1
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=st.one_of(st.binary(max_size=300), st.text(max_size=300).map(str.encode),
                      st.integers(1, 400).map(lambda d: ("[" * d + "]" * d).encode()),

@@ -12,6 +12,8 @@ rank 0 drains with their help, then tells them to stop).
 
 from __future__ import annotations
 
+import copy
+import os
 import signal
 import socket
 import sys
@@ -34,7 +36,8 @@ def add_serve_parser(sub) -> None:
                                                         "only; 0.0.0.0 exposes the server to the network)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every /v1 route (/health and /metrics stay open)")
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (/health and /metrics stay open); "
+                        "default: the SLUICE_API_KEY environment variable, which keeps the key out of `ps`")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id clients send (default: --model as given, or sluice-stdlib)")
     p.add_argument("--max-num-seqs", type=int, default=8, metavar="N",
@@ -67,9 +70,19 @@ def _check(args):
     for flag, value in (("--max-queue", args.max_queue), ("--max-body-bytes", args.max_body_bytes)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
+    args.api_key = api_key(args.api_key)
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     return engine_config(args)  # what --tp cannot run is refused there, by flag
+
+
+def api_key(flag: str | None) -> str | None:
+    """--api-key, else SLUICE_API_KEY, else None. An empty key would let a request with an empty bearer
+    token in (or, set by a shell variable that expanded to nothing, leave the server open): refused."""
+    key, where = (flag, "--api-key") if flag is not None else (os.environ.get("SLUICE_API_KEY"), "SLUICE_API_KEY")
+    if key is not None and not key.strip():
+        raise ConfigError(f"{where} is empty: give a key, or unset it to serve without one")
+    return key
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -125,10 +138,13 @@ def cmd_serve(args) -> int:
                           "pip install fastapi uvicorn pydantic") from None
     from ..llm import LLM
     from ..model.loading import BUNDLED_MODEL
+    from ..server.kernels import no_request_waits, wait_for_kernels
 
+    wait_kernels = no_request_waits()  # from here no request waits for a kernel build; "wait": the load does
     sock = _bind(args.host, args.port)
     name = args.served_model_name or args.model or BUNDLED_MODEL
     server: list = []  # filled below; a failed load (on the worker thread) stops it
+    engines: list = []  # the engine, for make_llm to see a SIGTERM (it starts running before the list is filled)
 
     def make_llm():
         t0 = time.perf_counter()
@@ -138,6 +154,11 @@ def cmd_serve(args) -> int:
             init(timeout_s=args.tp_timeout, device=getattr(args, "device", None))
         llm = LLM(config=options)
         llm.tokenizer.special_tokens_in_messages = args.special_tokens_in_messages
+        if wait_kernels and not tp:
+            why = wait_for_kernels(llm, lambda: bool(engines) and engines[0].draining)
+            if why:
+                print(f"sluice serve: not waiting for its native kernels any more ({why}); the torch path serves "
+                      "until they land", file=sys.stderr)
         print(f"sluice serve: {name} loaded in {time.perf_counter() - t0:.1f} s; ready", file=sys.stderr)
         return llm
 
@@ -149,10 +170,11 @@ def cmd_serve(args) -> int:
     from ..parallel.lockstep import Leader
     lockstep = (lambda llm: Leader(llm, args.tp_timeout)) if tp else None
     engine = BatchServingEngine(make_llm, name, max_queue=args.max_queue, on_fatal=stop_server, lockstep=lockstep)
+    engines.append(engine)
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     # uvicorn's own drain timeout is the backstop for a connection that will not close after ours
     config = uvicorn.Config(app, log_level="info", lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout + 5,
-                            **UVICORN_OPTIONS)
+                            log_config=_log_config(), **UVICORN_OPTIONS)
     server.append(_DrainingServer(config, engine, args.shutdown_timeout))
     if engine.load_error is not None or engine.fatal_error is not None:  # before the server existed to be told
         server[0].should_exit = True
@@ -175,6 +197,16 @@ def cmd_serve(args) -> int:
         raise err if isinstance(err, (SluiceError, OSError, MemoryError)) else SluiceError(
             f"the model failed to load: {type(err).__name__}: {err}")
     return 0
+
+
+def _log_config() -> dict:
+    """uvicorn's own logging, its access line ending in the request's x-request-id (server/guard.py)."""
+    from uvicorn.config import LOGGING_CONFIG
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["formatters"]["access"]["fmt"] += " x-request-id=%(request_id)s"
+    config["filters"] = {"request_id": {"()": "sluice.server.guard.RequestIdFilter"}}
+    config["handlers"]["access"]["filters"] = ["request_id"]
+    return config
 
 
 def _draining_server_class():

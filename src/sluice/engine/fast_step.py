@@ -76,6 +76,12 @@ def why_unavailable() -> str | None:
     return _EXT.why_unavailable()
 
 
+def building() -> bool:
+    """Whether the kernel is still being built in the background (kernel() may turn non-None later); asking
+    starts that build if nobody runs one (SLUICE_KERNEL_BUILD=background)."""
+    return _EXT.module() is None and _EXT.failure is None
+
+
 def config_reason(cfg) -> str | None:
     """Every ModelConfig field that changes numerics and step.cpp does not implement (none today but an
     activation outside its table, which a new ModelConfig activation would be until step.cpp has it)."""

@@ -1,7 +1,9 @@
 """Per-token log probabilities and the most likely alternatives, as OpenAI's logprobs report them.
 
 The numbers are log_softmax of the model's raw fp32 logits: before any penalty, temperature or
-filter, as vLLM reports by default. They say what the model thought, not what the sampler drew from
+filter, as vLLM reports by default. Beside them, the entropy of that whole distribution (nats, over
+every token of the vocabulary, not only the top alternatives): an extension the server reports as
+"entropy" and the live page colours by. They say what the model thought, not what the sampler drew from
 (a greedy row would otherwise report 0 for every token). The server turns these into OpenAI's
 shapes (server/serving.py); the engine calls token_logprobs once per generated token of the rows
 that asked, so this runs on the host's schedule, not inside the sync-free decode step.
@@ -31,6 +33,7 @@ class TokenLogprob:
     logprob: float
     bytes: list[int]
     top: list[TopLogprob]
+    entropy: float | None = None  # of the full distribution at this position, nats
 
 
 def token_text(decode_one: Callable[[int], str], token_id: int) -> tuple[str, list[int]]:
@@ -62,10 +65,13 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_n: list[int],
     """
     B, V = logits.shape
     assert chosen.shape == (B,) and len(top_n) == B, (tuple(chosen.shape), len(top_n), B)
+    chosen_ids = chosen.tolist()
     lp = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
-    chosen_lp = lp.gather(1, chosen.reshape(B, 1).long())[:, 0].tolist()  # one host sync for the batch
+    picked = lp.gather(1, chosen.reshape(B, 1).long())[:, 0]
+    entropy = torch.special.entr(lp.exp()).sum(-1)  # -sum p log p, 0 for a token the model rules out
+    chosen_lp, entropies = torch.stack((picked, entropy)).tolist()  # one host sync for the batch
     out = []
-    for b, (tok, n) in enumerate(zip(chosen.tolist(), top_n, strict=True)):
+    for b, (tok, n) in enumerate(zip(chosen_ids, top_n, strict=True)):
         ids = _top_ids(lp[b], n)
         values = lp[b, ids].tolist()
         top = []
@@ -73,6 +79,6 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top_n: list[int],
             text, raw = token_text(decode_one, i)
             top.append(TopLogprob(i, text, v, raw))
         text, raw = token_text(decode_one, tok)
-        out.append(TokenLogprob(tok, text, chosen_lp[b], raw, top))
+        out.append(TokenLogprob(tok, text, chosen_lp[b], raw, top, entropies[b]))
     return out
 

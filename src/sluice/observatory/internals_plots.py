@@ -78,6 +78,15 @@ def _massive_panel(ax, data: dict, L: int) -> None:
         if r["layer"] < L and r["ratio_to_rms"] > best.get(r["layer"], {"ratio_to_rms": -1})["ratio_to_rms"]:
             best[r["layer"]] = r
     ratios = [best[i]["ratio_to_rms"] if i in best else np.nan for i in range(L)]
+    if not best:  # an empty panel would read as a plotting bug: say what the rule found instead
+        rule = data.get("massive_rule") or {}
+        big = rule.get("largest")
+        text = f"none at or above\n{rule.get('min_ratio_to_rms', 0):.0f}x the token RMS"
+        if big:
+            where = "x_L" if big["layer"] >= L else f"block {big['layer']}'s input"
+            text += f"\n\nlargest: {big['ratio_to_rms']:.1f}x\n(ch {big['channel']}, {where})"
+        ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=8, transform=ax.transAxes)
+        ax.set_xticks([])
     ax.barh(range(L), ratios, color="C3", height=0.7)
     for i in best:
         ax.text(ratios[i], i, f" ch {best[i]['channel']}", va="center", fontsize=6)

@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .analysis import visible_token
+from .internals_tables import attention_table, attribution_table
 from .lens_views_report import lens_views_table
 
 LENS_COLUMNS = 8  # positions of the lens that fit an 80-120 column terminal (print_all adapts it)
@@ -186,7 +187,8 @@ def print_all(data: dict, console: Console | None = None) -> None:
     console.print(valves_table(data["valves"], len(data["tokens"]["ids"]), data["model"]["vocab_size"]))
     for key, fn in (("lens", lens_table), ("lens_views", lens_views_table), ("softmax_safety", softmax_table),
                     ("growth", growth_table),
-                    ("massive_activations", massive_table), ("training", training_table)):
+                    ("massive_activations", massive_table), ("attention", attention_table),
+                    ("attribution", attribution_table), ("training", training_table)):
         if key in data:
             console.print()
             # the lens gets as many positions as the terminal has room for (~12 columns each)

@@ -8,7 +8,8 @@ because every rank schedules the same sequences):
 
 - logprobs: log Z by log_z (each rank's max and sum, merged); the chosen token's logit from the
   rank that holds it (one all-reduce of B numbers); the top n by merging each rank's n best
-  (value, id) pairs, ties to the lower id as engine/logprobs._top_ids breaks them.
+  (value, id) pairs, ties to the lower id as engine/logprobs._top_ids breaks them; the entropy
+  from each rank's share, summed in the same all-reduce as the chosen token's logprob.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ class ParallelHead:
         local = chosen.reshape(B).long().to(x.device) - self.start
         mine = (local >= 0) & (local < w)
         picked = lp.gather(1, local.clamp(0, w - 1)[:, None])[:, 0]
-        chosen_lp = group.all_reduce(torch.where(mine, picked, 0.0)).tolist()  # one rank adds its value
+        # one all-reduce: the chosen token's logprob (only its rank adds a value) and each rank's share
+        # of the entropy -sum p log p over its columns
+        summed = group.all_reduce(torch.stack((torch.where(mine, picked, 0.0), torch.special.entr(lp.exp()).sum(-1))))
+        chosen_lp, entropies = summed.tolist()
         n = max(top_n)
         tops = [[] for _ in range(B)]
         if n > 0:
@@ -62,5 +66,5 @@ class ParallelHead:
                 text, raw = token_text(decode_one, i)
                 top.append(TopLogprob(i, text, val, raw))
             text, raw = token_text(decode_one, tok)
-            out.append(TokenLogprob(tok, text, chosen_lp[b], raw, top))
+            out.append(TokenLogprob(tok, text, chosen_lp[b], raw, top, entropies[b]))
         return out

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over a ServingEngine: `create_app(engine)` gives the ASGI app.
 
-Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. Every refusal is
+Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; the live page at /live/
+with its /v1/sluice/valves (live.py). Every refusal is
 OpenAI's error object (errors.py); FastAPI's own 422s and HTML pages never reach a client. Bodies
 are parsed here with pydantic's strict JSON mode, not through FastAPI's body injection, so that the
 400 names the parameter exactly and the body was already bounded by the Guard.
@@ -20,6 +21,8 @@ from starlette.exceptions import HTTPException
 from .engine import Draining, NotReady, QueueFull, ServingEngine
 from .errors import RETRY_AFTER_S, ServerError, from_validation, param_from_loc
 from .guard import Guard
+from .kernels import loading_message
+from .live import add_live_page
 from .metrics import render
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving import Run, to_generation
@@ -63,7 +66,8 @@ def create_app(engine: ServingEngine, api_key: str | None = None,
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, err: Exception):
-        log.exception("internal error on %s %s", request.method, request.url.path)
+        log.exception("internal error on %s %s (x-request-id %s)", request.method, request.url.path,
+                      getattr(request.state, "request_id", None))
         return _error_response(ServerError(500, f"internal error: {type(err).__name__}: {err}"))
 
     @app.get("/health")
@@ -75,7 +79,7 @@ def create_app(engine: ServingEngine, api_key: str | None = None,
         elif engine.load_error is not None:
             err = ServerError(503, f"the model failed to load: {engine.load_error}")
         else:
-            err = ServerError(503, "the model is loading", retry_after=RETRY_AFTER_S)
+            err = ServerError(503, loading_message("the model is loading"), retry_after=RETRY_AFTER_S)
         return _error_response(err)
 
     @app.get("/metrics")
@@ -100,6 +104,7 @@ def create_app(engine: ServingEngine, api_key: str | None = None,
     async def completions(request: Request):
         return await _complete(engine, request, CompletionRequest)
 
+    add_live_page(app, engine)
     return Guard(app, api_key, max_body_bytes)
 
 
@@ -116,13 +121,15 @@ async def _complete(engine: ServingEngine, request: Request, kind):
         raise from_validation(e) from None
     _check_model(engine, req.model)
     gen = to_generation(req)
+    gen.request_id = getattr(request.state, "request_id", None)  # the Guard's
     try:
         run = Run(engine, req, gen, request.receive)
     except QueueFull as e:
         raise ServerError(429, f"the server is busy: {e}; retry later", code="queue_full",
                           retry_after=RETRY_AFTER_S) from None
     except (NotReady, Draining) as e:
-        raise ServerError(503, str(e), code="unavailable", retry_after=RETRY_AFTER_S) from None
+        message = loading_message(str(e)) if isinstance(e, NotReady) and engine.load_error is None else str(e)
+        raise ServerError(503, message, code="unavailable", retry_after=RETRY_AFTER_S) from None
     prompt_tokens = await run.started()  # a refused prompt raises its 400 here, before any header goes out
     if req.stream:
         return StreamingResponse(run.stream(prompt_tokens), media_type="text/event-stream",

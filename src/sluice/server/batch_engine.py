@@ -13,6 +13,8 @@ and step, with each step's calls broadcast to the followers first). Then the idl
 heartbeats, and a failed step is fatal: the ranks cannot be trusted to agree after it, so the
 requests in flight end with GroupFailed, new ones and /health get 503, and on_fatal tells the CLI.
 
+Jobs (Inbox.call: fn(llm), the live page's observed forward) run on the worker between two steps.
+
 Abort (a client gone, the drain deadline): a request still in the queue fails at once; a running one
 has its sequences aborted by the worker, which frees their blocks at once.
 
@@ -29,9 +31,12 @@ from typing import Callable
 
 import torch
 
-from ..errors import RequestError, SluiceError
+from ..errors import SluiceError
+from .echo import choice_prompts
 from .engine import Aborted, Delta, Done, Draining, Failed, Finished, HeldEvents, RequestHandle, Started
+from .fingerprint import Fingerprint
 from .inbox import Inbox
+from .prompts import checked_requests
 
 log = logging.getLogger("sluice.server")
 
@@ -56,19 +61,6 @@ def nonfinite_origin(model, ids: list[int]) -> str:
             f"(the observatory's first non-finite value)")
 
 
-def prompt_ids(llm, request) -> list[int]:
-    """A request's prompt as token ids: chat messages rendered, text tokenized (ids are checked at the door)."""
-    if request.messages is not None:
-        return llm.chat_prompt(request.messages)  # refuses a conversation that cannot fit, unrendered
-    if isinstance(request.prompt, str):
-        ids = llm.tokenizer.encode(request.prompt, max_tokens=llm.max_model_len)
-    else:
-        ids = list(request.prompt)
-    if not ids:
-        raise RequestError("the prompt is empty: at least one token is needed to condition on")
-    return ids
-
-
 @dataclass
 class _Live:
     handle: RequestHandle
@@ -90,6 +82,7 @@ class BatchServingEngine:
         self.metrics = self.inbox.metrics
         self._make_llm, self._make_lockstep, self._on_fatal = make_llm, lockstep, on_fatal
         self._llm = self._engine = self._group = None  # the LLM; what the worker drives; the Leader, if any
+        self._fingerprint: Fingerprint | None = None
         self._live: dict[int, _Live] = {}
         self._owner: dict[int, tuple[_Live, int]] = {}  # sequence id -> its request and choice index
         self.inbox.start_worker(self._work)
@@ -104,8 +97,18 @@ class BatchServingEngine:
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self.inbox.wait_ready(timeout)
 
+    @property
+    def system_fingerprint(self) -> str | None:
+        """fingerprint.py's, once the model has loaded."""
+        return self._fingerprint() if self._fingerprint is not None else None
+
     def submit(self, request) -> RequestHandle:
         return self.inbox.submit(request)
+
+    def call(self, fn):
+        """Run fn(llm) on the worker thread between two steps (the live page's valves); an asyncio
+        future of its result. Raises NotReady, Draining or QueueFull instead of queueing."""
+        return self.inbox.call(fn)
 
     def begin_drain(self) -> None:
         self.inbox.begin_drain()
@@ -147,8 +150,11 @@ class BatchServingEngine:
         """Build the LLM on this (the worker's) thread; on failure keep the error and say so."""
         try:
             llm = self._make_llm()
+            if self.inbox.draining:  # SIGTERM came during the load: serve nobody, and skip sizing the KV pool
+                return False
             self.max_model_len = llm.max_model_len
             llm.snapshot()  # sizes the KV pool now: a budget too small fails the load
+            self._fingerprint = Fingerprint(llm)
             self._group = self._make_lockstep(llm) if self._make_lockstep else None
             self._llm, self._engine = llm, self._group or llm
         except BaseException as e:  # noqa: BLE001 -- reported to the CLI, which exits with it
@@ -180,6 +186,8 @@ class BatchServingEngine:
             new = self.inbox.take(bool(self._live), idle_wait)
             if new is None:  # closed
                 break
+            for job in self.inbox.take_jobs():  # between steps: nothing else is using the model
+                job.run(self._llm)
             if not new and not self._live:
                 if self._group is not None and not self._heartbeat():
                     return
@@ -210,23 +218,19 @@ class BatchServingEngine:
             self.metrics.record("aborted")
             handle.emit(Failed(handle.abort_reason or Aborted("aborted while waiting")))
             return
-        request, n = handle.request, len(handle.request.params)
+        request = handle.request
         try:
-            ids = prompt_ids(self._llm, request)
-            requests = self._llm.requests([ids] * n, request.params, labels=["this request"] * n,
-                                          fit_max_tokens=not request.max_tokens_given)
+            requests, prompt_tokens = checked_requests(self._llm, request)
         except SluiceError as e:
             self.metrics.record("invalid")
             handle.emit(Failed(e))
             return
+        # Every prompt passed before any is added: a refused list runs nothing.
         seqs = [self._engine.add_request(r) for r in requests]
-        entry = self._live[handle.number] = _Live(handle, seqs, len(ids), set(range(len(seqs))))
+        entry = self._live[handle.number] = _Live(handle, seqs, prompt_tokens, set(range(len(seqs))))
         self._owner.update((s.id, (entry, i)) for i, s in enumerate(seqs))
-        # echo: the prompt as sent (special tokens included); its first token's text as logprobs name tokens
-        tok = self._llm.tokenizer
-        echo = (request.prompt if isinstance(request.prompt, str) else tok.decode(ids, skip_special_tokens=False),
-                tok.decode(ids[:1])) if request.echo else ()
-        handle.emit(Started(len(ids), *echo))
+        echo = choice_prompts(self._llm.tokenizer, request, requests) if request.echo else None
+        handle.emit(Started(prompt_tokens, echo))
 
     def _route_all(self, updates) -> None:
         for u in updates:
@@ -250,7 +254,8 @@ class BatchServingEngine:
         self.metrics.record(reason, entry.prompt_tokens, tokens, ttft, tpot)
         if seq.finish_reason != "abort":
             if seq.finish_reason == "error":
-                log.warning("request %d, choice %d: %s", handle.number, index, seq.error)
+                log.warning("request %d (x-request-id %s), choice %d: %s", handle.number, handle.request.request_id,
+                            index, seq.error)
             handle.emit(Finished(index, seq.finish_reason, tokens, seq.error))
         if not entry.open:
             del self._live[handle.number]

@@ -4,8 +4,8 @@ lm-evaluation-harness's `local-completions` model scores a loglikelihood: `echo:
 max_tokens: 1` on a token-id prompt, then the sum of token_logprobs over the continuation's positions.
 
 The engine computes the prompt's logprobs (SamplingParams.prompt_logprobs, engine/prompt_logprobs.py) and
-hands them over with a choice's first update; the prompt's text (the request's own, or its token ids
-decoded) and its first token's text come with Started. The first prompt token has nothing before it:
+hands them over with a choice's first update; each choice's prompt text (the request's own, or its token
+ids decoded) and first token's text come with Started (a list of prompts gives each choice its own). The first prompt token has nothing before it:
 its token_logprobs and top_logprobs entries are null. text_offset runs over the token texts, prompt
 then completion, from 0.
 
@@ -37,10 +37,26 @@ def prompt_logprobs(req: CompletionRequest) -> int | None:
     return req.logprobs if req.echo else None
 
 
+def choice_prompts(tokenizer, request, requests) -> list[tuple[str, str]]:
+    """Per choice (the engine's requests, prompt-major): its prompt's text, as sent or its token ids decoded
+    (special tokens included), and its first token's text, as logprobs name tokens."""
+    sent = request.prompts or [request.prompt]
+    n = len(requests) // len(sent)
+    return [(p if isinstance(p, str) else tokenizer.decode(r.prompt_token_ids, skip_special_tokens=False),
+             tokenizer.decode(r.prompt_token_ids[:1])) for r, p in zip(requests, (p for p in sent for _ in range(n)),
+                                                                       strict=True)]
+
+
 @dataclass
 class Echo:
-    """An echoing request's prompt, and which choices still have it to send (the first chunk of each)."""
-    text: str  # the prompt's text
-    first_token: str  # the prompt's first token's text: its entry has null logprobs
+    """An echoing request's prompts, per choice, and which choices still have theirs to send (the first chunk of each)."""
+    prompts: list[tuple[str, str]]  # choice_prompts
     drop: bool  # max_tokens 0: the one token the engine ran is left out
     pending: set[int] = field(default_factory=set)
+
+    def text(self, index: int) -> str:
+        return self.prompts[index][0]
+
+    def first_token(self, index: int) -> str:
+        """Its entry has null logprobs: nothing before it predicts it."""
+        return self.prompts[index][1]

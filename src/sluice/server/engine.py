@@ -45,7 +45,9 @@ class Aborted(Exception):
 
 @dataclass
 class GenerationRequest:
-    """One request: a prompt (text or token ids) or chat messages, and a SamplingParams per choice.
+    """One request: a prompt (text or token ids), several prompts, or chat messages, and a SamplingParams
+    per choice. With several prompts, params holds n per prompt, prompt-major: choice k is choice k % n
+    of prompt k // n (OpenAI's numbering); they are all checked before any of them runs.
 
     max_tokens_given False: the request left max_tokens unset, so the engine fills the model's default,
     clamped to what the context has left after the prompt (as OpenAI and vLLM do)."""
@@ -53,14 +55,15 @@ class GenerationRequest:
     prompt: Union[str, list[int], None] = None
     messages: list[dict] | None = None
     max_tokens_given: bool = True
-    echo: bool = False  # Started carries the prompt's text (server/echo.py)
+    prompts: list[Union[str, list[int]]] | None = None
+    request_id: str | None = None  # the HTTP request's x-request-id, for log lines
+    echo: bool = False  # Started carries each choice's prompt text (server/echo.py)
 
 
 @dataclass
 class Started:
     prompt_tokens: int
-    prompt_text: str | None = None  # when the request echoes: the prompt's text
-    first_token: str | None = None  # and its first token's text
+    echo: list[tuple[str, str]] | None = None  # when the request echoes, per choice: its prompt's text and first token's
 
 
 @dataclass
@@ -194,6 +197,7 @@ def _put_all(items: list[tuple[RequestHandle, Event]]) -> None:
 class ServingEngine(Protocol):
     model_name: str
     max_model_len: int
+    system_fingerprint: str | None  # what decides the output (server/fingerprint.py), once loaded
 
     @property
     def ready(self) -> bool: ...

@@ -13,7 +13,9 @@ from ..engine.sampling_params import SamplingParams
 from ..errors import ContextExceeded, NumericsError, RequestError, SluiceError, TemplateError
 from .protocol import FIELD_NAMES, ErrorDetail, ErrorResponse
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+# 401's type is what OpenAI's own API answers for a missing or wrong key (the client maps the status to
+# AuthenticationError either way).
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 422: "model_error",
           429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 
@@ -25,10 +27,10 @@ class ServerError(Exception):
     """A refusal on its way to the client: status, message, and the parameter it is about."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None):
+                 retry_after: int | None = None, www_authenticate: bool = False):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after = retry_after
+        self.retry_after, self.www_authenticate = retry_after, www_authenticate
 
     def body(self) -> dict:
         detail = ErrorDetail(message=self.message, type=_TYPES.get(self.status, "invalid_request_error"),
@@ -36,16 +38,20 @@ class ServerError(Exception):
         return ErrorResponse(error=detail).model_dump()
 
     def headers(self) -> dict[str, str] | None:
-        return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        out = {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        if self.www_authenticate:  # RFC 6750: a 401 names the scheme it wants
+            out["WWW-Authenticate"] = "Bearer"
+        return out or None
 
 
 class ContextOverflow(RequestError):
-    """The prompt plus the tokens asked for do not fit the model's context."""
+    """The prompt plus the tokens asked for do not fit the model's context. where: which prompt of a
+    list ("prompt 2: "), else ""."""
 
-    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int):
-        super().__init__(f"this model's maximum context length is {limit} tokens, but {prompt_tokens + max_tokens} "
-                         f"were requested ({prompt_tokens} in the prompt, {max_tokens} for the completion); "
-                         "shorten the prompt or lower max_tokens")
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int, where: str = ""):
+        super().__init__(f"{where}this model's maximum context length is {limit} tokens, but "
+                         f"{prompt_tokens + max_tokens} were requested ({prompt_tokens} in the prompt, {max_tokens} "
+                         "for the completion); shorten the prompt or lower max_tokens")
 
 
 # SamplingParams' messages start with the field's name: "temperature must be ...". Built from its

@@ -21,6 +21,11 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI
+# A list of prompts in one completions request (lm-eval's local-completions sends its batch so): each
+# choice is a sequence in the engine, so prompts x n is bounded, and so are the prompts' tokens together
+# (never below one full context, which a single prompt may take).
+MAX_CHOICES = 128
+MAX_LIST_TOKENS = 2**16
 
 # OpenAI's range; NaN fails both bounds. Checked again by SamplingParams.
 Penalty = Annotated[float, Field(ge=-2, le=2)]
@@ -124,12 +129,18 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    # A text, or token ids; a list holding one of those is the same single prompt.
+    # A text, token ids, or a list of either (several prompts: n choices each, prompt-major).
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts, one or several; [] (no token ids) is one empty prompt, which the engine refuses."""
+        if isinstance(self.prompt, str) or all(isinstance(t, int) for t in self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
 
     def unsupported(self) -> str | None:
         if self.suffix:
@@ -160,6 +171,7 @@ class TopLogprobOut(BaseModel):
 
 class ChatTokenLogprob(TopLogprobOut):
     top_logprobs: list[TopLogprobOut]
+    entropy: float | None = None  # sluice's extension: of the whole distribution at this position, nats
 
 
 class ChatLogprobs(BaseModel):
@@ -178,6 +190,7 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+    entropy: list[float | None] = Field(default_factory=list)  # sluice's extension, as ChatTokenLogprob's, one per token
 
 
 class ChatChoice(BaseModel):

@@ -30,7 +30,7 @@ from .engine import Aborted, Delta, Draining, Failed, Finished, GenerationReques
 from .errors import RETRY_AFTER_S, ServerError, from_sluice
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                        ChatLogprobs, ChatTokenLogprob, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs,
-                       CompletionRequest, Delta as DeltaOut, TopLogprobOut, Usage)
+                       CompletionRequest, Delta as DeltaOut, MAX_CHOICES, TopLogprobOut, Usage)
 
 _PLACEHOLDER = "sluice-text-placeholder-5b1e9c"  # _text_chunk's: a string whose JSON is itself in quotes
 
@@ -45,7 +45,7 @@ def _lp(value: float) -> float:
 def chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
     return ChatLogprobs(content=[
         ChatTokenLogprob(token=t.token, logprob=_lp(t.logprob), bytes=t.bytes, top_logprobs=[
-            TopLogprobOut(token=a.token, logprob=_lp(a.logprob), bytes=a.bytes) for a in t.top])
+            TopLogprobOut(token=a.token, logprob=_lp(a.logprob), bytes=a.bytes) for a in t.top], entropy=t.entropy)
         for t in items])
 
 
@@ -66,15 +66,19 @@ def completion_logprobs(items: list[TokenLogprob], offset: int,
         out.token_logprobs.append(_lp(t.logprob))
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
+        out.entropy.append(t.entropy)
         offset += len(t.token)
     return out, offset
 
 
-def echo_logprobs(echo: Echo, prompt: list | None, items: list[TokenLogprob]) -> tuple[CompletionLogprobs, int]:
-    """completion_logprobs of the prompt, then of items. prompt: the engine's prompt logprobs (None first,
-    then a TokenLogprob per token), or None when the choice ended before they came."""
-    out = CompletionLogprobs(tokens=[echo.first_token], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
-    out, offset = completion_logprobs((prompt or [None])[1:], len(echo.first_token), out)
+def echo_logprobs(echo: Echo, index: int, prompt: list | None,
+                  items: list[TokenLogprob]) -> tuple[CompletionLogprobs, int]:
+    """completion_logprobs of choice index's prompt, then of items. prompt: the engine's prompt logprobs
+    (None first, then a TokenLogprob per token), or None when the choice ended before they came."""
+    first = echo.first_token(index)
+    out = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0],
+                             entropy=[None])
+    out, offset = completion_logprobs((prompt or [None])[1:], len(first), out)
     return completion_logprobs(items, offset, out)
 
 
@@ -113,13 +117,16 @@ def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationR
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         return GenerationRequest(params, messages=messages, max_tokens_given=max_tokens is not None)
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise ServerError(400, f"prompt: this server takes one prompt per request, got {len(prompt)} "
-                                   "(send them as separate requests)", param="prompt")
-        prompt = prompt[0]
-    return GenerationRequest(params, prompt=prompt, max_tokens_given=max_tokens is not None, echo=bool(req.echo))
+    prompts = req.prompts()
+    if len(prompts) * n > MAX_CHOICES:  # before anything runs; the prompts' tokens together: at the engine's door
+        raise ServerError(400, f"prompt: {len(prompts)} prompts x n={n} make {len(prompts) * n} choices; a request "
+                               f"may ask for at most {MAX_CHOICES} (split the list over several requests)",
+                          param="prompt")
+    if len(prompts) == 1:
+        return GenerationRequest(params, prompt=prompts[0], max_tokens_given=max_tokens is not None,
+                                 echo=bool(req.echo))
+    return GenerationRequest([p for _ in prompts for p in params], prompts=prompts,
+                             max_tokens_given=max_tokens is not None, echo=bool(req.echo))
 
 
 async def _watch_disconnect(receive, engine: ServingEngine, handle: RequestHandle) -> None:
@@ -140,6 +147,8 @@ class Run:
         self._templates: dict[int, list[str] | bool] = {}  # _text_chunk's, per choice
         self.echo: Echo | None = None  # set by started() when the request echoes its prompt
         self.handle = engine.submit(gen)  # NotReady / Draining / QueueFull: the app answers them
+        # Read once: a busy period's path (which the fingerprint names) does not change within it.
+        self.fingerprint = engine.system_fingerprint
         # Until the response starts streaming nobody else listens for the client leaving: this does.
         self._watch = asyncio.create_task(_watch_disconnect(receive, engine, self.handle))
 
@@ -152,8 +161,8 @@ class Run:
         if isinstance(event, Failed):
             self._stop_watching()
             raise self._error(event.error)
-        if event.prompt_text is not None:
-            self.echo = Echo(event.prompt_text, event.first_token, self.req.max_tokens == 0, set(range(self.n)))
+        if event.echo is not None:
+            self.echo = Echo(event.echo, self.req.max_tokens == 0, set(range(self.n)))
         return event.prompt_tokens
 
     def _error(self, err: Exception) -> ServerError:
@@ -201,15 +210,15 @@ class Run:
                                   logprobs=chat_logprobs(logprobs[i]) if self.logprobs else None)
                        for i in range(self.n)]
             return ChatCompletion(id=self.id, created=self.created, model=self.engine.model_name,
-                                  choices=choices, usage=usage).model_dump()
+                                  choices=choices, usage=usage, system_fingerprint=self.fingerprint).model_dump()
         echo = self.echo
-        choices = [CompletionChoice(index=i, text=(echo.text if echo else "") + texts[i],
+        choices = [CompletionChoice(index=i, text=(echo.text(i) if echo else "") + texts[i],
                                     finish_reason=finished[i].finish_reason,
-                                    logprobs=(echo_logprobs(echo, prompts[i], logprobs[i]) if echo else
+                                    logprobs=(echo_logprobs(echo, i, prompts[i], logprobs[i]) if echo else
                                               completion_logprobs(logprobs[i], 0))[0] if self.logprobs else None)
                    for i in range(self.n)]
         return Completion(id=self.id, created=self.created, model=self.engine.model_name, choices=choices,
-                          usage=usage).model_dump()
+                          usage=usage, system_fingerprint=self.fingerprint).model_dump()
 
     def _text_chunk(self, index: int, text: str) -> str:
         """_chunk(index, text) for the usual chunk (a piece of text, nothing else), from a template.
@@ -236,11 +245,13 @@ class Run:
         if self.chat:
             choices = [] if index is None else [ChunkChoice(index=index, delta=DeltaOut(role=role, content=text),
                                                             finish_reason=finish, logprobs=logprobs, **why)]
-            chunk = ChatCompletionChunk(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
+            chunk = ChatCompletionChunk(id=self.id, created=self.created, model=model, choices=choices, usage=usage,
+                                        system_fingerprint=self.fingerprint)
         else:
             choices = [] if index is None else [CompletionChoice(index=index, text=text or "", finish_reason=finish,
                                                                  logprobs=logprobs, **why)]
-            chunk = Completion(id=self.id, created=self.created, model=model, choices=choices, usage=usage)
+            chunk = Completion(id=self.id, created=self.created, model=model, choices=choices, usage=usage,
+                               system_fingerprint=self.fingerprint)
         # usage appears (as null until the last chunk) only when the client asked for it
         return f"data: {chunk.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
 
@@ -259,9 +270,9 @@ class Run:
         delta = isinstance(event, Delta)
         logprobs = None
         if self.logprobs:
-            logprobs, offsets[event.index] = echo_logprobs(echo, event.prompt_logprobs if delta else None,
+            logprobs, offsets[event.index] = echo_logprobs(echo, event.index, event.prompt_logprobs if delta else None,
                                                            (event.logprobs or []) if delta else [])
-        chunk = self._chunk(event.index, echo.text + (event.text if delta else ""), logprobs=logprobs)
+        chunk = self._chunk(event.index, echo.text(event.index) + (event.text if delta else ""), logprobs=logprobs)
         return chunk, None if delta else event
 
     async def stream(self, prompt_tokens: int) -> AsyncIterator[str]:
