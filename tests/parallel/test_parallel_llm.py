@@ -3,8 +3,8 @@
 Every rank runs the same calls (as a torchrun script would); rank 0 also runs the single-process LLM.
 Families: Llama with random biases on q/k/v/o and the MLP, Gemma 2 (attention and final soft-caps,
 sandwich norms), Qwen3 (one KV head replicated on every rank, tied embeddings). Checked: batched
-greedy generation, seeded sampling with every filter and penalty, logprobs and entropy (within 1e-5, same top
-ids), every rank returning the same outputs; the options tensor parallelism refuses; and a rank
+greedy generation, seeded sampling with every filter and penalty, logprobs, prompt logprobs and entropy
+(within 1e-5, same top ids), every rank returning the same outputs; the options tensor parallelism refuses; and a rank
 killed mid-generation (or silent past the timeout) making the other raise ParallelError within the
 collective timeout.
 """
@@ -28,8 +28,8 @@ FAMILIES = {"llama": dict(num_key_value_heads=4, attention_bias=True, mlp_bias=T
 PROMPTS = [[5, 80, 17, 300, 42], [9, 9, 70, 1, 33, 47, 95, 400, 12, 6, 200], [50, 2]]
 SAMPLED = [dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2, presence_penalty=0.5,
                 frequency_penalty=0.3, seed=3),
-           dict(temperature=1.3, top_p=0.8, seed=11, logprobs=3),
-           dict(temperature=0.0, repetition_penalty=1.4, logprobs=2)]
+           dict(temperature=1.3, top_p=0.8, seed=11, logprobs=3, prompt_logprobs=2),
+           dict(temperature=0.0, repetition_penalty=1.4, logprobs=2, prompt_logprobs=0)]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,9 @@ def _outputs(llm):
     from sluice import SamplingParams
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     sampled = llm.generate(PROMPTS, [SamplingParams(**s, max_tokens=10, ignore_eos=True) for s in SAMPLED])
-    lps = [[(t.token_id, t.logprob, [(a.token_id, a.logprob) for a in t.top], t.entropy) for t in o.logprobs or []]
-           for o in sampled]
+    # each row: its generated tokens' logprobs, then its prompt's (the first prompt token has none)
+    lps = [[(t.token_id, t.logprob, [(a.token_id, a.logprob) for a in t.top], t.entropy)
+            for t in (o.logprobs or []) + (o.prompt_logprobs or [None])[1:]] for o in sampled]
     return dict(greedy=[o.token_ids for o in greedy], sampled=[o.token_ids for o in sampled],
                 text=[o.text for o in sampled], logprobs=lps)
 

@@ -148,8 +148,8 @@ def test_bad_bodies_are_400s(served):
 
 def test_unsupported_fields_are_named(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="x", echo=True)
-    assert e.value.status_code == 400 and e.value.body["param"] == "echo"
+        client.completions.create(model=MODEL, prompt="x", suffix="y")
+    assert e.value.status_code == 400 and e.value.body["param"] == "suffix"
     assert "not supported" in e.value.body["message"]
 
 

@@ -9,7 +9,7 @@ from sluice.errors import RequestError
 from sluice.server.errors import from_sluice
 
 BAD = {"max_tokens": 0, "temperature": 3.0, "top_k": -5, "top_p": 0.0, "min_p": 2.0, "repetition_penalty": 0.0,
-       "presence_penalty": 2.5, "frequency_penalty": -3.0, "seed": 1.5, "logprobs": 21, "stop": [""],
+       "presence_penalty": 2.5, "frequency_penalty": -3.0, "seed": 1.5, "logprobs": 21, "prompt_logprobs": 21, "stop": [""],
        "stop_token_ids": [-1], "ignore_eos": "yes", "constraint": {"type": "object"}}
 
 

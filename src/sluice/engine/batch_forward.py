@@ -5,7 +5,8 @@ plain rows' last tokens, and each verifying row's last token and guesses (a spec
 at its own position over its sequence's block table. A token reads the keys and values the tokens
 before it in the same forward wrote (each layer writes every row's keys and values before any row
 attends), so a verifying row's k + 1 tokens give what one (1, k + 1) chunk would, and rows with
-different guess counts need no padding. Only a multi-token prompt chunk runs alone, as one row.
+different guess counts need no padding. Only a multi-token prompt chunk runs alone, as one row, and so
+does a chunk of a prompt that asks for its logprobs (prompt_logprobs.py), with all of its logits.
 
 The native step (fast_step.py) runs the model where it can (native_check says why not: hooks, an
 unsupported model, kernels=False); that is decided once per busy period (refresh()), so hooks added
@@ -22,6 +23,7 @@ from ..model.quant import Int4Linear
 from .fast_step import FastStep, native_check
 from .paged_cache import BlockPool, PagedView
 from .plan import Row, StepPlan
+from .prompt_logprobs import span
 
 class BatchForward:
     def __init__(self, model: Transformer, pool: BlockPool, native: bool = True, compile: bool = False):
@@ -78,11 +80,12 @@ class BatchForward:
     def __call__(self, plan: StepPlan) -> "StepOut":
         """Compute every row of the plan: {row: what its draw needs} for the final rows, as
         logits (V,), hidden states (C,) when plan.fused, or logits (1 + its guesses, V) for a
-        row with guesses. Prompt chunks are run in plan order, so a sequence's chunks stay causal."""
+        row with guesses; and in out.prompt, the logits (n, V) of the positions whose prompt logprobs
+        a row still needs. Prompt chunks are run in plan order, so a sequence's chunks stay causal."""
         out = StepOut()
         ones, guessing, chunks = [], [], []
         for r in plan.rows:
-            (guessing if r.guesses else ones if len(r.tokens) == 1 else chunks).append(r)
+            (guessing if r.guesses else ones if len(r.tokens) == 1 and span(r) is None else chunks).append(r)
         if plan.fused and ones:  # the fused head takes hidden states: the plain rows alone
             self._ones(out, ones, self._rows(ones, [r.tokens for r in ones], "hidden"))
             ones = []
@@ -98,6 +101,13 @@ class BatchForward:
                 out[r] = res[at:at + len(r.fed)]
                 at += len(r.fed)
         for r in chunks:
+            need = span(r)
+            if need is not None:  # the scheduler keeps such a row's plan off the fused head: logits at the end
+                res = self._rows([r], [r.tokens], "all")[0]  # (T, V)
+                out.prompt[r] = res[need[0]:need[1]]
+                if r.final:
+                    out[r] = res[-1]
+                continue
             res = self._rows([r], [r.tokens], ("hidden" if plan.fused else "last") if r.final else None)
             if r.final:
                 out[r] = res[0]
@@ -128,8 +138,12 @@ class BatchForward:
 class StepOut(dict):
     """forward(plan)'s {row: tensor}. `batch` is (rows, their stacked tensor) when the step's one-token
     rows were all final: the draw takes it without stacking again, and a row of it is indexed only
-    when asked for (out[row])."""
+    when asked for (out[row]). `prompt`: {row: logits (n, V)} of its prompt_logprobs.span."""
     batch: tuple[list[Row], torch.Tensor] | None = None
+
+    def __init__(self):
+        super().__init__()
+        self.prompt: dict[Row, torch.Tensor] = {}
 
     def __missing__(self, row: Row) -> torch.Tensor:
         if self.batch is not None:

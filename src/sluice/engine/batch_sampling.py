@@ -14,6 +14,7 @@ from .fused_head import FusedHead
 from .guide import masked
 from .logprobs import token_logprobs
 from .plan import Row, StepPlan
+from .prompt_logprobs import record
 from .sampling import NONFINITE, Sampler, SamplingParams, argmax_rows
 from .sequence import Seq
 from .verify import verify
@@ -72,7 +73,8 @@ class StepDraw:
     Rows without guesses draw one token: through BatchDraw from logits, or through the fused LM head
     (fused_head.py) from hidden states when the plan says fused; rows with guesses keep a prefix of
     them (verify.py). A constrained row's logits are masked first (guide.py), on every path; logprobs
-    are of the raw logits at each emitted token's position."""
+    are of the raw logits at each emitted token's position; the prompt logprobs of the rows that computed
+    some (prompt_logprobs.py) are recorded here too."""
 
     def __init__(self, model, head, decode_one):
         self.model, self.head, self.decode_one = model, head, decode_one
@@ -85,6 +87,7 @@ class StepDraw:
         return self.fused_fallback / self.fused_filtered if self.fused_filtered else 0.0
 
     def __call__(self, plan: StepPlan, out: dict) -> tuple[dict[Row, list[int]], dict[Row, list]]:
+        record(getattr(out, "prompt", {}), self.head, self.decode_one)
         runs: dict[Row, list[int]] = {}
         plain, guessing = [], []
         for r in plan.finals:

@@ -140,4 +140,5 @@ def collect(outputs: list[RequestOutput], seqs: list[Seq], t0: float, speculativ
         out.token_ids, out.text = list(s.token_ids), s.text
         out.finish_reason = s.finish_reason if s.finish_reason != "abort" else None
         out.logprobs = list(s.logprobs) if s.params.logprobs is not None else None
+        out.prompt_logprobs = list(s.prompt_logprobs) if s.prompt_logprobs is not None else None
     return stats

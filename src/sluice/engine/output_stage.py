@@ -2,7 +2,7 @@
 
 Takes a row's run (one token, or a speculative round's kept guesses and one more), stops it at the
 first stop token, max_tokens or stop string, detokenizes what is released (streaming.TextStream) and
-records logprobs. A sequence whose logits went non-finite ends with finish_reason "error" and a
+records logprobs (and hands on the prompt's, with the first update). A sequence whose logits went non-finite ends with finish_reason "error" and a
 message that says where (the server passes the observatory's first_nonfinite as nonfinite_origin).
 """
 
@@ -24,7 +24,8 @@ class OutputStage:
     def __call__(self, seq: Seq, run: list[int], logprobs: list | None) -> Update:
         """seq's update for `run`, its tokens not yet in seq.ids; ends seq when a stop is reached."""
         taken, reason, text = [], None, ""
-        if seq.first_token_at is None:
+        first = seq.first_token_at is None  # the prompt is done: its logprobs go out with this update
+        if first:
             seq.first_token_at = time.perf_counter()
         limit = seq.prompt_len + seq.params.max_tokens
         for tok in run:
@@ -53,7 +54,7 @@ class OutputStage:
         if lps:
             seq.logprobs += lps
         seq.text += text
-        update = Update(seq, text, taken, lps, reason is not None)
+        update = Update(seq, text, taken, lps, reason is not None, seq.prompt_logprobs if first else None)
         if reason == "error":
             where = (self.nonfinite_origin(seq.ids) if self.nonfinite_origin else
                      "NaN or inf in the weights or the config? `sluice inspect` shows the layer where it starts")

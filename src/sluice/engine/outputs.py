@@ -13,6 +13,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" (eos, stop token or stop string) or "length"
     prompt: str | None = None
     logprobs: list | None = None  # engine.logprobs.TokenLogprob per generated token, when params.logprobs asked
+    # when params.prompt_logprobs asked: None for the first prompt token, then a TokenLogprob per prompt token
+    prompt_logprobs: list | None = None
 
 
 @dataclass

@@ -61,6 +61,8 @@ _RULES = {
     "seed": ("an integer", _is_int),
     "logprobs": ("an integer in [0, 20] (how many alternatives to report; None = off)",
                  lambda v: _is_int(v) and 0 <= v <= 20),
+    "prompt_logprobs": ("an integer in [0, 20] (how many alternatives to report per prompt token; None = off)",
+                        lambda v: _is_int(v) and 0 <= v <= 20),
 }
 
 
@@ -88,6 +90,9 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; n = each token's logprob and its n most likely alternatives
     # The output must match it: JSON, a JSON Schema, a regex or a grammar (constraints.py, guide.py)
     constraint: Constraint | None = None
+    # None = off; n = each prompt token's logprob given the tokens before it (the first: None) and its n most
+    # likely alternatives (engine/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,7 +130,7 @@ class SamplingParams:
             _fail("constraint", "a sluice.Constraint or None", self.constraint)
 
     def with_defaults(self, generation_config: dict | None = None) -> SamplingParams:
-        """A new, validated copy with every field but seed and logprobs (None = off) filled.
+        """A new, validated copy with every field but seed and the logprobs (None = off) filled.
 
         Precedence: the request, then the model's generation_config.json, then the library
         defaults. As in HF, do_sample false in the config means greedy (temperature 0) unless
@@ -155,7 +160,7 @@ class SamplingParams:
             setattr(out, name, float(getattr(out, name)))
         for name in ("max_tokens", "top_k"):
             setattr(out, name, int(getattr(out, name)))
-        for name in ("seed", "logprobs"):  # optional: None stays None
+        for name in ("seed", "logprobs", "prompt_logprobs"):  # optional: None stays None
             if getattr(out, name) is not None:
                 setattr(out, name, int(getattr(out, name)))
         return out

@@ -50,6 +50,7 @@ from .fused_head import AUTO_PROBATION, head_allows_fused, params_want_fused
 from .output_stage import OutputStage
 from .paged_cache import BlockPool
 from .plan import Row, StepPlan
+from .prompt_logprobs import pending
 from .requests import Request
 from .sequence import Seq, Update
 from .streaming import TextStream
@@ -118,6 +119,8 @@ class Scheduler:
             if self.guides is None:
                 raise RequestError(f"{request.label}: this engine takes no constraint (built without a tokenizer)")
             seq.guide = self.guides.new(params.constraint, request.stop_ids)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token has nothing before it to be predicted from
         with self._lock:
             seq.number, self.added = self.added, self.added + 1
             self.live[seq.number] = seq
@@ -268,7 +271,8 @@ class Scheduler:
         if key != self._fused_rows[0]:  # what the rows' params say holds while the rows stay the same
             params = [s.params for s in key]
             # logprobs need the logits, and so does a constraint's mask; the fused head keeps no generated counts
-            self._fused_rows = (key, not any(p.logprobs is not None or p.presence_penalty or p.frequency_penalty
+            self._fused_rows = (key, not any(p.logprobs is not None or p.prompt_logprobs is not None
+                                             or p.presence_penalty or p.frequency_penalty
                                              or p.constraint is not None for p in params)
                                 and params_want_fused(self.fused_head, params))
         if not self._fused_rows[1]:
@@ -281,8 +285,9 @@ class Scheduler:
         """Take the prompt's cached blocks and the blocks for its first chunk, or nothing."""
         bs, pool = self.pool.block_size, self.pool
         hits, serial = [], 0
-        # At least one token is left to compute: its logits give the first new token.
-        cacheable = (len(seq.ids) - 1) // bs
+        # At least one token is left to compute: its logits give the first new token. A prompt whose
+        # logprobs are still missing needs every position's logits: computed, not taken from the cache.
+        cacheable = 0 if pending(seq) else (len(seq.ids) - 1) // bs
         for j in range(cacheable):
             b = pool.lookup(pool.key(serial, seq.ids[j * bs:(j + 1) * bs]))
             if b is None:

@@ -42,6 +42,8 @@ class Seq:
     preemptions: int = 0
     label: str = "this request"  # how errors name it ("prompt 2")
     logprobs: list = field(default_factory=list)  # TokenLogprob per generated token, if asked for
+    # params.prompt_logprobs: None for position 0, then a TokenLogprob per prompt token (prompt_logprobs.py)
+    prompt_logprobs: list | None = None
     pending: collections.deque = field(default_factory=collections.deque)  # updates not yet read
     spec: SpecState | None = None  # when the engine speculates
     number: int = -1  # adds to its scheduler before it: the same on every tensor-parallel rank (parallel/plans.py)
@@ -65,9 +67,11 @@ class Seq:
 
 @dataclass
 class Update:
-    """What one step did to one sequence: the text it released, the tokens and their logprobs."""
+    """What one step did to one sequence: the text it released, the tokens and their logprobs; its first
+    update also carries the prompt's logprobs, when its params asked (Seq.prompt_logprobs)."""
     seq: Seq
     text: str
     token_ids: list[int]
     logprobs: list | None
     finished: bool
+    prompt_logprobs: list | None = None

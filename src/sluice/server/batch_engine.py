@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from ..errors import SluiceError
+from .echo import choice_prompts
 from .engine import Aborted, Delta, Done, Draining, Failed, Finished, HeldEvents, RequestHandle, Started
 from .fingerprint import Fingerprint
 from .inbox import Inbox
@@ -228,7 +229,8 @@ class BatchServingEngine:
         seqs = [self._engine.add_request(r) for r in requests]
         entry = self._live[handle.number] = _Live(handle, seqs, prompt_tokens, set(range(len(seqs))))
         self._owner.update((s.id, (entry, i)) for i, s in enumerate(seqs))
-        handle.emit(Started(prompt_tokens))
+        echo = choice_prompts(self._llm.tokenizer, request, requests) if request.echo else None
+        handle.emit(Started(prompt_tokens, echo))
 
     def _route_all(self, updates) -> None:
         for u in updates:
@@ -240,8 +242,8 @@ class BatchServingEngine:
             return
         entry, index = self._owner[seq.id] if not u.finished else self._owner.pop(seq.id)
         handle = entry.handle
-        if u.text or u.logprobs:
-            handle.emit(Delta(index, u.text, u.logprobs))
+        if u.text or u.logprobs or u.prompt_logprobs:
+            handle.emit(Delta(index, u.text, u.logprobs, u.prompt_logprobs))
         if not u.finished:
             return
         entry.open.discard(index)

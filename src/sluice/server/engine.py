@@ -59,11 +59,13 @@ class GenerationRequest:
     request_id: str | None = None  # the HTTP request's x-request-id, for log lines
     tools: list[dict] | None = None  # the chat template's `tools` (OpenAI's tool dicts, transformers' convention)
     tool_plan: object = None  # tools.ToolPlan: how the server reads tool calls out of the text (not the engine's)
+    echo: bool = False  # Started carries each choice's prompt text (server/echo.py)
 
 
 @dataclass
 class Started:
     prompt_tokens: int
+    echo: list[tuple[str, str]] | None = None  # when the request echoes, per choice: its prompt's text and first token's
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Delta:
     index: int
     text: str
     logprobs: list | None = None  # engine.logprobs.TokenLogprob of the tokens consumed since the last Delta
+    prompt_logprobs: list | None = None  # a choice's first Delta, when its params asked: Seq.prompt_logprobs
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Requests validate in strict mode: "0.5" is not a temperature and true is not an n, as in OpenAI's
 own API, so a client bug is named instead of guessed at. Unknown fields are ignored (clients send
 "user", "store", "metadata"...), but fields this server knows and cannot honour yet (logit_bias,
-echo...) are refused by `unsupported()` rather than dropped silently, so nobody reads
+suffix, best_of...) are refused by `unsupported()` rather than dropped silently, so nobody reads
 made-up numbers. Ranges OpenAI documents (penalties in [-2, 2], top_logprobs 0..20, the legacy
 logprobs 0..5) are pydantic constraints, so their 400 names the parameter.
 
@@ -133,8 +133,6 @@ class CompletionRequest(_Sampling):
         return list(self.prompt)
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.suffix:
             return "suffix"
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -179,14 +177,15 @@ class ChatLogprobs(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions' logprobs: parallel lists, one entry per generated token.
+    """The legacy completions' logprobs: parallel lists, one entry per generated token (with echo, per
+    prompt token first: the first one's logprob and top_logprobs are null, server/echo.py).
 
     top_logprobs[i] maps token text -> logprob for the top alternatives plus the chosen token (so up
     to logprobs + 1 entries, as OpenAI documents); text_offset[i] is where token i starts in the
     completion's text, counting the token texts before it."""
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
     entropy: list[float | None] = Field(default_factory=list)  # sluice's extension, as ChatTokenLogprob's, one per token
 

@@ -9,7 +9,8 @@ bad prompt is still a plain 400, not a broken stream.
 Logprobs: the engine's Delta events carry the TokenLogprobs of the tokens they consumed (a Delta may
 hold text "" and logprobs, when text is held back); chat reports them as {"content": [...]} per
 choice or chunk, completions as the legacy parallel lists, whose text_offset runs on per choice
-across chunks.
+across chunks. With echo (server/echo.py) a completion choice's first chunk, or its whole text, starts
+with the prompt, and its logprobs with the prompt's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import AsyncIterator
 from ..engine.logprobs import TokenLogprob
 from ..engine.sampling_params import SamplingParams
 from ..errors import RequestError, SluiceError
+from .echo import Echo, engine_max_tokens, prompt_logprobs
 from .engine import Aborted, Delta, Draining, Failed, Finished, GenerationRequest, RequestHandle, ServingEngine
 from .errors import RETRY_AFTER_S, ServerError, from_sluice
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
@@ -49,12 +51,14 @@ def chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
         for t in items])
 
 
-def completion_logprobs(items: list[TokenLogprob], offset: int) -> tuple[CompletionLogprobs, int]:
-    """The legacy shape for items whose first token starts at text offset `offset`; and the next offset.
+def completion_logprobs(items: list[TokenLogprob], offset: int,
+                        out: CompletionLogprobs | None = None) -> tuple[CompletionLogprobs, int]:
+    """The legacy shape for items whose first token starts at text offset `offset` (appended to `out`,
+    if given); and the next offset.
 
     top_logprobs is keyed by token text, so tokens with the same text (byte-fallback pieces) share
     one entry, the more likely one's; the chosen token is always in it (OpenAI's "logprobs + 1")."""
-    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    out = out or CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for t in items:
         top: dict[str, float] = {}
         for alt in t.top:
@@ -69,6 +73,17 @@ def completion_logprobs(items: list[TokenLogprob], offset: int) -> tuple[Complet
     return out, offset
 
 
+def echo_logprobs(echo: Echo, index: int, prompt: list | None,
+                  items: list[TokenLogprob]) -> tuple[CompletionLogprobs, int]:
+    """completion_logprobs of choice index's prompt, then of items. prompt: the engine's prompt logprobs
+    (None first, then a TokenLogprob per token), or None when the choice ended before they came."""
+    first = echo.first_token(index)
+    out = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0],
+                             entropy=[None])
+    out, offset = completion_logprobs((prompt or [None])[1:], len(first), out)
+    return completion_logprobs(items, offset, out)
+
+
 def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationRequest:
     """The request's prompt and one SamplingParams per choice; a bad value is a 400 naming its field."""
     chat = isinstance(req, ChatCompletionRequest)
@@ -81,7 +96,7 @@ def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationR
     if empty is not None:
         raise ServerError(400, f"messages.{empty}.content is required: a {req.messages[empty].role} message has "
                                "content (a string or a list of text parts)", param=f"messages.{empty}.content")
-    max_tokens, aliases = req.max_tokens, {}
+    max_tokens, aliases = req.max_tokens if chat else engine_max_tokens(req), {}
     if chat and req.max_completion_tokens is not None:
         max_tokens, aliases = req.max_completion_tokens, {"max_tokens": "max_completion_tokens"}
     n = req.n or 1
@@ -95,7 +110,8 @@ def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationR
                               min_p=req.min_p, repetition_penalty=req.repetition_penalty,
                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                               seed=req.seed, stop=req.stop, ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
-                              constraint=tools.constraint)
+                              constraint=tools.constraint,
+                              prompt_logprobs=None if chat else prompt_logprobs(req))
     except RequestError as e:
         raise from_sluice(e, "messages" if chat else "prompt", aliases) from None
     # Choice i is seeded seed + i: n > 1 gives n different samples, and each is reproducible alone.
@@ -110,9 +126,10 @@ def to_generation(req: ChatCompletionRequest | CompletionRequest) -> GenerationR
                                f"may ask for at most {MAX_CHOICES} (split the list over several requests)",
                           param="prompt")
     if len(prompts) == 1:
-        return GenerationRequest(params, prompt=prompts[0], max_tokens_given=max_tokens is not None)
+        return GenerationRequest(params, prompt=prompts[0], max_tokens_given=max_tokens is not None,
+                                 echo=bool(req.echo))
     return GenerationRequest([p for _ in prompts for p in params], prompts=prompts,
-                             max_tokens_given=max_tokens is not None)
+                             max_tokens_given=max_tokens is not None, echo=bool(req.echo))
 
 
 async def _watch_disconnect(receive, engine: ServingEngine, handle: RequestHandle) -> None:
@@ -132,6 +149,7 @@ class Run:
         self.tools = ToolAnswers(gen.tool_plan or ToolPlan(), self.n)  # tool calls in the text
         self.created = int(time.time())
         self._templates: dict[int, list[str] | bool] = {}  # _text_chunk's, per choice
+        self.echo: Echo | None = None  # set by started() when the request echoes its prompt
         self.handle = engine.submit(gen)  # NotReady / Draining / QueueFull: the app answers them
         # Read once: a busy period's path (which the fingerprint names) does not change within it.
         self.fingerprint = engine.system_fingerprint
@@ -147,6 +165,8 @@ class Run:
         if isinstance(event, Failed):
             self._stop_watching()
             raise self._error(event.error)
+        if event.echo is not None:
+            self.echo = Echo(event.echo, self.req.max_tokens == 0, set(range(self.n)))
         return event.prompt_tokens
 
     def _error(self, err: Exception) -> ServerError:
@@ -165,11 +185,14 @@ class Run:
     async def collect(self, prompt_tokens: int) -> dict:
         """The whole response (stream=false)."""
         texts, finished, logprobs = [""] * self.n, {}, [[] for _ in range(self.n)]
+        prompts = [None] * self.n  # with echo: each choice's prompt logprobs
         try:
             async for event in self.handle:
                 if isinstance(event, Delta):
-                    texts[event.index] += event.text
-                    logprobs[event.index] += event.logprobs or []
+                    prompts[event.index] = prompts[event.index] or event.prompt_logprobs
+                    if self.echo is None or not self.echo.drop:
+                        texts[event.index] += event.text
+                        logprobs[event.index] += event.logprobs or []
                 elif isinstance(event, Finished):
                     finished[event.index] = event
                 elif isinstance(event, Failed):
@@ -182,6 +205,8 @@ class Run:
         broken = [f for f in finished.values() if f.finish_reason == "error"]
         if broken:  # the model, not the request: 422, never a 500, and the server carries on
             raise ServerError(422, broken[0].error or "generation failed", code="generation_error")
+        if self.echo is not None and self.echo.drop:  # max_tokens 0: the engine's one token is not the answer
+            finished = {i: Finished(i, "length", 0) for i in finished}
         usage = self._usage(prompt_tokens, sum(f.completion_tokens for f in finished.values()))
         if self.chat:
             messages = [self.tools.message(texts[i], finished[i].finish_reason) for i in range(self.n)]
@@ -190,8 +215,11 @@ class Run:
                        for i in range(self.n)]
             return ChatCompletion(id=self.id, created=self.created, model=self.engine.model_name,
                                   choices=choices, usage=usage, system_fingerprint=self.fingerprint).model_dump()
-        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=finished[i].finish_reason,
-                                    logprobs=completion_logprobs(logprobs[i], 0)[0] if self.logprobs else None)
+        echo = self.echo
+        choices = [CompletionChoice(index=i, text=(echo.text(i) if echo else "") + texts[i],
+                                    finish_reason=finished[i].finish_reason,
+                                    logprobs=(echo_logprobs(echo, i, prompts[i], logprobs[i]) if echo else
+                                              completion_logprobs(logprobs[i], 0))[0] if self.logprobs else None)
                    for i in range(self.n)]
         return Completion(id=self.id, created=self.created, model=self.engine.model_name, choices=choices,
                           usage=usage, system_fingerprint=self.fingerprint).model_dump()
@@ -242,6 +270,26 @@ class Run:
         # usage appears (as null until the last chunk) only when the client asked for it
         return f"data: {chunk.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
 
+    def _echo(self, event, offsets: list[int]) -> tuple[str, object]:
+        """A streamed event of an echoing request -> (the choice's first chunk, with the prompt, when this
+        event is its first, else ""; the event as the usual path then takes it, or None when that chunk
+        said it all). With max_tokens 0 the engine's one token is left out."""
+        echo = self.echo
+        if echo.drop and isinstance(event, Delta):
+            event = Delta(event.index, "", None, event.prompt_logprobs)
+        elif echo.drop and isinstance(event, Finished) and event.finish_reason != "error":
+            event = Finished(event.index, "length", 0)
+        if not isinstance(event, (Delta, Finished)) or event.index not in echo.pending:
+            return "", event
+        echo.pending.discard(event.index)
+        delta = isinstance(event, Delta)
+        logprobs = None
+        if self.logprobs:
+            logprobs, offsets[event.index] = echo_logprobs(echo, event.index, event.prompt_logprobs if delta else None,
+                                                           (event.logprobs or []) if delta else [])
+        chunk = self._chunk(event.index, echo.text(event.index) + (event.text if delta else ""), logprobs=logprobs)
+        return chunk, None if delta else event
+
     async def stream(self, prompt_tokens: int) -> AsyncIterator[str]:
         """SSE lines (stream=true). Cancelled when the client leaves: the finally clause aborts."""
         self._stop_watching()  # from here the streaming response listens for the client leaving
@@ -254,6 +302,9 @@ class Run:
             async for events in self.handle.batches():
                 out = []
                 for event in events:
+                    if self.echo is not None:
+                        first, event = self._echo(event, offsets)
+                        out += [first] if first else []
                     if isinstance(event, Delta) and self.tools.active:
                         lp = chat_logprobs(event.logprobs) if self.logprobs and event.logprobs else None
                         out += self._delta_chunks(event.index, self.tools.feed(event.index, event.text), lp)
