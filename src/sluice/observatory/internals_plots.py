@@ -39,7 +39,8 @@ def _save(fig, path: Path) -> Path:
 
 
 def _block_ticks(ax, n: int, axis: str = "y") -> None:
-    step = 1 if n <= 24 else (2 if n <= 48 else 4)  # 28 labels in 4 inches run together
+    # 28 labels in 4 inches run together; along x a panel is ~3 inches wide for the heads
+    step = (1 if n <= 24 else (2 if n <= 48 else 4)) if axis == "y" else -(-n // 8)
     ticks = list(range(0, n, step))
     (ax.set_yticks if axis == "y" else ax.set_xticks)(ticks, [str(t) for t in ticks])
 
@@ -52,6 +53,11 @@ def attention_heads(data: dict, path: Path) -> Path:
     for ax, (key, title, cmap, limits) in zip(axes, HEAT):
         v = _arr(means[key])
         vmin, vmax = limits or (np.nanmin(v) if np.isfinite(v).any() else 0, np.nanmax(v) if np.isfinite(v).any() else 1)
+        if limits is None and vmax - vmin <= 1e-4 * max(abs(vmin), abs(vmax)):
+            # a spread of float noise (unit-gain q/k norms make every |q| sqrt(head_dim)): one flat colour
+            # over a +-1% scale, not rounding errors stretched over the whole colour map
+            mid = (vmin + vmax) / 2
+            vmin, vmax = mid - 0.01 * abs(mid) - 1e-12, mid + 0.01 * abs(mid) + 1e-12
         im = ax.imshow(np.ma.masked_invalid(v), aspect="auto", origin="lower", cmap=cmap, vmin=vmin, vmax=vmax,
                        interpolation="nearest")
         if L * H <= ANNOTATE_CELLS:
@@ -61,7 +67,8 @@ def attention_heads(data: dict, path: Path) -> Path:
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("head")
         _block_ticks(ax, H, "x")
-        fig.colorbar(im, ax=ax, orientation="horizontal", pad=0.12 + 0.3 / L, fraction=0.05)
+        bar = fig.colorbar(im, ax=ax, orientation="horizontal", pad=0.12 + 0.3 / L, fraction=0.05)
+        bar.formatter.set_useOffset(False)  # "1e-6+1.131369e1" under the bar reads as nothing
     axes[0].set_ylabel("block (layer)")
     _block_ticks(axes[0], L)
     _massive_panel(axes[-1], data, L)

@@ -35,6 +35,20 @@ def _layer_labels(n: int) -> list[str]:
     return ["x_0"] + [f"x_{i}" for i in range(1, n)]
 
 
+MAX_LAYER_TICKS = 15  # more labels than this along a 7-inch axis run together
+
+
+def layer_xticks(ax, labels: list[str], max_ticks: int = MAX_LAYER_TICKS) -> None:
+    """Layer labels on the x axis, thinned to at most max_ticks (every 2nd at 28 layers), always keeping
+    the first and the last layer."""
+    n = len(labels)
+    step = -(-n // max_ticks)
+    ticks = list(range(0, n, step))
+    if ticks[-1] != n - 1:
+        ticks[-1:] = [n - 1] if n - 1 - ticks[-1] <= step / 2 else [ticks[-1], n - 1]
+    ax.set_xticks(ticks, [labels[i] for i in ticks])
+
+
 def _compact(rank: float) -> str:
     return f"{rank:.0f}" if rank < 1000 else (f"{rank / 1000:.1f}k" if rank < 10_000 else f"{rank / 1000:.0f}k")
 
@@ -47,7 +61,7 @@ def lens_kl(data: dict, path: Path) -> Path:
         kl = np.asarray(view["mean_kl"], dtype=np.float64)[:-1]  # x_L's is 0 by definition
         ax.plot(np.arange(kl.size), np.where(kl > 0, kl, np.nan), "o-", label=NAMES[name])
     n = len(next(iter(lenses.values()))["mean_kl"]) - 1
-    ax.set_xticks(range(n), _layer_labels(n))
+    layer_xticks(ax, _layer_labels(n))
     ax.set_yscale("log")
     ax.set(xlabel="residual stream read (x_L, the model's output, has KL 0)",
            ylabel="KL(final || lens), nats, mean over positions",

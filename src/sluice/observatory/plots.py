@@ -20,7 +20,7 @@ from matplotlib.colors import LogNorm  # noqa: E402
 
 from .analysis import visible_token  # noqa: E402
 from .internals_plots import attention_heads, attribution_bars  # noqa: E402
-from .lens_views_plots import lens_kl, trajectory  # noqa: E402
+from .lens_views_plots import layer_xticks, lens_kl, trajectory  # noqa: E402
 
 DPI = 110
 LENS_POSITIONS = 32  # the lens grid shows at most the last this-many positions
@@ -57,18 +57,8 @@ def _layer_labels(n: int) -> list[str]:
     return ["emb"] + [str(i) for i in range(1, n)]
 
 
-MAX_LAYER_TICKS = 15  # more labels than this along a 7-inch axis run together
-
-
 def _layer_xticks(ax, n: int) -> None:
-    """Layer labels on the x axis, thinned to at most MAX_LAYER_TICKS (every 2nd at 28 layers),
-    always keeping emb and the last layer."""
-    step = -(-n // MAX_LAYER_TICKS)
-    ticks = list(range(0, n, step))
-    if ticks[-1] != n - 1:
-        ticks[-1:] = [n - 1] if n - 1 - ticks[-1] < step / 2 else [ticks[-1], n - 1]
-    labels = _layer_labels(n)
-    ax.set_xticks(ticks, [labels[i] for i in ticks])
+    layer_xticks(ax, _layer_labels(n))
 
 
 def _position_axis(ax, tokens: list[str], first: int = 0) -> None:
