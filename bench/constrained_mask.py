@@ -2,7 +2,7 @@
 outlines-core, on the bundled model's vocabulary (8,192) and a Qwen3-sized byte-level BPE one (151,936,
 random_checkpoint.write_tokenizer's), for a JSON Schema (nested objects, arrays, enums, a $ref) and a regex.
 
-    bash /work/.prof/quiet.sh .venv/bin/python bench/constrained_mask.py --json docs/results/constrained-mask.json
+    .venv/bin/python bench/constrained_mask.py --json docs/results/constrained-mask.json
 
 Per library and vocabulary, vocab_setup_s: seconds to read the vocabulary (once per engine); then per constraint:
 - compile: seconds from the constraint's text to a matcher ready for its first mask (the grammar built
