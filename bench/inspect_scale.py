@@ -33,6 +33,7 @@ from sluice.benchmarks.common import code_version
 from sluice.model import load
 from sluice.observatory.analysis import inspect
 from sluice.observatory.disturbance import LoadWatch
+from sluice.observatory.internals_tables import largest_massive
 from sluice.observatory.report import save
 from sluice.observatory.tuned_lens import load as load_tuned
 from sluice.text.tokenizer import Tokenizer
@@ -63,10 +64,7 @@ def summarise(data: dict) -> dict:
     att, attr = data["attention"], data["attribution"]
     m = att["head_means"]
     L, H = len(m["sink_mass"]), att["num_heads"]
-    best = {}
-    for r in data.get("massive_activations") or []:
-        if r["ratio_to_rms"] > best.get(r["layer"], {"ratio_to_rms": -1.0})["ratio_to_rms"]:
-            best[r["layer"]] = r
+    best = largest_massive(data, L)
     heads = sorted(((m["sink_mass"][i][h], i, h) for i in range(L) for h in range(H)), reverse=True)
     g = attr["growth"]
     order = sorted(range(len(g["branches"])), key=lambda j: -g["mean_delta"][j])

@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .analysis import visible_token  # noqa: E402
+from .internals_tables import largest_massive  # noqa: E402
 
 DPI = 110  # as plots.py (which lists these figures, so it cannot be imported from here)
 
@@ -79,11 +80,7 @@ def attention_heads(data: dict, path: Path) -> Path:
 
 def _massive_panel(ax, data: dict, L: int) -> None:
     """Beside the heat maps: the largest |x| / RMS in the stream x_l each block l reads, and its channel."""
-    rows = data.get("massive_activations") or []
-    best = {}
-    for r in rows:
-        if r["layer"] < L and r["ratio_to_rms"] > best.get(r["layer"], {"ratio_to_rms": -1})["ratio_to_rms"]:
-            best[r["layer"]] = r
+    best = largest_massive(data, L)
     ratios = [best[i]["ratio_to_rms"] if i in best else np.nan for i in range(L)]
     if not best:  # an empty panel would read as a plotting bug: say what the rule found instead
         rule = data.get("massive_rule") or {}

@@ -22,8 +22,9 @@ def _table(title: str, caption: str) -> Table:
                  min_width=min(max(len(title), len(caption)) + 4, 120))
 
 
-def _largest_massive(data: dict, L: int) -> dict[int, dict]:
-    """Per block, the largest |x| / RMS channel in the stream x_l the block reads (as the heat maps' side panel)."""
+def largest_massive(data: dict, L: int) -> dict[int, dict]:
+    """Per block, the largest |x| / RMS channel in the stream x_l the block reads (l < L): the heat maps'
+    side panel, the attention table's last column and bench/inspect_scale.py's summary."""
     best: dict[int, dict] = {}
     for r in data.get("massive_activations") or []:
         if r["layer"] < L and r["ratio_to_rms"] > best.get(r["layer"], {"ratio_to_rms": -1.0})["ratio_to_rms"]:
@@ -37,7 +38,7 @@ def attention_table(data: dict) -> Table:
     a = data["attention"]
     m = a["head_means"]
     L, H = len(m["entropy"]), a["num_heads"]
-    big = _largest_massive(data, L)
+    big = largest_massive(data, L)
     kv = f"{H} heads" if a["num_kv_heads"] == H else f"{H} query heads on {a['num_kv_heads']} KV heads"
     t = _table(f"attention valves per block ({kv})",
                f"sink: attention on position 0; entropy in nats; means over {a['means_over']}; massive: "
