@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from .plan import Row
-from .sampling import NONFINITE, argmax_rows, filtered_probs, nonfinite_rows
+from .sampling import NONFINITE, argmax_rows, nonfinite_rows
 from .sequence import SpecState
+from .spec_probs import RoundProbs
 from .speculative import AUTO_MAX_TOKENS, DEFAULT_SPECULATIVE_TOKENS, accept
 
 
@@ -81,10 +82,10 @@ def stacks(seen, counts, draft: torch.Tensor):
     return (None if seen is None else seen[:, None] | (cum > 0)), (None if counts is None else counts[:, None] + cum)
 
 
-def verify(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]:
+def verify(rows: list[Row], logits: list[torch.Tensor], probs: RoundProbs | None = None) -> list[list[int]]:
     """Each row's run: the guesses it keeps, then one more token (NONFINITE ends a run whose logits went
     non-finite). logits[i] (1 + len(rows[i].guesses), V): the target's after the row's last token and
-    after each guess."""
+    after each guess. probs: the caller's RoundProbs, kept across rounds (a fresh one if None)."""
     if all(r.seq.sampler.plain_greedy for r in rows):
         return _greedy_runs(rows, logits)
     B, K = len(rows), max(len(r.guesses) for r in rows)
@@ -99,11 +100,13 @@ def verify(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]:
     draft = torch.tensor([r.guesses + [0] * (K - len(r.guesses)) for r in rows], dtype=torch.long, device=dev)
     samplers = [r.seq.sampler for r in rows]
     seen, counts = stacks(*penalty_state(rows), draft)
-    params = [s.params[0] for s in samplers for _ in range(K + 1)]
-    p = filtered_probs(x.reshape(B * (K + 1), V), params, None if seen is None else seen.reshape(B * (K + 1), V),
-                       None if counts is None else counts.reshape(B * (K + 1), V)).view(B, K + 1, V)
+    p = (probs or RoundProbs())(x.reshape(B * (K + 1), V), samplers, K + 1,
+                                None if seen is None else seen.reshape(B * (K + 1), V),
+                                None if counts is None else counts.reshape(B * (K + 1), V)).view(B, K + 1, V)
     q = None
-    if rows[0].q is not None:
+    if rows[0].q is not None and all(n == K for n in lengths):
+        q = rows[0].q[None] if B == 1 else torch.stack([r.q for r in rows])
+    elif rows[0].q is not None:
         q = torch.zeros(B, K, V, device=dev)
         for i, r in enumerate(rows):
             q[i, : len(r.guesses)] = r.q

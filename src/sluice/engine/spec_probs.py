@@ -1,0 +1,56 @@
+"""The filtered distributions of a speculative round (verify.py's p, proposers.py's q), with the rows'
+parameter tensors kept from one round to the next.
+
+sampling.filtered_probs rebuilds them from the params at every call: each row's params copied and
+validated, eight small tensors made. A round called it once per draft guess and once for the verify, with
+the same rows every time: on the bundled model that rebuilding cost about as much as the softmaxes
+themselves. RoundProbs runs the same operations in the same order (penalties, filter_logits, softmax, the
+greedy rows' one-hot), so the probabilities are filtered_probs' bit for bit; only the tensors of the
+params are kept, until the rows change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .filtering import filter_flags, filter_logits, penalize_counts, penalize_seen, row_tensors
+
+
+class RoundProbs:
+    """filtered_probs for a batch of the scheduler's samplers (one row each), each row's params repeated
+    `repeat` times in a row (verify: one row a position). Holds the last batch's samplers, compared by
+    identity, so a sampler cannot be freed and its id reused while its tensors are kept."""
+
+    def __init__(self):
+        self._samplers: list = []
+        self._repeat = 0
+        self._width = 0
+
+    def _refresh(self, samplers: list, repeat: int, width: int, device) -> None:
+        same = (repeat == self._repeat and width == self._width and len(samplers) == len(self._samplers)
+                and all(a is b for a, b in zip(samplers, self._samplers, strict=True)))
+        if same:
+            return
+        params = [s.params[0] for s in samplers for _ in range(repeat)]
+        self.rows = row_tensors(params, width, device)
+        self.flags = filter_flags(params)
+        self.any_greedy = any(p.temperature == 0 for p in params)
+        self._samplers, self._repeat, self._width = list(samplers), repeat, width
+
+    def __call__(self, logits: torch.Tensor, samplers: list, repeat: int = 1, seen: torch.Tensor | None = None,
+                 counts: torch.Tensor | None = None, tail_cuts: bool = True) -> torch.Tensor:
+        """(B * repeat, V) logits -> fp32 probs, as filtered_probs(logits, params, seen, counts, tail_cuts)
+        with params each sampler's repeated `repeat` times."""
+        x = logits.float()
+        self._refresh(samplers, repeat, x.shape[-1], x.device)
+        rows = self.rows
+        if seen is not None:
+            x = penalize_seen(x, seen, rows["penalty"])
+        if counts is not None:
+            x = penalize_counts(x, counts, rows["presence"], rows["frequency"])
+        top_k, top_p, min_p = self.flags
+        probs = filter_logits(x, rows, top_k, top_p and tail_cuts, min_p and tail_cuts).softmax(-1)
+        if self.any_greedy:
+            probs = torch.where(rows["greedy"][:, None], F.one_hot(x.argmax(-1), x.shape[-1]).to(probs.dtype), probs)
+        return probs
