@@ -38,13 +38,23 @@ class RoundProbs:
         self.any_greedy = any(p.temperature == 0 for p in params)
         self._samplers, self._repeat, self._width = list(samplers), repeat, width
 
+    @staticmethod
+    def sorts(samplers: list) -> bool:
+        """Whether some sampled row's filters sort it whole (top_p or min_p): then a row costs far more than
+        its softmax."""
+        return any(p.temperature > 0 and (p.top_p < 1 or p.min_p > 0) for p in (s.params[0] for s in samplers))
+
     def __call__(self, logits: torch.Tensor, samplers: list, repeat: int = 1, seen: torch.Tensor | None = None,
-                 counts: torch.Tensor | None = None, tail_cuts: bool = True) -> torch.Tensor:
+                 counts: torch.Tensor | None = None, tail_cuts: bool = True, pick: list[int] | None = None) -> torch.Tensor:
         """(B * repeat, V) logits -> fp32 probs, as filtered_probs(logits, params, seen, counts, tail_cuts)
-        with params each sampler's repeated `repeat` times."""
+        with params each sampler's repeated `repeat` times. pick: logits (len(pick), V) are the rows
+        `pick` of the samplers' (repeat 1), whose params are taken from the whole batch's."""
         x = logits.float()
         self._refresh(samplers, repeat, x.shape[-1], x.device)
         rows = self.rows
+        if pick is not None and len(pick) < len(samplers):
+            at = torch.tensor(pick, device=x.device)
+            rows = {k: v.index_select(0, at) for k, v in rows.items()}
         if seen is not None:
             x = penalize_seen(x, seen, rows["penalty"])
         if counts is not None:
