@@ -153,3 +153,41 @@ def test_penalty_sees_every_earlier_guess():
     seen_at, counts_at = stacks(seen, counts, torch.tensor([[4, 5, 4]]))
     assert [torch.nonzero(seen_at[0, i])[:, 0].tolist() for i in range(4)] == [[1], [1, 4], [1, 4, 5], [1, 4, 5]]
     assert [counts_at[0, i, [4, 5]].tolist() for i in range(4)] == [[0, 2], [1, 2], [1, 3], [2, 3]]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_staged_verify_decides_what_the_full_one_decides(monkeypatch, native):
+    """verify() with top_p / min_p filters only the positions the rule reads (verify.staged_probs: it stops
+    at a row's first rejection). Over random rounds whose guesses are often kept (q near p), with mixed
+    greedy and sampled rows, penalties and uneven guess counts: the same runs and the same streams as
+    verify() filtering every position, on the native rule and on the torch one."""
+    import random
+
+    from sluice.engine import accept as accept_kernel
+    from sluice.engine.spec_probs import RoundProbs
+    if not native:
+        monkeypatch.setattr(accept_kernel, "kernel", lambda: None)
+    rng, gen, V = random.Random(0), torch.Generator().manual_seed(0), 40
+    kinds = [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_p=0.7, min_p=0.05),
+             dict(temperature=0.9, min_p=0.1, repetition_penalty=1.3, presence_penalty=0.5), dict(temperature=0)]
+    kept = 0
+    for t in range(150):
+        B, K = rng.randint(1, 4), rng.randint(1, 5)
+        shapes = [(rng.choice(kinds[:3] if b == 0 else kinds), rng.randint(1, K)) for b in range(B)]
+        logits = [torch.randn(n + 1, V, generator=gen) * 3 for _, n in shapes]
+        qs = [torch.softmax(lg[:-1] + 0.3 * torch.randn(lg.shape[0] - 1, V, generator=gen), -1) for lg in logits]
+        guesses = [torch.multinomial(q, 1, generator=gen)[:, 0].tolist() for q in qs]
+
+        def batch(seed=1000 * t):
+            return [SimpleNamespace(seq=SimpleNamespace(sampler=Sampler([SamplingParams(seed=seed + b, **kw)], V)),
+                                    guesses=g, q=q) for b, ((kw, _), g, q) in enumerate(zip(shapes, guesses, qs))]
+
+        staged, full = batch(), batch()
+        a = verify(staged, logits, RoundProbs())
+        with monkeypatch.context() as m:
+            m.setattr(RoundProbs, "sorts", staticmethod(lambda samplers: False))
+            b = verify(full, logits, RoundProbs())
+        assert a == b
+        assert [r.seq.sampler.streams[0].draws for r in staged] == [r.seq.sampler.streams[0].draws for r in full]
+        kept += sum(len(run) - 1 for run in a)
+    assert kept > 300  # rounds that keep guesses, where a stage too few or too many would show

@@ -17,6 +17,7 @@ from .plan import Row, StepPlan
 from .prompt_logprobs import record
 from .sampling import NONFINITE, Sampler, SamplingParams, argmax_rows
 from .sequence import Seq
+from .spec_probs import RoundProbs
 from .verify import verify
 
 
@@ -81,6 +82,7 @@ class StepDraw:
         self.batch = BatchDraw(head)
         self.start = getattr(head, "start", 0)  # the first vocabulary id of the logits' columns
         self.fused_calls = self.fused_filtered = self.fused_fallback = 0  # what "auto" decides on
+        self.round_probs = RoundProbs()  # a speculative round's target probabilities, its params kept
 
     @property
     def fallback_rate(self) -> float:
@@ -105,7 +107,7 @@ class StepDraw:
         if guessing:
             logits = [out[r] if r.seq.guide is None else
                       masked(out[r], list(r.seq.guide.allowed_along(r.guesses)), self.start) for r in guessing]
-            runs.update(zip(guessing, verify(guessing, logits), strict=True))
+            runs.update(zip(guessing, verify(guessing, logits, self.round_probs), strict=True))
             for r in guessing:  # what plain sampling would have recorded, token by token
                 r.seq.sampler.add_generated(0, [t for t in runs[r] if t != NONFINITE])
         return runs, self._logprobs(plan, out, runs)

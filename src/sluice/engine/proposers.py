@@ -14,7 +14,8 @@ from ..model.layers import Transformer
 from .batch_forward import BatchForward
 from .paged_cache import BlockPool
 from .plan import Row
-from .sampling import argmax_rows, filtered_probs, nonfinite_rows
+from .sampling import argmax_rows, nonfinite_rows
+from .spec_probs import RoundProbs
 from .speculative import draw
 from .verify import grow, penalty_state
 
@@ -34,6 +35,7 @@ class DraftProposer:
     def __init__(self, model: Transformer, pool: BlockPool, native: bool = True):
         self.model, self.pool = model, pool
         self.forward = BatchForward(model, pool, native)
+        self.probs = RoundProbs()  # the draft's q, its rows' params kept across guesses and rounds
 
     def refresh(self) -> None:
         self.forward.refresh()
@@ -96,7 +98,7 @@ class DraftProposer:
                 tokens[:, j], broken = argmax_rows(logits.float())
             else:
                 broken = nonfinite_rows(logits)
-                probs = filtered_probs(logits, params, seen, counts, tail_cuts=False)
+                probs = self.probs(logits, samplers, 1, seen, counts, tail_cuts=False)
                 tokens[:, j] = draw(probs, [i for i in sampled if i in alive], streams)
                 seen, counts = grow(seen, counts, tokens[:, j])
                 q[:, j] = probs

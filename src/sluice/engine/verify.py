@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from .plan import Row
-from .sampling import NONFINITE, argmax_rows, filtered_probs, nonfinite_rows
+from .sampling import NONFINITE, argmax_rows, nonfinite_rows
 from .sequence import SpecState
+from .spec_probs import RoundProbs
+from .noise import ACCEPT, uniforms_range
 from .speculative import AUTO_MAX_TOKENS, DEFAULT_SPECULATIVE_TOKENS, accept
 
 
@@ -81,10 +83,10 @@ def stacks(seen, counts, draft: torch.Tensor):
     return (None if seen is None else seen[:, None] | (cum > 0)), (None if counts is None else counts[:, None] + cum)
 
 
-def verify(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]:
+def verify(rows: list[Row], logits: list[torch.Tensor], probs: RoundProbs | None = None) -> list[list[int]]:
     """Each row's run: the guesses it keeps, then one more token (NONFINITE ends a run whose logits went
     non-finite). logits[i] (1 + len(rows[i].guesses), V): the target's after the row's last token and
-    after each guess."""
+    after each guess. probs: the caller's RoundProbs, kept across rounds (a fresh one if None)."""
     if all(r.seq.sampler.plain_greedy for r in rows):
         return _greedy_runs(rows, logits)
     B, K = len(rows), max(len(r.guesses) for r in rows)
@@ -99,15 +101,20 @@ def verify(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]:
     draft = torch.tensor([r.guesses + [0] * (K - len(r.guesses)) for r in rows], dtype=torch.long, device=dev)
     samplers = [r.seq.sampler for r in rows]
     seen, counts = stacks(*penalty_state(rows), draft)
-    params = [s.params[0] for s in samplers for _ in range(K + 1)]
-    p = filtered_probs(x.reshape(B * (K + 1), V), params, None if seen is None else seen.reshape(B * (K + 1), V),
-                       None if counts is None else counts.reshape(B * (K + 1), V)).view(B, K + 1, V)
+    probs = probs or RoundProbs()
     q = None
-    if rows[0].q is not None:
+    if rows[0].q is not None and all(n == K for n in lengths):
+        q = rows[0].q[None] if B == 1 else torch.stack([r.q for r in rows])
+    elif rows[0].q is not None:
         q = torch.zeros(B, K, V, device=dev)
         for i, r in enumerate(rows):
             q[i, : len(r.guesses)] = r.q
     sampled = [i for i, s in enumerate(samplers) if s.params[0].temperature > 0]
+    if probs.sorts(samplers):
+        p = staged_probs(x, draft, q, lengths, sampled, samplers, seen, counts, probs)
+    else:
+        p = probs(x.reshape(B * (K + 1), V), samplers, K + 1, None if seen is None else seen.reshape(B * (K + 1), V),
+                  None if counts is None else counts.reshape(B * (K + 1), V)).view(B, K + 1, V)
     n, final = accept(p, q, draft, lengths, sampled, [s.streams[0] for s in samplers])
     # A position whose logits hold NaN or inf ends the row's run with NONFINITE (the engine reports it).
     bad = nonfinite_rows(x)  # (B, K+1)
@@ -115,6 +122,44 @@ def verify(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]:
     final = torch.where(first_bad <= n, NONFINITE, final)
     n = torch.minimum(n, first_bad)
     return [g[:k] + [f] for g, k, f in zip(draft.tolist(), n.tolist(), final.tolist(), strict=True)]
+
+
+def staged_probs(x, draft, q, lengths, sampled, samplers, seen, counts, probs: RoundProbs) -> torch.Tensor:
+    """The target's p (B, K+1, V) at the positions the acceptance rule reads: a row's positions 0..n for
+    its n kept guesses; zeros elsewhere (never read). For rows whose filters sort the whole row (top_p,
+    min_p), where a position costs a sort: guess j is decided by the rule's own test, u q(x) < p(x) in
+    fp32 with the row's acceptance uniforms (read, not advanced; accept() then makes the same decisions
+    from the same bits), and the next position is filtered only for the rows that kept it. A round that
+    rejects its first guess sorts one position instead of K+1."""
+    B, K1, V = x.shape
+    K = K1 - 1
+    p = x.new_zeros(B, K1, V, dtype=torch.float32)
+    u = torch.zeros(B, K, device=x.device)  # greedy rows: u = 0, kept iff p(x) > 0, as in the rule
+    if sampled and K:
+        u[sampled] = uniforms_range([samplers[i].streams[0] for i in sampled], 0, K, ACCEPT)
+    alive = list(range(B))
+    for j in range(K1):
+        if not alive:
+            break
+        pick = torch.tensor(alive)
+        whole = len(alive) == B
+        pj = probs(x[:, j] if whole else x[pick, j], samplers, 1,
+                   None if seen is None else (seen[:, j] if whole else seen[pick, j]),
+                   None if counts is None else (counts[:, j] if whole else counts[pick, j]), pick=alive)
+        if whole:
+            p[:, j] = pj
+        else:
+            p[pick, j] = pj
+        alive = [i for i in alive if lengths[i] > j]
+        if j == K or not alive:
+            break
+        at = torch.tensor(alive)
+        guess = draft[at, j]
+        px = p[at, j].gather(-1, guess[:, None])[:, 0]
+        qx = torch.ones_like(px) if q is None else q[at, j].gather(-1, guess[:, None])[:, 0]
+        kept = (u[at, j] * qx < px).tolist()
+        alive = [i for i, k in zip(alive, kept, strict=True) if k]
+    return p
 
 
 def _greedy_runs(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]:

@@ -1,0 +1,59 @@
+"""spec_probs.RoundProbs: a speculative round's filtered probabilities, bit for bit sampling.filtered_probs'
+(the acceptance rule's p must be the distribution plain sampling draws from), with the rows' params kept
+across calls and top_p taken from a prefix of the sort where that provably keeps the same tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from sluice import SamplingParams
+from sluice.engine.sampling import Sampler, filtered_probs
+from sluice.engine.spec_probs import RoundProbs
+
+V = 8192
+
+
+def _peaked(gen: torch.Generator, B: int, spread: float) -> torch.Tensor:
+    """Logits like a trained model's: a few tokens far above a noisy floor (a nucleus of a few tokens)."""
+    x = torch.randn(B, V, generator=gen) * spread
+    x[:, :6] += torch.rand(B, 6, generator=gen) * 12
+    return x
+
+
+def test_equals_filtered_probs_and_takes_the_prefix_where_it_can():
+    gen, rp = torch.Generator().manual_seed(0), RoundProbs()
+    kinds = [dict(temperature=0.8, top_p=0.95), dict(temperature=1.0, top_p=0.5), dict(temperature=0.6, top_p=0.99),
+             dict(temperature=1.0, top_p=0.9, top_k=50), dict(temperature=0.7, min_p=0.1), dict(temperature=0),
+             dict(temperature=1.1, repetition_penalty=1.3)]
+    for t in range(240):
+        B = 1 + t % 3
+        params = [SamplingParams(**kinds[(t // 3 + b * (t % 2)) % len(kinds)]) for b in range(B)]
+        samplers = [Sampler([p], V) for p in params]
+        x = _peaked(gen, B, [0.5, 2.0, 4.0][t % 3]) if t % 4 else torch.randn(B, V, generator=gen) * 3
+        seen = torch.rand(B, V, generator=gen) < 0.01
+        for repeat in (1, 2):
+            xs, ss = x.repeat_interleave(repeat, 0), seen.repeat_interleave(repeat, 0)
+            want = filtered_probs(xs, [p for p in params for _ in range(repeat)], ss)
+            assert torch.equal(rp(xs, samplers, repeat, ss), want), (t, params)
+    # the prefix decided most peaked top_p rows; flat rows (a nucleus past 64 tokens) took the sort
+    assert rp.nucleus_calls > 100 and 0 < rp.nucleus_fallbacks < rp.nucleus_calls
+
+
+def test_a_mass_at_the_cut_takes_the_sort():
+    """Tokens whose mass before them lands within the margin of top_p: the prefix does not decide them."""
+    x = torch.randn(1, V, generator=torch.Generator().manual_seed(2)) * 0.1 - 30  # no ties at the prefix end
+    x[0, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()  # masses before: 0, 0.5, 0.75, 0.875
+    rp = RoundProbs()
+    for top_p in (0.75, 0.7, 0.8):
+        p = SamplingParams(temperature=1.0, top_p=top_p)
+        assert torch.equal(rp(x, [Sampler([p], V)]), filtered_probs(x, p))
+    assert rp.nucleus_calls == 3 and rp.nucleus_fallbacks == 1  # 0.75 only
+
+
+def test_params_follow_a_new_batch():
+    """The kept tensors belong to the batch they were made for: other samplers get their own params."""
+    x = _peaked(torch.Generator().manual_seed(1), 1, 2.0)
+    rp = RoundProbs()
+    for kw in (dict(temperature=0.5, top_p=0.9), dict(temperature=1.5, top_p=0.6), dict(temperature=0)):
+        p = SamplingParams(**kw)
+        assert torch.equal(rp(x, [Sampler([p], V)]), filtered_probs(x, p))
