@@ -1,7 +1,7 @@
 """`sluice export-gguf`: a checkpoint sluice loads, written as a GGUF file that llama.cpp runs.
 
-The weights come from sluice's own loader (so Hugging Face names stay in weights.py) and are
-renamed to llama.cpp's tensor names for the architectures whose llama.cpp graph matches sluice's
+The weights are read with sluice's own name tables and checks (so Hugging Face names stay in
+weights.py) and renamed to llama.cpp's tensor names for the architectures whose llama.cpp graph matches sluice's
 model with the same tensors: Llama and Mistral (llama.cpp's "llama"), Qwen2 and Qwen3. Metadata
 follows llama.cpp's own converter (convert_hf_to_gguf.py), so llama.cpp reads the file as if it
 had converted the checkpoint itself.
@@ -15,8 +15,16 @@ Two details decide whether llama.cpp computes the same function:
   2-D matrices take the requested type. q4_0 is `llama-quantize --pure`'s: every matrix Q4_0
   (its default mix makes the output Q6_K), the bytes per weight of sluice's int4.
 
-The file is written tensor by tensor to a temporary file next to the target and renamed at the
-end, so an interrupted export leaves nothing half-written under the target name.
+Memory. No model is built: each tensor streams from the memory-mapped checkpoint into the file a
+chunk of rows at a time (gguf_tensors.py), converted, encoded, written and dropped, so a 16 GB
+checkpoint exports in the memory of a few 16 MiB chunks plus the tokenizer. gguf's GGUFWriter
+writes the header, the metadata and the tensor index from shapes alone; the data section after it
+is appended here, chunk by chunk, with the writer's alignment, where its write_tensor_data would
+want each tensor whole.
+
+The file is written to a temporary file next to the target and renamed at the end, so an
+interrupted export (or a NaN found in the last tensor) leaves nothing half-written under the
+target name.
 """
 
 from __future__ import annotations
@@ -30,8 +38,10 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, SluiceError
+from .gguf_tensors import Source, plan_tensors, rope_deinterleave, rope_interleave
 from .gguf_vocab import add_generation_defaults, add_tokenizer
-from .weights import scheme_of, sluice_to_hf
+
+__all__ = ["ARCHITECTURES", "ExportError", "OUTTYPES", "export_gguf", "rope_deinterleave", "rope_interleave"]
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 # HF architecture -> (llama.cpp architecture, whether q/k rows are reordered for its RoPE).
@@ -41,14 +51,6 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", False),
     "Qwen3ForCausalLM": ("qwen3", False),
 }
-# sluice parameter (inside a block, or at the top) -> llama.cpp's name for it (a gguf.MODEL_TENSOR
-# member name; the package's table gives the spelling, e.g. ATTN_Q -> "blk.{bid}.attn_q").
-_BLOCK_TENSORS = {
-    "attn_norm": "ATTN_NORM", "attn.q": "ATTN_Q", "attn.k": "ATTN_K", "attn.v": "ATTN_V",
-    "attn.o": "ATTN_OUT", "attn.q_norm": "ATTN_Q_NORM", "attn.k_norm": "ATTN_K_NORM",
-    "mlp_norm": "FFN_NORM", "mlp.gate": "FFN_GATE", "mlp.up": "FFN_UP", "mlp.down": "FFN_DOWN",
-}
-_TOP_TENSORS = {"embed": "TOKEN_EMBD", "final_norm": "OUTPUT_NORM", "lm_head": "OUTPUT"}
 # (llama file type, matrix tensor type) per outtype; file types are gguf.LlamaFileType's values.
 _FILE_TYPES = {"f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"),
                "bf16": ("MOSTLY_BF16", "BF16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0"), "q4_0": ("MOSTLY_Q4_0", "Q4_0")}
@@ -56,19 +58,6 @@ _FILE_TYPES = {"f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"),
 
 class ExportError(SluiceError):
     """The GGUF file cannot be written (no room on the disk, an unwritable target)."""
-
-
-def rope_interleave(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of a q or k projection (weight or bias) from HF's rotate-half layout to llama.cpp's
-    interleaved one: within each head, rows [0..D/2) and [D/2..D) become the even and odd rows."""
-    head_dim = w.shape[0] // n_heads
-    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def rope_deinterleave(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of rope_interleave (to read a llama-architecture GGUF back into HF layout)."""
-    head_dim = w.shape[0] // n_heads
-    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _family(cfg) -> tuple[str, bool]:
@@ -82,79 +71,16 @@ def _family(cfg) -> tuple[str, bool]:
     return ARCHITECTURES[cfg.architecture]
 
 
-def _rope_freq_factors(cfg) -> torch.Tensor:
-    """llama.cpp's rope_freqs tensor for Llama 3 RoPE scaling: by how much each pair's frequency is
-    divided. sluice's own scaled frequencies give it directly, so both engines rotate alike."""
-    from .layers import rope_inv_freq
-    return rope_inv_freq(cfg.replace(rope_scaling=None)) / rope_inv_freq(cfg)
-
-
-def plan_tensors(model, arch: str, interleave: bool) -> list[tuple[str, torch.Tensor]]:
-    """(llama.cpp name, tensor in llama.cpp's layout) for every weight: the token embedding (and
-    rope_freqs) first, then block by block, the final norm and output last."""
-    import gguf
-
-    cfg = model.config
-    kinds = gguf.MODEL_TENSORS[gguf.MODEL_ARCH[arch.upper()]]
-    names = {}  # sluice name -> gguf name
-    for prefix, table in [("", _TOP_TENSORS)] + [(f"layers.{i}.", _BLOCK_TENSORS) for i in range(cfg.num_layers)]:
-        bid = int(prefix.split(".")[1]) if prefix else None
-        for ours, theirs in table.items():
-            kind = gguf.MODEL_TENSOR[theirs]
-            for suffix in ("weight", "bias"):
-                names[f"{prefix}{ours}.{suffix}"] = (kind, gguf.TENSOR_NAMES[kind].format(bid=bid) + "." + suffix)
-    out = []
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # llama.cpp reuses token_embd when there is no output tensor
-        if name not in names:
-            raise ConfigError(f"export-gguf has no llama.cpp name for sluice parameter {name!r}")
-        kind, gguf_name = names[name]
-        if kind not in kinds:
-            raise ConfigError(f"llama.cpp's {arch} architecture has no {gguf_name} tensor (sluice: {name})")
-        if interleave and name.endswith(("attn.q.weight", "attn.q.bias")):
-            t = rope_interleave(t, cfg.num_heads)
-        elif interleave and name.endswith(("attn.k.weight", "attn.k.bias")):
-            t = rope_interleave(t, cfg.num_kv_heads)
-        out.append((gguf_name, t))
-    scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type") == "llama3":
-        if arch != "llama":
-            raise ConfigError(f"Llama 3 RoPE scaling on {cfg.architecture} has no llama.cpp equivalent")
-        out.insert(0, (gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", _rope_freq_factors(cfg)))
-    order = {"token_embd": 0, "rope_freqs": 0, "output_norm": 2, "output": 2}
-    out.sort(key=lambda nt: (order.get(nt[0].split(".")[0], 1), _block_index(nt[0])))
-    return out
-
-
-def _refuse_nonfinite(model, architecture: str) -> None:
-    """A weight holding NaN or inf makes every output of llama.cpp garbage, far from the cause: say
-    which checkpoint tensor it is here instead of writing a file that only looks fine."""
-    for name, t in model.state_dict().items():
-        if not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
-            try:
-                name = sluice_to_hf(name, scheme_of(architecture))
-            except KeyError:
-                pass  # no checkpoint name (a derived tensor): sluice's own name still says where
-            raise ExportError(f"the checkpoint's tensor {name} holds {bad} NaN or infinite value(s) of "
-                              f"{t.numel()}; a GGUF file of it would compute garbage, so none is written")
-
-
-def _block_index(name: str) -> int:
-    return int(name.split(".")[1]) if name.startswith("blk.") else -1
-
-
-def _tensor_type(t: torch.Tensor, matrix_type: str):
+def _tensor_type(shape: tuple[int, ...], matrix_type: str):
     """The GGML type a tensor is stored as: 1-D always F32; Q8_0 and Q4_0 need rows that are whole
     blocks of 32 and fall back to F16 otherwise, as llama.cpp's converter and llama-quantize do."""
     import gguf
 
     q = gguf.GGMLQuantizationType
-    if t.dim() < 2:
+    if len(shape) < 2:
         return q.F32
     qtype = q[matrix_type]
-    if qtype in (q.Q8_0, q.Q4_0) and t.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+    if qtype in (q.Q8_0, q.Q4_0) and shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
         return q.F16
     return qtype
 
@@ -167,12 +93,37 @@ def _nbytes(shape: tuple[int, ...], qtype) -> int:
 
 
 def _encode(t: torch.Tensor, qtype) -> np.ndarray:
+    """A float32 chunk of whole rows as the bytes of GGML type qtype."""
     import gguf
 
-    data = t.detach().to(torch.float32).cpu().numpy()
+    data = t.numpy()
     if qtype == gguf.GGMLQuantizationType.F32:
         return np.ascontiguousarray(data)
     return gguf.quants.quantize(data, qtype)  # F16, BF16 (round to nearest even), Q8_0, Q4_0, in numpy
+
+
+def _refuse_nonfinite(s: Source) -> None:
+    """A weight holding NaN or inf makes every output of llama.cpp garbage, far from the cause: say
+    which checkpoint tensor it is (and how many values) instead of finishing a file that only looks fine."""
+    bad = sum(int((~torch.isfinite(c)).sum()) for c in s.chunks())
+    raise ExportError(f"the checkpoint's tensor {s.hf_name or s.name} holds {bad} NaN or infinite value(s) "
+                      f"of {s.numel()}; a GGUF file of it would compute garbage, so none is written")
+
+
+def _write_data(path: Path, tensors: list[Source], types: list, alignment: int, progress) -> None:
+    """Append the data section after the writer's tensor index: each tensor chunk by chunk, each
+    starting at a multiple of `alignment` and the last padded to one (what write_tensor_data does)."""
+    with open(path, "r+b") as f:
+        f.seek(0, os.SEEK_END)
+        for i, (s, qtype) in enumerate(zip(tensors, types, strict=True)):
+            f.write(bytes(-f.tell() % alignment))
+            for chunk in s.chunks():
+                if not bool(torch.isfinite(chunk).all()):
+                    _refuse_nonfinite(s)
+                _encode(chunk, qtype).tofile(f)
+            if progress is not None:
+                progress(i + 1, len(tensors))
+        f.write(bytes(-f.tell() % alignment))
 
 
 def _add_hparams(writer, cfg, arch: str, file_type: int, name: str, n_params: int) -> None:
@@ -202,21 +153,6 @@ def _add_hparams(writer, cfg, arch: str, file_type: int, name: str, n_params: in
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _load_dtype(model_dir: Path, outtype: str) -> torch.dtype:
-    """bfloat16 when every stored tensor is bf16 and the output is not f32 (exact, half the memory),
-    else float32."""
-    from safetensors import safe_open
-
-    from .weights import checkpoint_files
-    if outtype == "f32":
-        return torch.float32
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            if any(f.get_slice(k).get_dtype() != "BF16" for k in f.keys()):
-                return torch.float32
-    return torch.bfloat16
-
-
 def export_gguf(model_dir: str | Path | None, out_path: str | Path, outtype: str = "bf16",
                 progress=None) -> dict:
     """Write the checkpoint in `model_dir` (None = the bundled model; a cached repo id works too)
@@ -227,14 +163,14 @@ def export_gguf(model_dir: str | Path | None, out_path: str | Path, outtype: str
 
     from .config import ModelConfig
     from .hub import resolve_model_dir
-    from .loading import bundled_model_dir, load
+    from .loading import bundled_model_dir
 
     if outtype not in OUTTYPES:
         raise ConfigError(f"outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
     start = time.perf_counter()
     src = bundled_model_dir() if model_dir is None else resolve_model_dir(model_dir)
     cfg = ModelConfig.from_hf(src)
-    arch, interleave = _family(cfg)  # refuse before the (slow) load
+    arch, interleave = _family(cfg)  # refuse before reading the checkpoint
     out = Path(out_path).expanduser().resolve()
     if out.is_dir():
         raise ExportError(f"{out} is a directory; --out takes the path of the .gguf file to write")
@@ -248,22 +184,17 @@ def export_gguf(model_dir: str | Path | None, out_path: str | Path, outtype: str
     except OSError as e:
         raise ExportError(f"cannot create the directory {out.parent}: {e}") from None
 
-    model = load(src, _load_dtype(src, outtype))
-    _refuse_nonfinite(model, cfg.architecture)
-    tensors = plan_tensors(model, arch, interleave)
+    tensors = plan_tensors(cfg, src, arch, interleave)
     file_type_name, matrix_type = _FILE_TYPES[outtype]
     writer = gguf.GGUFWriter(None, arch)
-    n_params = sum(t.numel() for _, t in tensors)
+    n_params = sum(s.numel() for s in tensors)
     _add_hparams(writer, cfg, arch, int(gguf.LlamaFileType[file_type_name]), src.name, n_params)
     vocab = add_tokenizer(writer, src, cfg.vocab_size)
     add_generation_defaults(writer, src)
-    types = []
-    for name, t in tensors:
-        qtype = _tensor_type(t, matrix_type)
-        shape = tuple(t.shape)
-        writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, qtype), raw_dtype=qtype)
-        types.append(qtype)
-    data_bytes = sum(_nbytes(tuple(t.shape), q) for (_, t), q in zip(tensors, types, strict=True))
+    types = [_tensor_type(s.shape, matrix_type) for s in tensors]
+    for s, qtype in zip(tensors, types, strict=True):
+        writer.add_tensor_info(s.name, s.shape, np.dtype(np.float32), _nbytes(s.shape, qtype), raw_dtype=qtype)
+    data_bytes = sum(_nbytes(s.shape, q) for s, q in zip(tensors, types, strict=True))
     # Room for the tensors plus the header (token strings and merges), with a margin.
     need = data_bytes + 64 * 1024 * 1024
     free = shutil.disk_usage(out.parent).free
@@ -276,11 +207,8 @@ def export_gguf(model_dir: str | Path | None, out_path: str | Path, outtype: str
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for i, ((_, t), qtype) in enumerate(zip(tensors, types, strict=True)):
-            writer.write_tensor_data(_encode(t, qtype))
-            if progress is not None:
-                progress(i + 1, len(tensors))
         writer.close()
+        _write_data(tmp, tensors, types, writer.data_alignment, progress)
         os.replace(tmp, out)
     except BaseException:
         writer.close()
