@@ -102,3 +102,20 @@ def test_torchs_avx2_softmax_is_reproduced_too():
 @pytest.mark.slow
 def test_the_avx2_build_draws_top_p_the_same_on_an_avx512_cpu():
     run_avx2_build("sample", __file__, "not avx2 and not qwen")
+
+
+def test_a_top_p_exactly_on_torchs_cumulative_mass_cuts_where_torch_does():
+    """top_p set to torch's own fp32 mass before a token (and one ulp above it): one ulp of difference in the
+    softmax sum would move the cut by that token, so only the same bits give the same draws."""
+    V = 4099
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, V, generator=g) * 2
+    x[0, [10, 20, 30, 40]] = torch.tensor([8.0, 7.9, 7.8, 7.7])  # four tokens of ~a fifth of the mass each
+    scaled = x - x.amax(-1, keepdim=True)
+    probs = scaled.sort(dim=-1, descending=True, stable=True)[0].softmax(-1)
+    mass_before = probs.cumsum(-1)[0]
+    for j in (1, 2, 3):
+        at = mass_before[j - 1]
+        for top_p in (at, torch.nextafter(at, torch.tensor(1.0))):
+            params = [SamplingParams(temperature=1.0, top_p=float(top_p), seed=s) for s in range(12)]
+            assert drawn_natively(params, V, [x.expand(12, V).contiguous()]) == 1
