@@ -3,7 +3,8 @@ path (filtering.py) draws: penalties, max and NaN / inf check, temperature, top_
 counter-based noise and the race, for every row at once, with the penalty state updated in place.
 
 The kernel takes a decision only where it can prove torch's float arithmetic takes the same one (its
-comments say how); where it cannot, or the step is unusual (a NaN or inf row, top_p with top_k off), it
+comments say how; top_p with top_k off reproduces torch's softmax bit for bit, which needs the lane count of
+torch's own vectorised kernels, LANES); where it cannot, or the step is unusual (a NaN or inf row), it
 changes nothing and the caller runs the torch path. So the kernel is an optimisation, never a second
 definition of a draw: turning it off (SLUICE_NO_KERNELS, no compiler) gives the same tokens.
 """
@@ -16,6 +17,9 @@ from .native import NATIVE_DIR, NativeExtension
 
 _EXT = NativeExtension(NATIVE_DIR / "sample.cpp", "batch sampling kernel")
 _PARAMS = ("temperature", "top_p", "min_p", "penalty", "presence", "frequency")  # the kernel's row layout
+# The fp32 lanes of ATen's vectorised kernels in this process (its softmax sums in that many lanes); 0 where
+# the kernel cannot know them, and then defers top_p with top_k off.
+LANES = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 0)
 STATS = {"calls": 0, "fallback": 0}  # native calls, and those handed to the torch path (bench/sampler.py)
 
 
@@ -49,7 +53,7 @@ def draw(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], seen: torch
     STATS["calls"] += 1
     tokens, deferred = kern.draw(x.contiguous(), packed[0], packed[1],
                                  _NONE_BOOL if seen is None else seen, _NONE_FLOAT if counts is None else counts,
-                                 [s.key for s in streams], [s.draws for s in streams])
+                                 [s.key for s in streams], [s.draws for s in streams], LANES)
     if deferred:
         STATS["fallback"] += 1
         return None

@@ -7,9 +7,11 @@
 // the same bits. The steps that go through a transcendental (the softmax under top_p / min_p, the log
 // noise of the race) are computed here in double, with a bound on how far torch's float results can be
 // from the exact ones; a decision is taken only when the bound shows torch takes the same one. Where it
-// cannot (a mass within ~1e-5 of top_p, two race keys within ~1e-5), or where the row is odd (NaN / inf,
-// top_p with top_k off: its cumulative sum runs over the whole sorted row), the call changes nothing and
-// says "defer", and the caller runs the torch path. Those are rare, so the answer is always torch's.
+// cannot (a mass within ~1e-5 of top_p, two race keys within ~1e-5), or where the row is odd (NaN / inf),
+// the call changes nothing and says "defer", and the caller runs the torch path. Those are rare, so the
+// answer is always torch's. top_p with top_k off is the exception to the bounds: its softmax runs over the
+// whole row, where a float sum's error bound is too loose to decide on, so top_p_prefix reproduces torch's
+// probabilities bit for bit instead (torch_softmax.h).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -21,7 +23,9 @@
 #include <limits>
 #include <vector>
 
+#include "radix.h"
 #include "simd.h"
+#include "torch_softmax.h"
 
 // torch rounds every elementwise op on its own; a fused multiply-add here would round differently.
 #if defined(__clang__)
@@ -102,6 +106,9 @@ inline float top(Lanes a) { return _mm512_reduce_max_ps(a); }
 inline uint32_t ge(Lanes a, Lanes b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
 inline uint32_t eq(Lanes a, Lanes b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 inline uint32_t nonfinite(Lanes a) { return _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), _mm512_sub_ps(a, a), _CMP_UNORD_Q); }
+inline Lanes where_below(Lanes a, Lanes t, Lanes e) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, t, _CMP_LT_OQ), e); }
+inline Lanes add(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
+inline void store(float* p, Lanes a) { _mm512_storeu_ps(p, a); }
 #else  // AVX2: the extension refuses a build without it
 constexpr int kW = 8;
 using Lanes = __m256;
@@ -119,6 +126,9 @@ inline uint32_t nonfinite(Lanes a) {
   const Lanes d = _mm256_sub_ps(a, a);
   return _mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q));
 }
+inline Lanes where_below(Lanes a, Lanes t, Lanes e) { return _mm256_and_ps(_mm256_cmp_ps(a, t, _CMP_LT_OQ), e); }
+inline Lanes add(Lanes a, Lanes b) { return _mm256_add_ps(a, b); }
+inline void store(float* p, Lanes a) { _mm256_storeu_ps(p, a); }
 #endif
 
 // The largest of p[0:n] and whether all are finite (v - v is NaN exactly for a NaN or an inf).
@@ -191,20 +201,131 @@ struct Row {
 struct Scratch {
   std::vector<float> pen;  // the penalised row
   std::vector<Cand> heap, cand;
-  std::vector<float> maxima, hi;
+  std::vector<float> maxima, hi, ex;
+  std::vector<uint32_t> head, sort_scratch;
   std::vector<double> e;
   std::vector<char> keep;
   std::vector<Rival> rivals;
 };
 
+// The head of a row for torch's softmax sum: the ids whose scaled value is >= t, in id order, and the largest
+// e of the rest (0 if none).
+float split_head(const float* s, const float* ex, int64_t V, float t, std::vector<uint32_t>& head) {
+  head.clear();
+  int64_t j = 0;
+  Lanes tails = splat(0.f);
+  for (const Lanes tv = splat(t); j + kW <= V; j += kW) {
+    const Lanes x = load(s + j);
+    tails = lanes_max(tails, where_below(x, tv, load(ex + j)));
+    for (uint32_t hit = ge(x, tv); hit; hit &= hit - 1) head.push_back(static_cast<uint32_t>(j + __builtin_ctz(hit)));
+  }
+  float tail = top(tails);
+  for (; j < V; ++j)
+    if (s[j] >= t) head.push_back(static_cast<uint32_t>(j));
+    else tail = std::max(tail, ex[j]);
+  return tail;
+}
+
+// torch's softmax sum S over the row in stable descending order (torch_softmax.h), from the sorted head
+// alone, or NaN when the tail might change it. Every tail token ranks after the head, so it is added to its
+// lane after the lane's head tokens; one below half an ulp of that lane's sum leaves the sum as it is.
+float head_sum(const float* ex, const std::vector<uint32_t>& head, int64_t V, int W, float tail) {
+  const int64_t n = static_cast<int64_t>(head.size());
+  if (V < W) {  // reduce_all's short row: left to right (the head is the whole row here)
+    float acc = 0.f;
+    for (int64_t j = 0; j < n; ++j) acc = j == 0 ? ex[head[0]] : acc + ex[head[j]];
+    return acc;
+  }
+  float acc[16] = {0.f};
+  for (int64_t j = 0; j < n; ++j) acc[j & (W - 1)] = j < W ? ex[head[j]] : acc[j & (W - 1)] + ex[head[j]];
+  for (int l = 0; tail > 0.f && l < W; ++l) {
+    // A lane with no head token holds tail tokens only: exact (zeros) only when the tail is all zeros.
+    if (l >= n || !(2 * tail < std::nextafter(acc[l], INFINITY) - acc[l])) return NAN;
+  }
+  return sluice_softmax::fold_lanes(acc, W);
+}
+
+// Sampled row with top_p and top_k off: filtering._candidates' kept prefix, exactly. Its probabilities are
+// torch's bits (torch_softmax.h); the mass before each token is the cumulative sum's, which accumulates in
+// double and rounds to float (ATen's CPU cumsum of fp32); top_p, then min_p on the same probabilities.
+// Only the head of the row is sorted: the tokens that can change torch's sum S, which is all the cut needs
+// besides the few tokens before it. W is the lane count of torch's vectorised softmax (8 or 16; 0: unknown,
+// defer). Fills w.cand (scaled value, id) and w.keep; false to defer.
+bool top_p_prefix(const float* v, int64_t V, float m, const Row& r, int W, Scratch& w) {
+  if (W != 8 && W != 16) return false;
+  w.hi.resize(V);
+  w.ex.resize(V);
+  float *s = w.hi.data(), *ex = w.ex.data();
+  for (int64_t i = 0; i < V; ++i) s[i] = (v[i] - m) / r.temperature;  // sampling._scaled, op by op
+  int64_t j = 0;
+  Lanes sums = splat(0.f);
+  for (; j + kW <= V; j += kW) {
+    const Lanes e = sluice_softmax::expf_u10(load(s + j));
+    store(ex + j, e);
+    sums = add(sums, e);
+  }
+  alignas(64) float lane[kW];
+  store(lane, sums);
+  double total = 0;  // roughly S: only the first guess at the head depends on it
+  for (const float x : lane) total += x;
+  for (; j < V; ++j) total += ex[j] = sluice_softmax::expf_u10(s[j]);
+  // A first guess at the head: e >= S 2^-40. Random logits at T = 0.8 needed ~90% of 8,192 tokens, and a
+  // guess of 2^-31 (half an ulp of a lane holding a 64th of S) fell short in half the rows: a second sort.
+  float t = V < W ? -INFINITY : static_cast<float>(std::log(total) - 40 * M_LN2);
+  for (int attempt = 0;; ++attempt) {
+    const float tail = split_head(s, ex, V, t, w.head);
+    sluice_radix::sort_ids_descending(s, w.head.data(), static_cast<int64_t>(w.head.size()), w.sort_scratch);
+    const float S = head_sum(ex, w.head, V, W, tail);
+    if (std::isnan(S)) {  // the tail reaches a lane's rounding: take more of the row (all of it at the end)
+      if (t == -INFINITY) return false;  // (no tail then: cannot happen)
+      t = attempt < 3 ? t - 8.f : -INFINITY;
+      continue;
+    }
+    const float inv = 1 / S, p0 = ex[w.head[0]] * inv, floor_p = r.min_p * p0;
+    w.cand.clear();
+    w.keep.clear();
+    double before = 0;
+    bool cut = false;
+    for (const uint32_t id : w.head) {
+      if (!w.cand.empty() && !(static_cast<float>(before) < r.top_p)) {
+        cut = true;
+        break;
+      }
+      const float p = ex[id] * inv;
+      w.cand.push_back({s[id], id});
+      w.keep.push_back(w.cand.size() == 1 || r.min_p <= 0.f || p >= floor_p);
+      before += p;
+    }
+    if (cut || static_cast<int64_t>(w.head.size()) == V) return true;
+    t = -INFINITY;  // top_p above the head's mass: the cut lies in the tail, so sort the whole row
+  }
+}
+
+// The race among w.cand's kept tokens: the first (always kept) leads, and a bound on each other's key spares
+// most of them the logs.
+int64_t race_kept(Scratch& w, uint64_t base) {
+  double le;
+  const double lead = race_key(w.cand[0].value, noise_bits(base, w.cand[0].id), le), lead_tol = key_tolerance(lead, le);
+  const float reach = static_cast<float>(lead - lead_tol - kSkipMargin) - 1e-3f;
+  w.rivals.assign(1, {lead, lead_tol, w.cand[0].id});
+  for (size_t j = 1; j < w.cand.size(); ++j) {
+    if (!w.keep[j] || w.cand[j].value == kNegInf) continue;
+    const uint32_t bits = noise_bits(base, w.cand[j].id);
+    if (w.cand[j].value + noise_bound(bits) < reach) continue;
+    const double key = race_key(w.cand[j].value, bits, le);
+    w.rivals.push_back({key, key_tolerance(key, le), w.cand[j].id});
+  }
+  return certain_winner(w.rivals);
+}
+
 // Sampled row: the exponential race over the tokens the filters keep. Returns the token, or -1 to defer.
-int64_t race_row(const float* v, int64_t V, float m, int64_t first, const Row& r, uint64_t base, Scratch& w) {
+int64_t race_row(const float* v, int64_t V, float m, int64_t first, const Row& r, uint64_t base, int W, Scratch& w) {
   const float T = r.temperature;
   auto scaled = [&](float x) { return (x - m) / T; };  // sampling._scaled, one rounding per op as torch
   const bool top_p = r.top_p < 1.f, min_p = r.min_p > 0.f;
   if (min_p && r.min_p < 1e-30f) return -1;  // its threshold probabilities would be subnormal floats
   if (r.top_k >= V) {  // every token is a candidate
-    if (top_p) return -1;  // the cumulative sum would run over the whole sorted row: the torch path
+    if (top_p) return top_p_prefix(v, V, m, r, W, w) ? race_kept(w, base) : -1;
     // min_p keeps p_i >= min_p p_max, i.e. exp(s_i) >= min_p (p_max = exp(0) / sum): a threshold on s.
     const double t = min_p ? std::log(static_cast<double>(r.min_p)) : -INFINITY;
     const double slack = 2 * kExpErr + 8 * kUlp;
@@ -274,32 +395,20 @@ int64_t race_row(const float* v, int64_t V, float m, int64_t first, const Row& r
       }
     }
   }
-  // The race among the kept: the top candidate (always kept) leads, and a bound on each other's key
-  // spares most of them the logs.
-  double le;
-  const double lead = race_key(w.cand[0].value, noise_bits(base, w.cand[0].id), le), lead_tol = key_tolerance(lead, le);
-  const float reach = static_cast<float>(lead - lead_tol - kSkipMargin) - 1e-3f;
-  w.rivals.assign(1, {lead, lead_tol, w.cand[0].id});
-  for (size_t j = 1; j < n; ++j) {
-    if (!keep[j] || w.cand[j].value == kNegInf) continue;
-    const uint32_t bits = noise_bits(base, w.cand[j].id);
-    if (w.cand[j].value + noise_bound(bits) < reach) continue;
-    const double key = race_key(w.cand[j].value, bits, le);
-    w.rivals.push_back({key, key_tolerance(key, le), w.cand[j].id});
-  }
-  return certain_winner(w.rivals);
+  return race_kept(w, base);
 }
 
 }  // namespace
 
 // x (B, V) fp32 logits; rows (B, 6) fp32: temperature, top_p, min_p, repetition penalty, presence,
 // frequency; top_k (B,) int64: 0 for a greedy row, V when off; seen (B, V) bool and counts (B, V) fp32,
-// or empty tensors when no row uses them; keys, draws (B,): each row's RowStream (noise.py) at this draw.
+// or empty tensors when no row uses them; keys, draws (B,): each row's RowStream (noise.py) at this draw;
+// lanes: the fp32 lane count of torch's own vectorised kernels (16 AVX512, 8 AVX2, 0 otherwise).
 // Returns (tokens (B,) int64, deferred): when deferred, nothing was written and the tokens mean nothing;
 // else seen and counts hold the tokens, as Sampler.__call__ leaves them.
 std::tuple<torch::Tensor, bool> draw(torch::Tensor x, torch::Tensor rows, torch::Tensor top_k, torch::Tensor seen,
                                      torch::Tensor counts, std::vector<uint64_t> keys,
-                                     std::vector<int64_t> draws) {
+                                     std::vector<int64_t> draws, int64_t lanes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.is_contiguous(),
               "draw: x must be a contiguous (B, V) fp32 CPU tensor");
   const int64_t B = x.size(0), V = x.size(1);
@@ -358,7 +467,7 @@ std::tuple<torch::Tensor, bool> draw(torch::Tensor x, torch::Tensor rows, torch:
         }
       }
       const uint64_t base = mix(keys[b] + (static_cast<uint64_t>(draws[b]) + 1) * kGolden);  // RowStream.base(RACE)
-      tp[b] = r.top_k == 0 ? first : race_row(v, V, m, first, r, base, w);
+      tp[b] = r.top_k == 0 ? first : race_row(v, V, m, first, r, base, static_cast<int>(lanes), w);
       deferred[b] = tp[b] < 0;
     }
   });

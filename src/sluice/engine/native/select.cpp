@@ -17,6 +17,7 @@
 #include <limits>
 #include <vector>
 
+#include "radix.h"
 #include "simd.h"
 
 namespace {
@@ -154,55 +155,19 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> top_candidates(torch::Te
 }
 
 // x (B, V) fp32 -> (values (B, V), ids (B, V) int64): torch.sort(x, -1, descending=True, stable=True), bit
-// for bit. Why: top_p with top_k off needs the whole row in order (its softmax and cumulative sum run
-// over it), and ATen's stable sort took ~0.4 ms a row of 8,192; an LSD radix sort on the floats' bits is
-// three counting passes. Each float maps to a 32-bit key whose ascending order is the values' descending
-// order; counting passes are stable, so equal keys keep their ids ascending, as the stable sort does.
-// The key follows torch's comparisons, not the raw bits: -0.0 and +0.0 are equal, and every NaN
-// (whatever its sign) ranks above +inf. Values are copied from x, so a -0.0 stays -0.0.
+// for bit (radix.h). Why: top_p with top_k off needs the whole row in order (its softmax and cumulative sum
+// run over it), and ATen's stable sort took ~0.4 ms a row of 8,192. Values are copied from x, so a -0.0
+// stays -0.0.
 namespace {
 
-inline uint32_t descending_key(float f) {
-  if (std::isnan(f)) return 0;
-  if (f == 0.0f) f = 0.0f;  // -0.0 -> +0.0
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  const uint32_t ascending = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
-  return ~ascending;
-}
-
-constexpr int kDigitBits = 11, kDigits = 3, kBuckets = 1 << kDigitBits;  // 3 x 11 bits cover the 32
-
-void sort_row(const float* p, int64_t V, float* values, int64_t* ids, std::vector<uint32_t>& scratch) {
-  scratch.resize(4 * static_cast<size_t>(V));
-  uint32_t *key = scratch.data(), *idx = key + V, *key2 = idx + V, *idx2 = key2 + V;
-  std::vector<uint32_t> count(kDigits * kBuckets, 0);
+void sort_row(const float* p, int64_t V, float* values, int64_t* ids, std::vector<uint32_t>& scratch,
+              std::vector<uint32_t>& order) {
+  order.resize(V);
+  for (int64_t i = 0; i < V; ++i) order[i] = static_cast<uint32_t>(i);
+  sluice_radix::sort_ids_descending(p, order.data(), V, scratch);
   for (int64_t i = 0; i < V; ++i) {
-    key[i] = descending_key(p[i]);
-    idx[i] = static_cast<uint32_t>(i);
-    for (int d = 0; d < kDigits; ++d) ++count[d * kBuckets + ((key[i] >> (d * kDigitBits)) & (kBuckets - 1))];
-  }
-  for (int d = 0; d < kDigits; ++d) {
-    uint32_t* c = count.data() + d * kBuckets;
-    const int shift = d * kDigitBits;
-    if (c[(key[0] >> shift) & (kBuckets - 1)] == static_cast<uint32_t>(V)) continue;  // one bucket: order kept
-    uint32_t sum = 0;
-    for (int b = 0; b < kBuckets; ++b) {
-      const uint32_t n = c[b];
-      c[b] = sum;
-      sum += n;
-    }
-    for (int64_t i = 0; i < V; ++i) {
-      const uint32_t at = c[(key[i] >> shift) & (kBuckets - 1)]++;
-      key2[at] = key[i];
-      idx2[at] = idx[i];
-    }
-    std::swap(key, key2);
-    std::swap(idx, idx2);
-  }
-  for (int64_t i = 0; i < V; ++i) {
-    ids[i] = idx[i];
-    values[i] = p[idx[i]];
+    ids[i] = order[i];
+    values[i] = p[order[i]];
   }
 }
 
@@ -220,8 +185,8 @@ std::tuple<torch::Tensor, torch::Tensor> sort_descending(torch::Tensor x) {
   float* vp = values.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> scratch;
-    for (int64_t b = begin; b < end; ++b) sort_row(xp + b * V, V, vp + b * V, ip + b * V, scratch);
+    std::vector<uint32_t> scratch, order;
+    for (int64_t b = begin; b < end; ++b) sort_row(xp + b * V, V, vp + b * V, ip + b * V, scratch, order);
   });
   return {values, ids};
 }
