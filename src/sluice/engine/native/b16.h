@@ -134,16 +134,7 @@ inline __m512 tile_b16(const bf16* const w[R], const float* x, int64_t ldx, int6
     k += 16;
   }
   pf.p = pp;
-  __m512 s = reduce16(a);
-  if (k < K) {
-    alignas(64) float out[16];
-    _mm512_store_ps(out, s);
-    for (; k < K; ++k)
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MT; ++m) out[m * R + r] = std::fma(widen(w[r][k]), x[m * ldx + k], out[m * R + r]);
-    s = _mm512_load_ps(out);
-  }
-  return s;
+  return reduce_tail<bf16, R, MT>(a, w, x, ldx, k, K);
 }
 
 #ifdef SLUICE_BF16_DOT

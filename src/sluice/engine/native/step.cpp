@@ -137,6 +137,21 @@ struct Prefetch {
   bool far = false;  // the weights stream from DRAM: the Pf lines go to L2 (see Linear::far)
 };
 
+// A tile's sums: reduce16 of its accumulators a, then the products k..K-1 (the K % 16 tail), one FMA each in order.
+template <typename W, int R, int MT>
+inline __m512 reduce_tail(const __m512 a[16], const W* const w[R], const float* x, int64_t ldx, int64_t k, int64_t K) {
+  __m512 s = reduce16(a);
+  if (k < K) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, s);
+    for (; k < K; ++k)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m) out[m * R + r] = std::fma(widen(w[r][k]), x[m * ldx + k], out[m * R + r]);
+    s = _mm512_load_ps(out);
+  }
+  return s;
+}
+
 // Every sum's arithmetic is the same whatever the tile shape or the batch (the engine relies on a token's
 // numbers not depending on which chunk or batch it ran in): 16 lanes of FMAs over ascending k, reduce16's
 // tree, then the K % 16 last products, one FMA each. (Before 2026-12-01 that tail was a plain loop whose
@@ -173,16 +188,7 @@ inline __m512 tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, 
     }
   }
   pf.p = pp;
-  __m512 s = reduce16(a);
-  if (k < K) {
-    alignas(64) float out[16];
-    _mm512_store_ps(out, s);
-    for (; k < K; ++k)
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MT; ++m) out[m * R + r] = std::fma(widen(w[r][k]), x[m * ldx + k], out[m * R + r]);
-    s = _mm512_load_ps(out);
-  }
-  return s;
+  return reduce_tail<W, R, MT>(a, w, x, ldx, k, K);
 }
 
 // e^x in 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, Cephes' expf polynomial in r, then 2^n by scalef
