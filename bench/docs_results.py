@@ -54,7 +54,8 @@ def speed_setting(r: dict) -> str:
     s = r["settings"]
     model = model_name(r["model"])[0]
     weights = s["quantize"] or {"float32": "fp32", "bfloat16": "bf16"}.get(s["dtype"], s["dtype"])
-    return model + ", " + weights + (", --compile" if s.get("compile") else "")
+    return (model + ", " + weights + (", bf16 dot" if s.get("bf16_dot") == "bf16" else "")
+            + (", --compile" if s.get("compile") else ""))
 
 
 def _newest(found: dict, key: str, r: dict) -> None:
@@ -121,7 +122,8 @@ def speed_values() -> dict[str, str]:
             if r.get("benchmark") == "batch_decode":
                 continue  # in the table only
             model = model_name(r["model"])[1]
-            w = key.split("|")[0].split(", ")[1] + ("-compile" if "--compile" in key else "")
+            w = (key.split("|")[0].split(", ")[1] + ("-dot" if ", bf16 dot" in key else "")
+                 + ("-compile" if "--compile" in key else ""))
             for row in r["rows"]:
                 if row["engine"] == "sluice":
                     v[f"speed.{tag}.{model}.{w}.{row['test'][:2]}"] = commas(row["tok_s"]["mean"])

@@ -62,6 +62,13 @@ _ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "gelu_new": 2}
 # per process by SLUICE_INT4_DOT, or by assigning gemv.INT4_DOT before a FastStep is built, or per step:
 # FastStep(model, int4_dot=...).
 INT4_DOTS = gemv.INT4_DOTS  # the setting lives in gemv.py, whose FastInt4Linear follows it too
+# The native step's bf16-weight products (native/b16.h): "fp32" widens the weights and multiplies in fp32 (within
+# 1e-4 of the torch path), "bf16" rounds x to bf16 (to nearest even) and sums pairs of exact bf16 products with
+# vdpbf16ps (llama.cpp's bf16 arithmetic; within its own bound of a model whose linears round x so). "bf16" needs
+# a CPU with AVX512_BF16 (kernel().has_bf16_dot()); elsewhere asking for it is an error. One mode for every chunk.
+# Per process by SLUICE_BF16_DOT, or by assigning BF16_DOT before a FastStep is built, or FastStep(bf16_dot=...).
+BF16_DOTS = ("fp32", "bf16")
+BF16_DOT = os.environ.get("SLUICE_BF16_DOT", "fp32")
 
 # step.cpp's Phase, in order: what FastStep's counters time (named as observatory/costs.py's components)
 PHASES = ("embedding", "norms", "qkv_proj", "attention", "o_proj", "mlp", "final_norm", "lm_head")
@@ -282,7 +289,7 @@ class FastStep:
     position past the table, a block id outside the pool) raises RuntimeError before anything runs.
     """
 
-    def __init__(self, model: Transformer, int4_dot: str | None = None):
+    def __init__(self, model: Transformer, int4_dot: str | None = None, bf16_dot: str | None = None):
         why = unsupported(model)
         if why is not None:
             raise ConfigError(f"the native step cannot run this model: {why}")
@@ -293,7 +300,14 @@ class FastStep:
         if self.int4_dot not in INT4_DOTS:
             raise ConfigError(f"SLUICE_INT4_DOT (int4_dot) must be one of {', '.join(INT4_DOTS)}, "
                               f"got {self.int4_dot!r}")
-        opts = {**opts, "int4_dot": float(self.int4_dot == "int8")}
+        self.bf16_dot = bf16_dot or BF16_DOT
+        if self.bf16_dot not in BF16_DOTS:
+            raise ConfigError(f"SLUICE_BF16_DOT (bf16_dot) must be one of {', '.join(BF16_DOTS)}, "
+                              f"got {self.bf16_dot!r}")
+        if self.bf16_dot == "bf16" and not kernel().has_bf16_dot():
+            raise ConfigError("SLUICE_BF16_DOT=bf16 needs a CPU with AVX512_BF16 (vdpbf16ps); this one lacks it: "
+                              "use fp32")
+        opts = {**opts, "int4_dot": float(self.int4_dot == "int8"), "bf16_dot": float(self.bf16_dot == "bf16")}
         # bf16 biases (mixed.py leaves a linear's bias in its dtype) and int8 row scales (quant.py keeps them in
         # bf16) widen exactly to the fp32 step.cpp reads: a copy of N floats per linear, made once here. int4 codes
         # have rows padded to a multiple of 16: step.cpp gets the first out_features (a view) and the scales as

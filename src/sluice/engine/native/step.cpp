@@ -38,6 +38,7 @@
 #include <iterator>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -136,6 +137,21 @@ struct Prefetch {
   bool far = false;  // the weights stream from DRAM: the Pf lines go to L2 (see Linear::far)
 };
 
+// A tile's sums: reduce16 of its accumulators a, then the products k..K-1 (the K % 16 tail), one FMA each in order.
+template <typename W, int R, int MT>
+inline __m512 reduce_tail(const __m512 a[16], const W* const w[R], const float* x, int64_t ldx, int64_t k, int64_t K) {
+  __m512 s = reduce16(a);
+  if (k < K) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, s);
+    for (; k < K; ++k)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m) out[m * R + r] = std::fma(widen(w[r][k]), x[m * ldx + k], out[m * R + r]);
+    s = _mm512_load_ps(out);
+  }
+  return s;
+}
+
 // Every sum's arithmetic is the same whatever the tile shape or the batch (the engine relies on a token's
 // numbers not depending on which chunk or batch it ran in): 16 lanes of FMAs over ascending k, reduce16's
 // tree, then the K % 16 last products, one FMA each. (Before 2026-12-01 that tail was a plain loop whose
@@ -172,16 +188,7 @@ inline __m512 tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, 
     }
   }
   pf.p = pp;
-  __m512 s = reduce16(a);
-  if (k < K) {
-    alignas(64) float out[16];
-    _mm512_store_ps(out, s);
-    for (; k < K; ++k)
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MT; ++m) out[m * R + r] = std::fma(widen(w[r][k]), x[m * ldx + k], out[m * R + r]);
-    s = _mm512_load_ps(out);
-  }
-  return s;
+  return reduce_tail<W, R, MT>(a, w, x, ldx, k, K);
 }
 
 // e^x in 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, Cephes' expf polynomial in r, then 2^n by scalef
@@ -285,6 +292,7 @@ struct Linear {  // weight (N, ldw) of which each row's first K are used, row sc
   // the last-level cache) ran ~5% faster with T0, so it keeps that.
   bool far = false;
   bool idot = false;  // int4: the products take the integer dot (q4i.h), not the fp32-widening one
+  bool bdot = false;  // bf16: x rounded to bf16 and vdpbf16ps (b16.h), not fp32 products
   const float* b = nullptr;
   int64_t n = 0, k = 0;
   int64_t ldw = 0;  // elements from a weight row to the next: K, or more for int8 rows padded to a multiple of 16;
@@ -376,6 +384,7 @@ inline void widen_row(const W* w, int64_t K, float* out) {
 #endif
 
 #include "q4.h"
+#include "b16.h"
 
 // y[m, n - n0] (+)= x[m] . W[n] + b[n] for m < M and weight rows n0 <= n < n1. accumulate: the
 // residual add, x + f(x), in the order torch adds (the bias before the residual). after: the weight rows
@@ -394,6 +403,8 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
   };
 #ifdef SLUICE_AVX512
   {
+    constexpr bool b16 = std::is_same_v<W, bf16>;  // (b16.h: its tiles read the input as prepared for this linear)
+    const B16In* in = b16 ? &b16_input(L, x, M, false) : nullptr;
     // M = 1 (decode): tiles of 16 weight rows x 1 activation row, the next 16 rows prefetched meanwhile.
     const int64_t row_bytes = ldw * static_cast<int64_t>(sizeof(W));
     const W* wr[16];
@@ -404,7 +415,7 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
         pf.far = L.far;
         const void* next = n + 16 >= n1 && after ? after : L.row(n + 16);
         pf.p = static_cast<const char*>(next);
-        const __m512 s = tile<W, 16, 1, 16 * sizeof(W) / 4>(wr, x, K, K, pf);
+        const __m512 s = tile_w<W, 16, 1, 16 * sizeof(W) / 4>(wr, x, in, 0, K, pf);
         put16(s, L.s ? L.s + n : nullptr, L.b ? L.b + n : nullptr, std::min<int64_t>(16, n1 - n), y + n - n0,
               accumulate);
       }
@@ -431,7 +442,7 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     // fp32 scratch, and its tiles read that: widening bf16 costs two uops per 16 weights on the ports the FMAs
     // use, which a 4 x 4 tile pays once per 16 FMAs (a third of its issue slots), the scratch once per pass. The
     // widening is exact and the tiles sum in the same order, so the bits are those of the tiles over W itself.
-    const bool widen_pass = sizeof(W) < sizeof(float) && M >= kWidenRows;
+    const bool widen_pass = sizeof(W) < sizeof(float) && M >= kWidenRows && !L.bdot;  // (dot: reads bf16 itself)
     const int64_t pass_row_bytes = widen_pass ? K * static_cast<int64_t>(sizeof(float)) : row_bytes;
     const int64_t pass = M <= 8 ? R : std::clamp<int64_t>(kPassBytes / std::max<int64_t>(pass_row_bytes, 1) / R * R, R, 16);
     // Rows one cache line longer than K: rows 4 KB apart would all fall in the same L1 set.
@@ -442,7 +453,10 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     for (int64_t p0 = n0; p0 < n1; p0 += pass) {
       const int64_t p1 = std::min(n1, p0 + pass);
       if (widen_pass)
-        for (int64_t n = p0; n < p1; ++n) widen_row(w + n * ldw, K, scratch + (n - p0) * lds);
+        for (int64_t n = p0; n < p1; ++n) {
+          if constexpr (b16) widen_b16_row(w + n * ldw, K, scratch + (n - p0) * lds);  // de-interleaved as in->xd
+          else widen_row(w + n * ldw, K, scratch + (n - p0) * lds);
+        }
       Prefetch pf;
       pf.far = L.far;
       const void* next = p1 == n1 && after ? after : L.row(p1);
@@ -454,7 +468,7 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
       }
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int64_t mm = std::min<int64_t>(4, M - m0);
-        const float* xm = x + m0 * K;
+        const float* xm = (b16 && widen_pass ? in->xd : x) + m0 * K;  // (the widened tiles: bf16 reads xd)
         for (int64_t n = p0; n < p1; n += R) {
           __m512 s;
           if (widen_pass) {  // the same tiles over the pass's fp32 copy (rows clamped as below)
@@ -474,18 +488,18 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
           constexpr int kGroup = R * sizeof(W) / 4;  // M <= 4: the next group's R rows, 16 k per step
           constexpr int kHalf = kGroup / 2 > 0 ? kGroup / 2 : 1;  // M 5-8: two tiles share the next group
           switch (M <= 4 ? mm : M <= 8 ? 8 + mm : 4 + mm) {
-            case 1: s = tile<W, R, 1, kGroup>(wr, xm, K, K, pf); break;
-            case 2: s = tile<W, R, 2, kGroup>(wr, xm, K, K, pf); break;
-            case 3: s = tile<W, R, 3, kGroup>(wr, xm, K, K, pf); break;
-            case 4: s = tile<W, R, 4, kGroup>(wr, xm, K, K, pf); break;
-            case 9: s = tile<W, R, 1, kHalf>(wr, xm, K, K, pf); break;
-            case 10: s = tile<W, R, 2, kHalf>(wr, xm, K, K, pf); break;
-            case 11: s = tile<W, R, 3, kHalf>(wr, xm, K, K, pf); break;
-            case 12: s = tile<W, R, 4, kHalf>(wr, xm, K, K, pf); break;
-            case 5: s = tile<W, R, 1>(wr, xm, K, K, pf); break;
-            case 6: s = tile<W, R, 2>(wr, xm, K, K, pf); break;
-            case 7: s = tile<W, R, 3>(wr, xm, K, K, pf); break;
-            default: s = tile<W, R, 4>(wr, xm, K, K, pf);
+            case 1: s = tile_w<W, R, 1, kGroup>(wr, x, in, m0, K, pf); break;
+            case 2: s = tile_w<W, R, 2, kGroup>(wr, x, in, m0, K, pf); break;
+            case 3: s = tile_w<W, R, 3, kGroup>(wr, x, in, m0, K, pf); break;
+            case 4: s = tile_w<W, R, 4, kGroup>(wr, x, in, m0, K, pf); break;
+            case 9: s = tile_w<W, R, 1, kHalf>(wr, x, in, m0, K, pf); break;
+            case 10: s = tile_w<W, R, 2, kHalf>(wr, x, in, m0, K, pf); break;
+            case 11: s = tile_w<W, R, 3, kHalf>(wr, x, in, m0, K, pf); break;
+            case 12: s = tile_w<W, R, 4, kHalf>(wr, x, in, m0, K, pf); break;
+            case 5: s = tile_w<W, R, 1>(wr, x, in, m0, K, pf); break;
+            case 6: s = tile_w<W, R, 2>(wr, x, in, m0, K, pf); break;
+            case 7: s = tile_w<W, R, 3>(wr, x, in, m0, K, pf); break;
+            default: s = tile_w<W, R, 4>(wr, x, in, m0, K, pf);
           }
           put4(s, L.s ? L.s + n : nullptr, L.b ? L.b + n : nullptr, std::min<int64_t>(R, n1 - n), y + m0 * ldy + n - n0,
                ldy, mm, accumulate);
@@ -546,6 +560,7 @@ void block(const Linear& L, const float* x, const Q4In& q4, int64_t M, int64_t n
 // barrier. Which thread computes a block changes no number.
 void linear(const Linear& L, const float* x, int64_t M, float* y, int64_t ldy, bool accumulate = false) {
   const Q4In q4 = L.kind == kInt4 ? q4_input(L, x, M) : Q4In{};
+  b16_prepare(L, x, M);
 #pragma omp for schedule(guided) nowait
   for (int64_t n0 = 0; n0 < L.n; n0 += kBlock)
     block(L, x, q4, M, n0, std::min(L.n, n0 + kBlock), y + n0, ldy, accumulate);
@@ -557,6 +572,7 @@ void linear(const Linear& L, const float* x, int64_t M, float* y, int64_t ldy, b
 void mlp_act(const Linear& gate, const Linear& up, int64_t kind, const float* x, int64_t M, float* act, float* tmp) {
   float* u = tmp + M * kBlock;
   const Q4In q4 = up.kind == kInt4 ? q4_input(up, x, M) : gate.kind == kInt4 ? q4_input(gate, x, M) : Q4In{};
+  b16_prepare(up.kind == kBf16 ? up : gate, x, M);  // (gate and up: one input, one K)
 #pragma omp for schedule(guided) nowait
   for (int64_t n0 = 0; n0 < up.n; n0 += kBlock) {
     const int64_t n1 = std::min(up.n, n0 + kBlock);
@@ -874,7 +890,8 @@ class Step {
   static constexpr int kPerLayer = 26, kLinearsPerLayer = 7;
   // opts: the model-wide numbers and switches, each key required (a misspelt one is an error, not a default).
   static constexpr const char* kOpts[] = {"eps", "norm_offset", "layer_norm", "scale", "act", "qk_full_width",
-                                          "parallel_residual", "embed_scale", "final_softcap", "int4_dot"};
+                                          "parallel_residual", "embed_scale", "final_softcap", "int4_dot",
+                                          "bf16_dot"};
 
   Step(std::vector<torch::Tensor> tensors, torch::Tensor embed, torch::Tensor pos_embed,
        std::vector<torch::Tensor> final_norm, torch::Tensor head, std::vector<torch::Tensor> scales,
@@ -954,6 +971,11 @@ class Step {
     head_.idot = idot;
     for (Layer& Ly : layers_)
       for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) Li->far = far, Li->idot = idot;
+    const bool bdot = opt("bf16_dot") != 0.0;
+    TORCH_CHECK(!bdot || has_bf16_dot(), "Step: bf16_dot needs a build with AVX512_BF16 (this CPU lacks it)");
+    head_.bdot = bdot;
+    for (Layer& Ly : layers_)
+      for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) Li->bdot = bdot;
   }
 
   torch::Tensor run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, bool hidden,
@@ -1111,6 +1133,7 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
       // A full-width qk-norm (OLMo 2) needs every head of the row first: those rows are finished below.
       const Linear* l4 = Ly.q.kind == kInt4 ? &Ly.q : Ly.k.kind == kInt4 ? &Ly.k : Ly.v.kind == kInt4 ? &Ly.v : nullptr;
       const Q4In q4 = l4 ? q4_input(*l4, hn, M) : Q4In{};  // (one group size for the model: the same for all three)
+      b16_prepare(Ly.q.kind == kBf16 ? Ly.q : Ly.k.kind == kBf16 ? Ly.k : Ly.v, hn, M);  // (q, k, v: one input)
 #pragma omp for schedule(dynamic)
       for (int64_t j = 0; j < H_ + 2 * K_; ++j) {
         const bool is_q = j < H_, is_k = !is_q && j < H_ + K_;
@@ -1214,6 +1237,7 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &has_avx2, "whether this build has the AVX2 + FMA paths");
   m.def("has_avx512", &has_avx512, "whether this build's products run on the AVX-512 tiles");
+  m.def("has_bf16_dot", &has_bf16_dot, "whether this build has the bf16 dot mode (AVX512_BF16)");
   pybind11::class_<Step>(m, "Step")
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, std::vector<torch::Tensor>,
                           torch::Tensor, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor,
