@@ -14,6 +14,42 @@
 // token row) pair runs the same operations in the same order in every tile. The integer sums are exact, and
 // the fp32 part uses 8-lane vectors in every SIMD build, so the AVX-512 and AVX2 builds give the same bits.
 
+// One block of 32 inputs to int8: ab = rint(clamp(x * 127 / max|x|)), d = max|x| / 127; returns sum(ab). The
+// vector form gives the scalar one's bits: max is exact in any order, the product and the clamp are the same
+// operations, and the conversion rounds to nearest even as nearbyint does under the default rounding mode.
+inline int q4i_round(const float* xb, int8_t* ab, float& d) {
+#ifdef SLUICE_AVX2
+  __m256 x[4], mx = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < 4; ++i) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, x[i] = _mm256_loadu_ps(xb + 8 * i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  d = amax / 127.f;
+  const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x[i], id), lo), hi));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(ab), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+#else
+  float amax = 0.f;
+  for (int j = 0; j < kQ4Block; ++j) amax = std::max(amax, std::fabs(xb[j]));
+  d = amax / 127.f;
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  int asum = 0;
+  for (int j = 0; j < kQ4Block; ++j) {
+    const int v = static_cast<int>(std::nearbyint(std::clamp(xb[j] * id, -127.f, 127.f)));
+    ab[j] = static_cast<int8_t>(v);
+    asum += v;
+  }
+  return asum;
+#endif
+}
+
 // Quantize M rows of x (ldx apart, Kp inputs each, zero-padded) into this thread's buffers and point in at them.
 inline void q4i_quantize(int64_t group, const float* x, int64_t ldx, int64_t M, int64_t Kp, Q4In& in) {
   static thread_local std::vector<int8_t> codes;
@@ -29,16 +65,9 @@ inline void q4i_quantize(int64_t group, const float* x, int64_t ldx, int64_t M, 
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < B; ++b) {
       const float* xb = x + m * ldx + b * kQ4Block;
-      float amax = 0.f;
-      for (int j = 0; j < kQ4Block; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
       int8_t* ab = codes.data() + m * Kp + b * kQ4Block;
-      int asum = 0;
-      for (int j = 0; j < kQ4Block; ++j) {
-        const int v = static_cast<int>(std::nearbyint(std::clamp(xb[j] * id, -127.f, 127.f)));
-        ab[j] = static_cast<int8_t>(v);
-        asum += v;
-      }
+      float d;
+      const int asum = q4i_round(xb, ab, d);
       in.d[m * B + b] = d;
       float& ds = in.dsum[m * G + b / per];
       ds = b % per == 0 ? d * static_cast<float>(asum) : std::fma(d, static_cast<float>(asum), ds);
@@ -65,6 +94,8 @@ inline __m256i q4i_dot(__m256i q, __m256i a) {
 #endif
 }
 #endif
+
+#include "q4t.h"
 
 // out[r][m] = weight row w[r] . token row m0 + m (before bias), for R weight rows and MT token rows.
 template <int R, int MT, int GS>
@@ -156,6 +187,9 @@ constexpr int64_t kQ4iRows = 2;  // 8 of 16
 #endif
 inline void block_q4i(const Linear& L, const Q4In& in, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
                       bool accumulate, const void* after) {
+#ifdef SLUICE_AVX2
+  if (L.wt) return block_q4t(L, in, M, n0, n1, y, ldy, accumulate, after);
+#endif
   constexpr int R = 4;
   const uint8_t* w = static_cast<const uint8_t*>(L.w);
   const int64_t ldw = L.ldw, G = 2 * ldw / L.group;
