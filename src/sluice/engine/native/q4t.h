@@ -1,7 +1,7 @@
 // q4i.h's integer dot over tiles of interleaved weight rows (SIMD builds): a vector lane per weight row, so a
 // block's scale and zero apply lane by lane and no horizontal sum is ever taken. Included by q4i.h.
 //
-// Why: with a lane per input (q4i_tile) every weight row paid per block of 32 a code unpack, a dot, a scale
+// Why: with a lane per input (the tiles before these) every weight row paid per block of 32 a code unpack, a dot, a scale
 // broadcast and at the end a horizontal sum, and per group its scale and zero as scalars: ~15 instructions per
 // 32 weights, so int4 decode was compute-bound at ~40% of the read bandwidth. Here kQ4Rows rows (16 in the
 // AVX-512 build, 8 in the AVX2 one) are one tile: per block of 32 inputs, four vectors whose 32-bit lane r holds
@@ -111,7 +111,7 @@ inline Q4I q4t_isum(const Q4I q[8], const int8_t* a) {
 #endif
 }
 #else
-constexpr int64_t kQ4Rows = 0;  // no tiles: q4i_tile's scalar loops
+constexpr int64_t kQ4Rows = 0;  // no tiles: block_q4i's scalar loops
 #endif
 
 // L's codes and (s, z) pairs in tiles (the layout above), zeros for the rows past N; sets L.wt and L.ldt.
