@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <cstdlib>
 #include <new>
 #include <iterator>
@@ -299,7 +300,10 @@ struct Linear {  // weight (N, ldw) of which each row's first K are used, row sc
                     // int4: bytes, K' / 2 for the row's K' >= K codes (K' a multiple of the group)
   const bf16* sz = nullptr;  // int4: scales_zeros (K' / group, ldsz, 2), (s, z) of group g, row n at 2 (g ldsz + n)
   int64_t ldsz = 0, group = 0;
+  const uint8_t* wt = nullptr;  // int4 with the integer dot: the codes in tiles of interleaved rows (q4t.h), ldt
+  int64_t ldt = 0, tile = 0;    // bytes and rows a tile; row(i) is then the start of row i's tile
   const void* row(int64_t i) const {
+    if (wt) return i < n ? wt + i / tile * ldt : nullptr;
     return i < n ? static_cast<const char*>(w) + i * ldw * (kind == kF32 ? 4 : kind == kBf16 ? 2 : 1) : nullptr;
   }
 };
@@ -976,6 +980,10 @@ class Step {
     head_.bdot = bdot;
     for (Layer& Ly : layers_)
       for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) Li->bdot = bdot;
+    if (idot && kQ4Rows)  // the integer dot's tiles (q4t.h): a copy of the int4 codes, interleaved
+      for (Layer& Ly : layers_)
+        for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down, &head_})
+          if (Li->kind == kInt4) tiles_.push_back(q4t_pack(*Li));
   }
 
   torch::Tensor run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, bool hidden,
@@ -985,6 +993,7 @@ class Step {
   std::vector<torch::Tensor> keep_, scales_;  // hold the tensors alive; the pointers below point into them
   torch::Tensor embed_, pos_embed_, head_t_, inv_freq_, inv_freq_local_;
   std::vector<Layer> layers_;
+  std::vector<torch::Tensor> tiles_;  // the int4 linears' codes in tiles (q4t_pack), which their wt point into
   Linear head_;
   Norm final_;
   NormKind norm_;
