@@ -74,22 +74,6 @@ inline const B16In& b16_input(const Linear& L, const float* x, int64_t M, bool f
   return in;
 }
 
-// One step of a tile's prefetch stream (see tile()): Pf lines, or pf's own per_step ones into L2.
-template <int Pf>
-inline void b16_prefetch(const char*& pp, const char* pend, bool far, int64_t per_step) {
-  if constexpr (Pf > 0) {
-    if (pp) {
-      if (far)
-        for (int j = 0; j < Pf; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T1);
-      else
-        for (int j = 0; j < Pf; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T0);
-      pp += 64 * Pf;
-    }
-  } else {
-    for (int64_t j = 0; j < per_step && pp < pend; ++j, pp += 64) _mm_prefetch(pp, _MM_HINT_T1);
-  }
-}
-
 // out[0:K] = w[0:K] widened to fp32, each whole 32 de-interleaved as B16In::xd (exact).
 inline void widen_b16_row(const bf16* w, int64_t K, float* out) {
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -114,8 +98,8 @@ inline __m512 tile_b16(const bf16* const w[R], const float* x, int64_t ldx, int6
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    b16_prefetch<Pf>(pp, pend, pf.far, pf.per_step);
-    b16_prefetch<Pf>(pp, pend, pf.far, pf.per_step);
+    prefetch_step<Pf>(pp, pend, pf.far, pf.per_step);
+    prefetch_step<Pf>(pp, pend, pf.far, pf.per_step);
     __m512 xe[MT], xo[MT];
     for (int m = 0; m < MT; ++m) xe[m] = _mm512_loadu_ps(x + m * ldx + k), xo[m] = _mm512_loadu_ps(x + m * ldx + k + 16);
     for (int r = 0; r < R; ++r) {
@@ -126,7 +110,7 @@ inline __m512 tile_b16(const bf16* const w[R], const float* x, int64_t ldx, int6
     }
   }
   if (k + 16 <= K) {
-    b16_prefetch<Pf>(pp, pend, pf.far, pf.per_step);
+    prefetch_step<Pf>(pp, pend, pf.far, pf.per_step);
     for (int r = 0; r < R; ++r) {
       const __m512 wv = load16(w[r] + k);
       for (int m = 0; m < MT; ++m) a[m * R + r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * ldx + k), a[m * R + r]);
@@ -148,8 +132,8 @@ inline __m512 tile_dp(const bf16* const w[R], const uint16_t* x, int64_t ldx, in
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    b16_prefetch<Pf>(pp, pend, pf.far, pf.per_step);
-    b16_prefetch<Pf>(pp, pend, pf.far, pf.per_step);
+    prefetch_step<Pf>(pp, pend, pf.far, pf.per_step);
+    prefetch_step<Pf>(pp, pend, pf.far, pf.per_step);
     __m512bh xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
     for (int r = 0; r < R; ++r) {

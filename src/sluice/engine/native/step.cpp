@@ -153,6 +153,24 @@ inline __m512 reduce_tail(const __m512 a[16], const W* const w[R], const float* 
   return s;
 }
 
+// One step of a tile's prefetch stream: Pf > 0, exactly Pf lines from pp (unless null), into L1 or, for weights
+// streaming from DRAM (far), L2; Pf = 0, up to per_step lines before pend, into L2 only (see block()'s M > 1
+// comment). tile() and b16.h's tiles take one step per 16 k.
+template <int Pf>
+inline void prefetch_step(const char*& pp, const char* pend, bool far, int64_t per_step) {
+  if constexpr (Pf > 0) {
+    if (pp) {
+      if (far)
+        for (int j = 0; j < Pf; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T1);
+      else
+        for (int j = 0; j < Pf; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T0);
+      pp += 64 * Pf;
+    }
+  } else {
+    for (int64_t j = 0; j < per_step && pp < pend; ++j, pp += 64) _mm_prefetch(pp, _MM_HINT_T1);
+  }
+}
+
 // Every sum's arithmetic is the same whatever the tile shape or the batch (the engine relies on a token's
 // numbers not depending on which chunk or batch it ran in): 16 lanes of FMAs over ascending k, reduce16's
 // tree, then the K % 16 last products, one FMA each. (Before 2026-12-01 that tail was a plain loop whose
@@ -170,17 +188,7 @@ inline __m512 tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, 
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    if constexpr (Pf > 0) {
-      if (pp) {
-        if (far)
-          for (int j = 0; j < Pf; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T1);
-        else
-          for (int j = 0; j < Pf; ++j) _mm_prefetch(pp + 64 * j, _MM_HINT_T0);
-        pp += 64 * Pf;
-      }
-    } else {  // into L2 only: see block()'s M > 1 comment
-      for (int64_t j = 0; j < pf.per_step && pp < pend; ++j, pp += 64) _mm_prefetch(pp, _MM_HINT_T1);
-    }
+    prefetch_step<Pf>(pp, pend, far, pf.per_step);
     __m512 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(x + m * ldx + k);
     for (int r = 0; r < R; ++r) {
