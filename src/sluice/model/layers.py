@@ -87,7 +87,10 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
     the base (Gemma 3's sliding layers), and then no scaling rule applies."""
     d = cfg.rotary_dim or cfg.head_dim
     base = theta or cfg.rope_theta
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    # On the CPU even inside a meta-device build (every checkpoint load): arithmetic on meta tensors runs
+    # torch's reference decompositions, which import torch._dynamo (~1.5 s of every start). reset_rope()
+    # moves the table to the model's device.
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     sc = cfg.rope_scaling
     if sc is None or theta is not None:
         return inv
@@ -277,13 +280,21 @@ def _apply(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
     return x if norm is None else norm(x)
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    # Every checkpoint load builds the model on the meta device, and there nn.Embedding's own normal_ init
+    # runs torch's reference decomposition, which imports torch._dynamo: ~1.5 s of every start, for
+    # weights about to be replaced. A meta build skips it; elsewhere the init is torch's, as before.
+    weight = torch.empty(num, dim)
+    return nn.Embedding(num, dim, _weight=weight) if weight.is_meta else nn.Embedding(num, dim)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = _embedding(cfg.vocab_size, cfg.hidden_size)
         learned = cfg.pos_embedding == "learned"
-        self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned else None
+        self.pos_embed = _embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned else None
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.final_norm = make_norm(cfg, cfg.hidden_size) if cfg.final_norm else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
