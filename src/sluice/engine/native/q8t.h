@@ -68,6 +68,7 @@ using Q8F = __m512;
 using Q8I = __m512i;
 inline Q8I q8t_load(const uint8_t* p) { return _mm512_load_si512(p); }
 inline Q8I q8t_set1(int32_t v) { return _mm512_set1_epi32(v); }
+inline Q8I q8t_add(Q8I a, Q8I b) { return _mm512_add_epi32(a, b); }
 inline Q8F q8t_cvt(Q8I v) { return _mm512_cvtepi32_ps(v); }
 inline Q8F q8t_f(float v) { return _mm512_set1_ps(v); }
 inline Q8F q8t_mul(Q8F a, Q8F b) { return _mm512_mul_ps(a, b); }
@@ -97,6 +98,7 @@ using Q8F = __m256;
 using Q8I = __m256i;
 inline Q8I q8t_load(const uint8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
 inline Q8I q8t_set1(int32_t v) { return _mm256_set1_epi32(v); }
+inline Q8I q8t_add(Q8I a, Q8I b) { return _mm256_add_epi32(a, b); }
 inline Q8F q8t_cvt(Q8I v) { return _mm256_cvtepi32_ps(v); }
 inline Q8F q8t_f(float v) { return _mm256_set1_ps(v); }
 inline Q8F q8t_mul(Q8F a, Q8F b) { return _mm256_mul_ps(a, b); }
@@ -161,16 +163,19 @@ inline void q8t_tile(const uint8_t* t, int64_t B, const Q4In& in, int64_t m0, Q8
         if (far) _mm_prefetch(pf, _MM_HINT_T1);
         else _mm_prefetch(pf, _MM_HINT_T0);
       }
-    Q8I s[MT];
+    // Two chains per token row (vectors 0-3, 4-7), so decode's lone row does not wait on one chain of 8 dots;
+    // integer sums are exact in any order.
+    Q8I s[MT][2];
     const int8_t* a[MT];
     for (int m = 0; m < MT; ++m) {
-      s[m] = q8t_set1(
+      s[m][0] = q8t_set1(
 #ifdef SLUICE_Q8_VNNI
           in.c[(m0 + m) * B + b]  // sum(u a) = sum(w a) + 128 sum(a)
 #else
           0
 #endif
       );
+      s[m][1] = q8t_set1(0);
       a[m] = in.a + (m0 + m) * Kq + b * kQ4Block;
     }
 #pragma GCC unroll 8
@@ -183,11 +188,11 @@ inline void q8t_tile(const uint8_t* t, int64_t B, const Q4In& in, int64_t m0, Q8
       for (int m = 0; m < MT; ++m) {
         int32_t a4;
         std::memcpy(&a4, a[m] + 4 * i, 4);
-        s[m] = q8t_dot(s[m], w, a4);
+        s[m][i / 4] = q8t_dot(s[m][i / 4], w, a4);
       }
     }
     for (int m = 0; m < MT; ++m) {
-      const Q8F f = q8t_cvt(s[m]), d = q8t_f(in.d[(m0 + m) * B + b]);
+      const Q8F f = q8t_cvt(q8t_add(s[m][0], s[m][1])), d = q8t_f(in.d[(m0 + m) * B + b]);
       acc[m] = b == 0 ? q8t_mul(f, d) : q8t_fma(f, d, acc[m]);
     }
   }
