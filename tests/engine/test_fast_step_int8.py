@@ -1,6 +1,7 @@
-"""engine/fast_step.py (step.cpp) on --quantize int8 models: the native step multiplies by the int8 codes in fp32
-and scales each row's sum once, so its reference is the same model with every Int8Linear replaced by an fp32
-nn.Linear holding the dequantized weight (quant.int8_reference's product without its bf16 rounding of x and y,
+"""engine/fast_step.py (step.cpp) on --quantize int8 models, in the fp32-widening mode (gemv.INT8_DOT "fp32", pinned
+here for every test; the integer dot that is the default has its own bound: test_fast_step_int8_dot.py): the native
+step multiplies by the int8 codes in fp32 and scales each row's sum once, so its reference is the same model with
+every Int8Linear replaced by an fp32 nn.Linear holding the dequantized weight (quant.int8_reference's product without its bf16 rounding of x and y,
 which torch's int8 op needs and step.cpp does not). Bound: 1e-4 of the largest logit, as the fp32 step's
 against the torch path (test_fast_step.py), and greedy tokens equal. A token's numbers never depend on its
 batch or on how its prompt was cut into chunks (bit for bit). int4: test_fast_step_int4.py."""
@@ -31,6 +32,11 @@ CASES = {
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
 }
 PROMPTS = [[1, 5, 9, 2, 7], [3, 11, 4, 6, 8, 10, 12, 13, 14]]  # rows at different positions
+
+
+@pytest.fixture(autouse=True)
+def fp32_products(monkeypatch):
+    monkeypatch.setattr(gemv, "INT8_DOT", "fp32")
 
 
 @pytest.fixture(scope="module")

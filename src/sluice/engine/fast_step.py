@@ -69,6 +69,12 @@ INT4_DOTS = gemv.INT4_DOTS  # the setting lives in gemv.py, whose FastInt4Linear
 # Per process by SLUICE_BF16_DOT, or by assigning BF16_DOT before a FastStep is built, or FastStep(bf16_dot=...).
 BF16_DOTS = ("fp32", "bf16")
 BF16_DOT = os.environ.get("SLUICE_BF16_DOT", "fp32")
+# The native step's int8-weight products (native/q8t.h): "int8" rounds each activation row per block of 32 to int8
+# (Q8_0, as INT4_DOT "int8") and sums code x code in integers (llama.cpp's Q8_0 x Q8_0 arithmetic; within its own
+# bound of the dequantized model), "fp32" widens the codes and multiplies in fp32 (within 1e-4 of it). One mode for
+# every chunk. Per process by SLUICE_INT8_DOT, or by assigning gemv.INT8_DOT before a FastStep is built (gemv's
+# FastInt8Linear follows it too), or FastStep(int8_dot=...).
+INT8_DOTS = gemv.INT8_DOTS
 
 # step.cpp's Phase, in order: what FastStep's counters time (named as observatory/costs.py's components)
 PHASES = ("embedding", "norms", "qkv_proj", "attention", "o_proj", "mlp", "final_norm", "lm_head")
@@ -289,7 +295,8 @@ class FastStep:
     position past the table, a block id outside the pool) raises RuntimeError before anything runs.
     """
 
-    def __init__(self, model: Transformer, int4_dot: str | None = None, bf16_dot: str | None = None):
+    def __init__(self, model: Transformer, int4_dot: str | None = None, bf16_dot: str | None = None,
+                 int8_dot: str | None = None):
         why = unsupported(model)
         if why is not None:
             raise ConfigError(f"the native step cannot run this model: {why}")
@@ -307,7 +314,12 @@ class FastStep:
         if self.bf16_dot == "bf16" and not kernel().has_bf16_dot():
             raise ConfigError("SLUICE_BF16_DOT=bf16 needs a CPU with AVX512_BF16 (vdpbf16ps); this one lacks it: "
                               "use fp32")
-        opts = {**opts, "int4_dot": float(self.int4_dot == "int8"), "bf16_dot": float(self.bf16_dot == "bf16")}
+        self.int8_dot = int8_dot or gemv.INT8_DOT
+        if self.int8_dot not in INT8_DOTS:
+            raise ConfigError(f"SLUICE_INT8_DOT (int8_dot) must be one of {', '.join(INT8_DOTS)}, "
+                              f"got {self.int8_dot!r}")
+        opts = {**opts, "int4_dot": float(self.int4_dot == "int8"), "bf16_dot": float(self.bf16_dot == "bf16"),
+                "int8_dot": float(self.int8_dot == "int8")}
         # bf16 biases (mixed.py leaves a linear's bias in its dtype) and int8 row scales (quant.py keeps them in
         # bf16) widen exactly to the fp32 step.cpp reads: a copy of N floats per linear, made once here. int4 codes
         # have rows padded to a multiple of 16: step.cpp gets the first out_features (a view) and the scales as

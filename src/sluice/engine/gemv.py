@@ -134,12 +134,16 @@ class FastInt8Linear(Int8Linear):
     multiplies by fp32 blocks of the dequantized weight. Decode, by INT8_X: "int8" quantizes x to int8
     per block of X_BLOCK inputs and multiplies integers (gemv_w8a8, w8a8_reference); "fp32" sends
     the int8 weight and its row scales to gemv, the fp32 product of x with the dequantized weight
-    (quant.int8_reference without the bf16 rounding of x), as prefill is."""
+    (quant.int8_reference without the bf16 rounding of x), as prefill is. With the native step's integer dot
+    (INT8_DOT "int8") fp32 inputs are first rounded as that rounds them (round_blocks_int8), so a torch forward
+    (hooks attached) keeps the step's numbers up to summation order."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, K = x.numel() // x.shape[-1], x.shape[-1]
         if x.device.type != "cpu":
             return super().forward(x)
+        if INT8_DOT == "int8" and x.dtype == torch.float32:
+            x = round_blocks_int8(x, -(-K // 32) * 32)
         if rows > MAX_ROWS:
             return self._prefill(x)
         x2 = x.reshape(rows, K)
@@ -172,7 +176,7 @@ def blocked_linear(x32: torch.Tensor, weight_rows, bias: torch.Tensor | None, N:
 
 
 def round_blocks_int8(x: torch.Tensor, padded: int) -> torch.Tensor:
-    """x as native/q4i.h's integer dot sees it: over each row zero-padded to `padded` inputs, per block of 32,
+    """x as native/q4i.h's and q8t.h's integer dots see it: over each row zero-padded to `padded` inputs, per block of 32,
     a = rint(clamp(x * (127 / max|x|), -127, 127)) times max|x| / 127 (Q8_0's rounding)."""
     K = x.shape[-1]
     xb = F.pad(x, (0, padded - K)).unflatten(-1, (-1, 32))
@@ -186,6 +190,10 @@ def round_blocks_int8(x: torch.Tensor, padded: int) -> torch.Tensor:
 # FastStep is built; FastInt4Linear below rounds x the same way, so the torch forward keeps the step's numbers.
 INT4_DOTS = ("int8", "fp32")
 INT4_DOT = os.environ.get("SLUICE_INT4_DOT", "int8")
+# The same for int8 weights (native/q8t.h): "int8" rounds x so and sums code x code in integers, "fp32" widens the
+# codes. SLUICE_INT8_DOT, or gemv.INT8_DOT before a FastStep is built; FastInt8Linear above follows it too.
+INT8_DOTS = ("int8", "fp32")
+INT8_DOT = os.environ.get("SLUICE_INT8_DOT", "int8")
 
 
 class FastInt4Linear(Int4Linear):

@@ -36,6 +36,7 @@ struct Q4In {
   float* d = nullptr;
   float* dsum = nullptr;
   int64_t nb = 0, ng = 0;
+  const int32_t* c = nullptr;  // int8 weights' integer dot (q8t.h, instead of dsum): per row and block, -128 sum(a)
 };
 
 

@@ -300,7 +300,7 @@ struct Linear {  // weight (N, ldw) of which each row's first K are used, row sc
   // flight. Qwen3-0.6B shape in bf16, 2-core Xeon: 11.2 -> 14.3-15.9 tok/s; the bundled model (its weights in
   // the last-level cache) ran ~5% faster with T0, so it keeps that.
   bool far = false;
-  bool idot = false;  // int4: the products take the integer dot (q4i.h), not the fp32-widening one
+  bool idot = false;  // int4, int8: the products take the integer dot (q4i.h, q8t.h), not the fp32-widening one
   bool bdot = false;  // bf16: x rounded to bf16 and vdpbf16ps (b16.h), not fp32 products
   const float* b = nullptr;
   int64_t n = 0, k = 0;
@@ -308,7 +308,7 @@ struct Linear {  // weight (N, ldw) of which each row's first K are used, row sc
                     // int4: bytes, K' / 2 for the row's K' >= K codes (K' a multiple of the group)
   const bf16* sz = nullptr;  // int4: scales_zeros (K' / group, ldsz, 2), (s, z) of group g, row n at 2 (g ldsz + n)
   int64_t ldsz = 0, group = 0;
-  const uint8_t* wt = nullptr;  // int4 with the integer dot: the codes in tiles of interleaved rows (q4t.h), ldt
+  const uint8_t* wt = nullptr;  // int4/int8 with the integer dot: the codes in tiles of interleaved rows (q4t.h, q8t.h), ldt
   int64_t ldt = 0, tile = 0;    // bytes and rows a tile; row(i) is then the start of row i's tile
   const void* row(int64_t i) const {
     if (wt) return i < n ? wt + i / tile * ldt : nullptr;
@@ -396,7 +396,14 @@ inline void widen_row(const W* w, int64_t K, float* out) {
 #endif
 
 #include "q4.h"
+#include "q8t.h"
 #include "b16.h"
+
+// The input of L's products as its integer dot takes it (int4, int8 with idot), or none (the products read x).
+inline bool takes_codes(const Linear& L) { return L.kind == kInt4 || (L.kind == kInt8 && L.idot); }
+inline Q4In codes_input(const Linear& L, const float* x, int64_t M) {
+  return L.kind == kInt4 ? q4_input(L, x, M) : takes_codes(L) ? q8t_input(L, x, M) : Q4In{};
+}
 
 // y[m, n - n0] (+)= x[m] . W[n] + b[n] for m < M and weight rows n0 <= n < n1. accumulate: the
 // residual add, x + f(x), in the order torch adds (the bias before the residual). after: the weight rows
@@ -559,7 +566,9 @@ void block(const Linear& L, const float* x, const Q4In& q4, int64_t M, int64_t n
   switch (L.kind) {
     case kInt4: return block_q4(L, q4, M, n0, n1, y, ldy, accumulate, after);
     case kBf16: return block<bf16>(L, x, M, n0, n1, y, ldy, accumulate, after);
-    case kInt8: return block<int8_t>(L, x, M, n0, n1, y, ldy, accumulate, after);
+    case kInt8:
+      if (L.idot) return block_q8(L, q4, M, n0, n1, y, ldy, accumulate, after);
+      return block<int8_t>(L, x, M, n0, n1, y, ldy, accumulate, after);
     default: return block<float>(L, x, M, n0, n1, y, ldy, accumulate, after);
   }
 }
@@ -571,7 +580,7 @@ void block(const Linear& L, const float* x, const Q4In& q4, int64_t M, int64_t n
 // one core often ran 15-20% slower than the other) does less instead of making the other wait at the
 // barrier. Which thread computes a block changes no number.
 void linear(const Linear& L, const float* x, int64_t M, float* y, int64_t ldy, bool accumulate = false) {
-  const Q4In q4 = L.kind == kInt4 ? q4_input(L, x, M) : Q4In{};
+  const Q4In q4 = codes_input(L, x, M);
   b16_prepare(L, x, M);
 #pragma omp for schedule(guided) nowait
   for (int64_t n0 = 0; n0 < L.n; n0 += kBlock)
@@ -583,7 +592,7 @@ void linear(const Linear& L, const float* x, int64_t M, float* y, int64_t ldy, b
 // MLP needs no barrier in between.
 void mlp_act(const Linear& gate, const Linear& up, int64_t kind, const float* x, int64_t M, float* act, float* tmp) {
   float* u = tmp + M * kBlock;
-  const Q4In q4 = up.kind == kInt4 ? q4_input(up, x, M) : gate.kind == kInt4 ? q4_input(gate, x, M) : Q4In{};
+  const Q4In q4 = codes_input(takes_codes(up) || !gate.w ? up : gate, x, M);
   b16_prepare(up.kind == kBf16 ? up : gate, x, M);  // (gate and up: one input, one K)
 #pragma omp for schedule(guided) nowait
   for (int64_t n0 = 0; n0 < up.n; n0 += kBlock) {
@@ -903,7 +912,7 @@ class Step {
   // opts: the model-wide numbers and switches, each key required (a misspelt one is an error, not a default).
   static constexpr const char* kOpts[] = {"eps", "norm_offset", "layer_norm", "scale", "act", "qk_full_width",
                                           "parallel_residual", "embed_scale", "final_softcap", "int4_dot",
-                                          "bf16_dot"};
+                                          "bf16_dot", "int8_dot"};
 
   Step(std::vector<torch::Tensor> tensors, torch::Tensor embed, torch::Tensor pos_embed,
        std::vector<torch::Tensor> final_norm, torch::Tensor head, std::vector<torch::Tensor> scales,
@@ -978,11 +987,12 @@ class Step {
         TORCH_CHECK(Li->kind != kInt4 || !group || Li->group == group, "Step: int4 linears of one group size only");
         if (Li->kind == kInt4) group = Li->group;
       }
-    const bool idot = opt("int4_dot") != 0.0;
+    const bool idot = opt("int4_dot") != 0.0, idot8 = opt("int8_dot") != 0.0;  // (int8: q8t.h)
     head_.far = far;
-    head_.idot = idot;
+    head_.idot = head_.kind == kInt8 ? idot8 : idot;
     for (Layer& Ly : layers_)
-      for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) Li->far = far, Li->idot = idot;
+      for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down})
+        Li->far = far, Li->idot = Li->kind == kInt8 ? idot8 : idot;
     const bool bdot = opt("bf16_dot") != 0.0;
     TORCH_CHECK(!bdot || has_bf16_dot(), "Step: bf16_dot needs a build with AVX512_BF16 (this CPU lacks it)");
     head_.bdot = bdot;
@@ -992,6 +1002,10 @@ class Step {
       for (Layer& Ly : layers_)
         for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down, &head_})
           if (Li->kind == kInt4) tiles_.push_back(q4t_pack(*Li));
+    if (idot8 && kQ8Rows)  // the int8 dot's tiles (q8t.h): a copy of the int8 codes, interleaved and biased
+      for (Layer& Ly : layers_)
+        for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down, &head_})
+          if (Li->kind == kInt8) tiles_.push_back(q8t_pack(*Li));
   }
 
   torch::Tensor run(torch::Tensor tokens, torch::Tensor positions, torch::Tensor kc, torch::Tensor vc, bool hidden,
@@ -1001,7 +1015,7 @@ class Step {
   std::vector<torch::Tensor> keep_, scales_;  // hold the tensors alive; the pointers below point into them
   torch::Tensor embed_, pos_embed_, head_t_, inv_freq_, inv_freq_local_;
   std::vector<Layer> layers_;
-  std::vector<torch::Tensor> tiles_;  // the int4 linears' codes in tiles (q4t_pack), which their wt point into
+  std::vector<torch::Tensor> tiles_;  // the int4 and int8 linears' codes in tiles (q4t_pack, q8t_pack): their wt
   Linear head_;
   Norm final_;
   NormKind norm_;
@@ -1148,8 +1162,8 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
       // stores new keys and values in their cache slot, so no barrier is needed between the two. Dynamic:
       // the items are few and unequal (v heads have no norm or RoPE), and a core may be slowed (see linear).
       // A full-width qk-norm (OLMo 2) needs every head of the row first: those rows are finished below.
-      const Linear* l4 = Ly.q.kind == kInt4 ? &Ly.q : Ly.k.kind == kInt4 ? &Ly.k : Ly.v.kind == kInt4 ? &Ly.v : nullptr;
-      const Q4In q4 = l4 ? q4_input(*l4, hn, M) : Q4In{};  // (one group size for the model: the same for all three)
+      const Linear* l4 = takes_codes(Ly.q) ? &Ly.q : takes_codes(Ly.k) ? &Ly.k : takes_codes(Ly.v) ? &Ly.v : nullptr;
+      const Q4In q4 = l4 ? codes_input(*l4, hn, M) : Q4In{};  // (one group size for the model: the same for all three)
       b16_prepare(Ly.q.kind == kBf16 ? Ly.q : Ly.k.kind == kBf16 ? Ly.k : Ly.v, hn, M);  // (q, k, v: one input)
 #pragma omp for schedule(dynamic)
       for (int64_t j = 0; j < H_ + 2 * K_; ++j) {
