@@ -54,7 +54,9 @@ def speed_setting(r: dict) -> str:
     s = r["settings"]
     model = model_name(r["model"])[0]
     weights = s["quantize"] or {"float32": "fp32", "bfloat16": "bf16"}.get(s["dtype"], s["dtype"])
-    return (model + ", " + weights + (", bf16 dot" if s.get("bf16_dot") == "bf16" else "")
+    # the bf16-weight products (mixed.BF16_DOT): the dot mode, and the fp32 ones where they are not the only kind
+    dot = {"bf16": ", bf16 dot", "fp32": ", fp32 products" if r["cpu"].get("avx512_bf16") else ""}.get(s.get("bf16_dot"), "")
+    return (model + ", " + weights + dot
             + (", --compile" if s.get("compile") else ""))
 
 
