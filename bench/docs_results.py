@@ -54,7 +54,11 @@ def speed_setting(r: dict) -> str:
     s = r["settings"]
     model = model_name(r["model"])[0]
     weights = s["quantize"] or {"float32": "fp32", "bfloat16": "bf16"}.get(s["dtype"], s["dtype"])
-    return (model + ", " + weights + (", bf16 dot" if s.get("bf16_dot") == "bf16" else "")
+    # the bf16-weight products (mixed.BF16_DOT): the dot mode, and the fp32 ones where the CPU could run the dot
+    # (files from before the setting existed ran them too)
+    fp32_products = s["dtype"] == "bfloat16" and not s["quantize"] and r["cpu"].get("avx512_bf16")
+    dot = ", bf16 dot" if s.get("bf16_dot") == "bf16" else ", fp32 products" if fp32_products else ""
+    return (model + ", " + weights + dot
             + (", --compile" if s.get("compile") else ""))
 
 

@@ -1,6 +1,6 @@
 """The native step's parity with the torch path, per family: the largest logit difference, relative to
 the largest logit, of a 5-token chunk over a prefilled cache (fp32 weights, and bf16 weights in fp32
-compute), on the tiny random checkpoints the tests build (tests/engine/test_fast_step*.py: every family
+compute with fp32 products, SLUICE_BF16_DOT=fp32: the dot mode has its own bound, test_fast_step_bf16_dot.py), on the tiny random checkpoints the tests build (tests/engine/test_fast_step*.py: every family
 sluice loads, with non-default values of the fields each reads). The tests assert <= 1e-4.
 
     .venv/bin/python bench/native_parity.py --json docs/results/native-parity.json
@@ -23,6 +23,7 @@ from test_fast_step_families import CASES as NEW_CASES  # noqa: E402
 from test_fast_step_families import build_live  # noqa: E402
 
 from ckpt import build  # noqa: E402
+from sluice.engine import mixed  # noqa: E402
 from sluice.engine.fast_step import FastStep  # noqa: E402
 
 
@@ -40,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    mixed.BF16_DOT = "fp32"  # (the native step and the torch path alike)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         cases = {n: (a, o, build) for n, (a, o) in OLD_CASES.items()}

@@ -114,9 +114,16 @@ def test_a_chunk_past_max_chunk_runs_in_pieces_bit_for_bit(ckpt_dirs, name):
         assert torch.equal(logits, outs[0][0]) and torch.equal(k, outs[0][1]) and torch.equal(v, outs[0][2])
 
 
+# mixed.BF16_DOT's modes on this CPU and build: "fp32", and "bf16" where "auto" picks it (AVX512_BF16), where the
+# torch path rounds each linear's input to bf16 as the native step's vdpbf16ps reads it
+BF16_DOTS = sorted({"fp32", mixed.bf16_dot("auto")})
+
+
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
 @pytest.mark.parametrize("T", [1, 5])
-def test_bf16_weights_with_fp32_compute(ckpt_dirs, name, T):
+@pytest.mark.parametrize("bf16_dot", BF16_DOTS)
+def test_bf16_weights_with_fp32_compute(ckpt_dirs, name, T, bf16_dot, monkeypatch):
+    monkeypatch.setattr(mixed, "BF16_DOT", bf16_dot)  # the native step and the torch path alike
     model = load(ckpt_dirs[name], "bfloat16")
     assert model.layers[0].mlp.up.weight.dtype == torch.bfloat16 and unsupported(model) is None
     check_chunk(model, T)
@@ -180,13 +187,14 @@ def test_config_fields_with_non_default_values(fields):
     check_chunk(model, 4)
 
 
-@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
-def test_odd_sizes_give_a_token_the_same_numbers_in_any_chunk(weights):
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"] + [f"bfloat16-{d}" for d in BF16_DOTS if d != "fp32"])
+def test_odd_sizes_give_a_token_the_same_numbers_in_any_chunk(weights, monkeypatch):
     """hidden 44, intermediate 76, head_dim 20: most products end in a scalar tail of 12 (K % 16). A chunk cut
     so that the kernel's tiles take 1, 2, 3, 4, 5 and more rows gives bit for bit one call's logits
     and cache (the scheduler cuts prompts wherever its token budget ends)."""
     model = random_model(seed=4, hidden_size=44, intermediate_size=76, head_dim=20)
-    if weights == "bfloat16":  # mixed.py's mode: bf16 linear weights, everything else fp32
+    monkeypatch.setattr(mixed, "BF16_DOT", weights.partition("-")[2] or "fp32")
+    if weights.startswith("bfloat16"):  # mixed.py's mode: bf16 linear weights, everything else fp32
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
                 m.to(torch.bfloat16)

@@ -1,5 +1,6 @@
 """engine/mixed.py: bf16 weights with fp32 compute, against an fp32 model of the same bf16-rounded
-weights (the numbers that mode promises), on prefill, decode rows and greedy generation."""
+weights (the numbers that mode promises), on prefill, decode rows and greedy generation; in the bf16 dot mode
+(mixed.BF16_DOT "bf16", the default's choice on a CPU with AVX512_BF16) one whose linears round x to bf16 too."""
 
 import pytest
 import torch
@@ -12,16 +13,28 @@ from sluice.errors import ConfigError
 pytestmark = pytest.mark.skipif(not gemv.available(), reason="needs sluice's CPU kernel")
 
 
-def rounded_fp32(tiny_dir):
-    """The reference: the fp32 model whose every weight is rounded to bf16 first."""
-    model = sluice.load(tiny_dir)
+# the modes whose torch path runs here (rounding x needs no bf16 instructions), and those the LLM's native step has
+DOTS = ["fp32", "bf16"]
+NATIVE_DOTS = sorted({"fp32", mixed.bf16_dot("auto")})
+
+
+def rounded_fp32(tiny_dir, bf16_dot: str = "fp32", model=None):
+    """The reference: the fp32 model whose every weight is rounded to bf16 first; with bf16_dot "bf16", whose
+    linears also round their input to bf16."""
+    model = model or sluice.load(tiny_dir)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.bfloat16().float())
+    if bf16_dot == "bf16":
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(), *args[1:]))
     return model
 
 
-def test_forward_equals_fp32_of_the_rounded_weights(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("bf16_dot", DOTS)
+def test_forward_equals_fp32_of_the_rounded_weights(tiny_dir, monkeypatch, bf16_dot):
+    monkeypatch.setattr(mixed, "BF16_DOT", bf16_dot)
     monkeypatch.setattr(gemv, "PREFILL_BLOCK_BYTES", 4 * 64 * 20)  # 20 rows per block: many blocks
     model = sluice.load(tiny_dir, dtype="bfloat16")
     n = mixed.use_fp32_compute(model)
@@ -29,7 +42,7 @@ def test_forward_equals_fp32_of_the_rounded_weights(tiny_dir, monkeypatch):
     assert mixed.activation_dtype(model) == torch.float32
     assert model.embed.weight.dtype == torch.bfloat16  # tables stay bf16
     assert all(p.dtype == torch.float32 for name, p in model.named_parameters() if "norm" in name)
-    ref = rounded_fp32(tiny_dir)
+    ref = rounded_fp32(tiny_dir, bf16_dot)
     ids = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4, 6, 8, 10, 12]])
     with torch.inference_mode():
         got, want = model(ids), ref(ids)  # prefill rows: fp32 GEMMs on blocks of W
@@ -39,15 +52,15 @@ def test_forward_equals_fp32_of_the_rounded_weights(tiny_dir, monkeypatch):
         assert torch.allclose(one, one_ref, atol=1e-4, rtol=1e-4)
 
 
-def test_llm_compute_float32_generates_what_the_rounded_fp32_model_does(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("bf16_dot", NATIVE_DOTS)
+def test_llm_compute_float32_generates_what_the_rounded_fp32_model_does(tiny_dir, monkeypatch, bf16_dot):
+    monkeypatch.setattr(mixed, "BF16_DOT", bf16_dot)
     params = sluice.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     llm = sluice.LLM(tiny_dir, dtype="bfloat16", compute="float32")
     assert isinstance(llm.model.layers[0].mlp.up, mixed.Bf16WeightLinear)
     ref = sluice.LLM(tiny_dir, kernels=False)
-    with torch.no_grad():
-        for p in ref.model.parameters():
-            p.copy_(p.bfloat16().float())
+    rounded_fp32(tiny_dir, bf16_dot, ref.model)
     assert [o.token_ids for o in llm.generate(prompts, params)] == \
         [o.token_ids for o in ref.generate(prompts, params)]
     # the fused head composes with this mode: "auto" takes it for filtered rows where the native batch

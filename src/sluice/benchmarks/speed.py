@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine import fast_step
+from ..engine import fast_step, mixed
 from ..engine.gemv import cpu_flags
 from ..errors import BenchmarkError
 from ..observatory.disturbance import LoadWatch
@@ -60,8 +60,8 @@ def settings(args) -> dict:
             "gen": args.gen, "reps": args.reps, "vs": vs, "threads": args.threads, "compile": args.compile,
             "gguf": args.gguf, "llama_python": args.llama_python, "probe_mib": args.probe_mib,
             "prompt_seed": PROMPT_SEED, "speculation": spec, "sequential": bool(getattr(args, "sequential", False)),
-            # the native step's bf16-weight products (fast_step.BF16_DOT, SLUICE_BF16_DOT): "bf16" rounds x to bf16
-            "bf16_dot": fast_step.BF16_DOT if args.dtype == "bfloat16" and args.quantize is None else None}
+            # the bf16-weight products as resolved here (mixed.bf16_dot(): SLUICE_BF16_DOT, "auto" by the CPU and build)
+            "bf16_dot": mixed.bf16_dot() if args.dtype == "bfloat16" and args.quantize is None else None}
 
 
 def _speculation(draft_model, prompt_lookup: bool, tokens) -> dict | None:

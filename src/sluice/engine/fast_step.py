@@ -33,8 +33,6 @@ a norm or set a soft-cap: a step that no longer matches its model is built again
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,7 +40,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..model.layers import ACTIVATION_FUNCTIONS, MLP, Attention, Block, LayerNorm, RMSNorm, Transformer
 from ..model.quant import INT4_GROUP_SIZES, Int4Linear, Int8Linear
-from . import gemv
+from . import gemv, mixed
 from .gemv import FastInt4Linear, FastInt8Linear, FastLinear
 from .mixed import Bf16WeightLinear, UpcastEmbedding, activation_dtype
 from .native import NATIVE_DIR, NativeExtension
@@ -62,13 +60,12 @@ _ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "gelu_new": 2}
 # per process by SLUICE_INT4_DOT, or by assigning gemv.INT4_DOT before a FastStep is built, or per step:
 # FastStep(model, int4_dot=...).
 INT4_DOTS = gemv.INT4_DOTS  # the setting lives in gemv.py, whose FastInt4Linear follows it too
-# The native step's bf16-weight products (native/b16.h): "fp32" widens the weights and multiplies in fp32 (within
-# 1e-4 of the torch path), "bf16" rounds x to bf16 (to nearest even) and sums pairs of exact bf16 products with
-# vdpbf16ps (llama.cpp's bf16 arithmetic; within its own bound of a model whose linears round x so). "bf16" needs
-# a CPU with AVX512_BF16 (kernel().has_bf16_dot()); elsewhere asking for it is an error. One mode for every chunk.
-# Per process by SLUICE_BF16_DOT, or by assigning BF16_DOT before a FastStep is built, or FastStep(bf16_dot=...).
-BF16_DOTS = ("fp32", "bf16")
-BF16_DOT = os.environ.get("SLUICE_BF16_DOT", "fp32")
+# The native step's bf16-weight products (native/b16.h): "fp32" widens the weights and multiplies in fp32, "bf16"
+# rounds x to bf16 (to nearest even) and sums pairs of exact bf16 products with vdpbf16ps (llama.cpp's bf16
+# arithmetic), "auto" (the default) is "bf16" where the CPU and build have AVX512_BF16, else "fp32". "bf16" asked
+# for where the kernel lacks it is an error. One mode for every chunk. The setting lives in mixed.py (BF16_DOT,
+# SLUICE_BF16_DOT), whose Bf16WeightLinear, the torch path, rounds x the same way; or FastStep(bf16_dot=...).
+BF16_DOTS = mixed.BF16_DOTS
 # The native step's int8-weight products (native/q8t.h): "int8" rounds each activation row per block of 32 to int8
 # (Q8_0, as INT4_DOT "int8") and sums code x code in integers (llama.cpp's Q8_0 x Q8_0 arithmetic; within its own
 # bound of the dequantized model), "fp32" widens the codes and multiplies in fp32 (within 1e-4 of it). One mode for
@@ -307,10 +304,9 @@ class FastStep:
         if self.int4_dot not in INT4_DOTS:
             raise ConfigError(f"SLUICE_INT4_DOT (int4_dot) must be one of {', '.join(INT4_DOTS)}, "
                               f"got {self.int4_dot!r}")
-        self.bf16_dot = bf16_dot or BF16_DOT
-        if self.bf16_dot not in BF16_DOTS:
-            raise ConfigError(f"SLUICE_BF16_DOT (bf16_dot) must be one of {', '.join(BF16_DOTS)}, "
-                              f"got {self.bf16_dot!r}")
+        self.bf16_dot = mixed.bf16_dot(bf16_dot)  # "fp32" or "bf16" (auto resolved)
+        if self.bf16_dot == "bf16" and not kernel().has_bf16_dot() and (bf16_dot or mixed.BF16_DOT) == "auto":
+            self.bf16_dot = "fp32"  # (a compiler without AVX512_BF16: see mixed.auto_bf16_dot)
         if self.bf16_dot == "bf16" and not kernel().has_bf16_dot():
             raise ConfigError("SLUICE_BF16_DOT=bf16 needs a CPU with AVX512_BF16 (vdpbf16ps); this one lacks it: "
                               "use fp32")

@@ -13,8 +13,17 @@ computes everything else in fp32:
 - norm gains, biases and other small parameters become fp32, and the embedding lookup returns fp32
   rows of the bf16 table (which the tied LM head shares).
 
-The numbers are then those of an fp32 model whose weights were rounded to bf16, which is closer to
-fp32 than a bf16 forward is. The KV cache is fp32 too, so it takes twice the memory of a bf16 cache.
+What a bf16-weight product computes is one setting, BF16_DOT (below), shared with the native step
+(fast_step.py, native/b16.h), so that step and this torch path give the same numbers in either mode:
+- "fp32": x as it is, the weights widened exactly; the numbers are those of an fp32 model whose
+  weights were rounded to bf16, which is closer to fp32 than a bf16 forward is;
+- "bf16": each linear's input row first rounded to bf16 (to nearest even), then the same products:
+  what the native step's vdpbf16ps computes, two bf16 x bf16 products per fp32 lane, as llama.cpp's
+  bf16 path does. The rounding costs a few 1e-3 of the largest logit on random tiny models;
+- "auto" (the default): "bf16" where the CPU has AVX512_BF16 and the kernels are built with it
+  (AMD Zen 4 and later, Intel Cooper Lake, Sapphire Rapids and later), "fp32" elsewhere (AVX2-only
+  CPUs, a build with SLUICE_KERNEL_FLAGS=-mno-avx512f). Only the native step gains speed from it
+  (its prefill tiles do twice the products per instruction); the torch path rounds x only to match. The KV cache is fp32 too, so it takes twice the memory of a bf16 cache.
 `LLM(dtype="bfloat16")` picks this mode by itself where the CPU lacks bf16 instructions and the
 kernel is available (`compute="auto"`); `compute="bfloat16"` keeps the plain bf16 forward
 (transformers' numerics), `compute="float32"` asks for this mode.
@@ -22,10 +31,20 @@ kernel is available (`compute="auto"`); `compute="bfloat16"` keeps the plain bf1
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from . import gemv
+from .native import cflags
+
+# Per process by SLUICE_BF16_DOT, or by assigning BF16_DOT (before a FastStep is built; the torch path reads it
+# per call), or per native step: FastStep(model, bf16_dot=...). bf16_dot() resolves "auto".
+BF16_DOTS = ("auto", "fp32", "bf16")
+BF16_DOT = os.environ.get("SLUICE_BF16_DOT", "auto")
 
 
 class UpcastEmbedding(nn.Embedding):
@@ -44,9 +63,29 @@ class Bf16WeightLinear(nn.Linear):
         K, N = x.shape[-1], self.out_features
         rows = x.numel() // K
         x = x.float()
+        if bf16_dot() == "bf16":  # as the native step's dot mode reads x (see the module doc)
+            x = x.to(torch.bfloat16).float()
         if rows <= gemv.MAX_ROWS:
             return gemv.gemv(x.reshape(rows, K), self.weight, None, self.bias).view(*x.shape[:-1], N)
         return gemv.blocked_linear(x, lambda a, b: self.weight[a:b].float(), self.bias, N)
+
+
+def bf16_dot(mode: str | None = None) -> str:
+    """What bf16-weight products compute here, "fp32" or "bf16", for `mode` (default BF16_DOT); "auto" resolved
+    for this CPU and kernel build. An unknown mode is a ConfigError."""
+    mode = mode or BF16_DOT
+    if mode not in BF16_DOTS:
+        raise ConfigError(f"SLUICE_BF16_DOT (bf16_dot) must be one of {', '.join(BF16_DOTS)}, got {mode!r}")
+    return auto_bf16_dot() if mode == "auto" else mode
+
+
+@functools.cache
+def auto_bf16_dot() -> str:
+    """ "bf16" where the CPU has AVX512_BF16 and the kernels' flags keep it (native/build.py compiles for this CPU;
+    SLUICE_KERNEL_FLAGS=-mno-avx512f, the AVX2 build, drops it), else "fp32". The native step's has_bf16_dot()
+    agrees wherever the compiler knows AVX512_BF16 (GCC 10+, Clang 9+)."""
+    dropped = {"-mno-avx512f", "-mno-avx512bf16"} & set(cflags())
+    return "bf16" if "avx512_bf16" in gemv.cpu_flags() and not dropped else "fp32"
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:
