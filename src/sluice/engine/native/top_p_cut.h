@@ -141,17 +141,20 @@ inline int64_t cut_at(const float* ex, int64_t V, const std::vector<uint32_t>& b
   double before = mass_above;
   const double eps = 2.2 * static_cast<double>(V) * 0x1p-53;  // times max(1, before)
   int64_t pos = a;
+  // A mass not below top_p at the bracket's first position puts the cut at or above it, among the tokens >= hi,
+  // whose masses were not walked: not proven.
   for (const uint32_t id : bracket) {
     if (pos > 0) {
       const int b = below(before, eps * std::max(1.0, before), top_p);
-      if (b < 0) return -1;
+      if (b < 0 || (!b && pos == a)) return -1;
       if (!b) return pos;
     }
     before += static_cast<double>(ex[id] * inv);
     ++pos;
   }
   if (pos == V) return V;
-  return below(before, eps * std::max(1.0, before), top_p) == 0 ? pos : -1;  // else the thresholds' float masses misled
+  // Else the thresholds' float masses misled: the cut lies below the bracket (or above it, as before).
+  return pos > a && below(before, eps * std::max(1.0, before), top_p) == 0 ? pos : -1;
 }
 
 // Fills w.ids (the kept tokens: `first`, the first max, leads) and w.keep from the scaled row s and its
