@@ -7,7 +7,8 @@ calls it (the penalty write-back included), at 1, 4 and 8 rows, on the bundled m
 Each configuration times the native draw (engine/sample.py's kernel) and the torch path (the reference,
 what every draw ran before the kernel) interleaved in one process, so a neighbour's load hits both
 alike: medians of --repeats calls in microseconds, with the 10th percentile. A row also records how
-often the native draw handed a step to the torch path (its margins could not prove the same token).
+often the native draw handed a step to the torch path (its margins could not prove the same token), and for
+top_p with top_k off, the fraction of rows whose cut needed the sort (native/top_p_cut.h could not prove it).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def time_pair(mix: str, rows: int, V: int, repeats: int) -> dict:
     times = {"native": [], "torch": []}
     fallbacks0 = sample.STATS["fallback"]
     calls0 = sample.STATS["calls"]
+    cut0 = top_p_rows()
     for rep in range(repeats + 10):
         for name, (draw, seqs, logits) in (("native", native), ("torch", torch_)):
             x = logits[rep % STEPS]
@@ -91,7 +93,15 @@ def time_pair(mix: str, rows: int, V: int, repeats: int) -> dict:
     calls = sample.STATS["calls"] - calls0
     out["native_calls"] = calls
     out["fallback_fraction"] = (sample.STATS["fallback"] - fallbacks0) / calls if calls else 0.0
+    bounded, sorted_ = (now - then for now, then in zip(top_p_rows(), cut0, strict=True))
+    out["top_p_sorted_fraction"] = sorted_ / (bounded + sorted_) if bounded + sorted_ else 0.0
     return out
+
+
+def top_p_rows() -> tuple[int, int]:
+    """The kernel's counts of top_p rows cut without a sort and with one (zeros without the kernel)."""
+    kern = sample.kernel()
+    return kern.top_p_rows() if kern is not None else (0, 0)
 
 
 def main() -> None:
@@ -110,8 +120,8 @@ def main() -> None:
     print(f"native sampling kernel: {sample.why_unavailable() or 'loaded'}; threads {torch.get_num_threads()}")
     result = {"env": environment(), "quick": args.quick, "repeats": repeats, "threads": torch.get_num_threads(),
               "rows": []}
-    print("| config | rows | vocab | native us (p10) | torch us (p10) | torch / native | fallbacks |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| config | rows | vocab | native us (p10) | torch us (p10) | torch / native | fallbacks | top_p sorted |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for V in map(int, args.vocab.split(",")):
         for mix in MIXES:
             for B in sizes:
@@ -119,7 +129,7 @@ def main() -> None:
                 result["rows"].append(r)
                 print(f"| {mix} | {B} | {V} | {r['native_us']:.0f} ({r['native_p10_us']:.0f}) | {r['torch_us']:.0f} "
                       f"({r['torch_p10_us']:.0f}) | {r['torch_us'] / r['native_us']:.2f}x | "
-                      f"{r['fallback_fraction']:.3f} |", flush=True)
+                      f"{r['fallback_fraction']:.3f} | {r['top_p_sorted_fraction']:.2f} |", flush=True)
     result["loadavg_at_end"] = list(__import__("os").getloadavg())
     save_json(args.json, result)
 

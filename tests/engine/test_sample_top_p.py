@@ -1,5 +1,6 @@
-"""engine/sample.py with top_p and top_k off: the native step reproduces torch's softmax bit for bit
-(native/torch_softmax.h) and sorts only the head of the row, so its cut is the torch path's exactly, and so
+"""engine/sample.py with top_p and top_k off: the native step cuts where a bound on torch's softmax sum proves
+the cut (native/top_p_cut.h, tested on its own in test_sample_top_p_cut.py), or else reproduces torch's softmax
+bit for bit (native/torch_softmax.h) and sorts only the head of the row, so its cut is the torch path's exactly, and so
 are the tokens, the penalty state and the streams; steps are handed to the torch path only where the race
 itself is too close to call (rare), or where the lane count of torch's kernels is unknown."""
 

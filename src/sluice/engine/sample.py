@@ -3,8 +3,8 @@ path (filtering.py) draws: penalties, max and NaN / inf check, temperature, top_
 counter-based noise and the race, for every row at once, with the penalty state updated in place.
 
 The kernel takes a decision only where it can prove torch's float arithmetic takes the same one (its
-comments say how; top_p with top_k off reproduces torch's softmax bit for bit, which needs the lane count of
-torch's own vectorised kernels, LANES); where it cannot, or the step is unusual (a NaN or inf row), it
+comments say how; top_p with top_k off brackets torch's softmax sum or else reproduces it bit for bit, both of
+which need the lane count of torch's own vectorised kernels, LANES); where it cannot, or the step is unusual (a NaN or inf row), it
 changes nothing and the caller runs the torch path. So the kernel is an optimisation, never a second
 definition of a draw: turning it off (SLUICE_NO_KERNELS, no compiler) gives the same tokens.
 """

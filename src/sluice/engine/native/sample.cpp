@@ -34,6 +34,8 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
+#include "top_p_cut.h"  // after the pragma: its probabilities are torch's single roundings too
+
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -206,6 +208,7 @@ struct Scratch {
   std::vector<double> e;
   std::vector<char> keep;
   std::vector<Rival> rivals;
+  sluice_top_p::Work cut;
 };
 
 // The head of a row for torch's softmax sum: the ids whose scaled value is >= t, in id order, and the largest
@@ -248,10 +251,11 @@ float head_sum(const float* ex, const std::vector<uint32_t>& head, int64_t V, in
 // Sampled row with top_p and top_k off: filtering._candidates' kept prefix, exactly. Its probabilities are
 // torch's bits (torch_softmax.h); the mass before each token is the cumulative sum's, which accumulates in
 // double and rounds to float (ATen's CPU cumsum of fp32); top_p, then min_p on the same probabilities.
-// Only the head of the row is sorted: the tokens that can change torch's sum S, which is all the cut needs
-// besides the few tokens before it. W is the lane count of torch's vectorised softmax (8 or 16; 0: unknown,
-// defer). Fills w.cand (scaled value, id) and w.keep; false to defer.
-bool top_p_prefix(const float* v, int64_t V, float m, const Row& r, int W, Scratch& w) {
+// Most rows are cut without a sort (top_p_cut.h); the others sort the head of the row: the tokens that can
+// change torch's sum S, which is all the cut needs besides the few tokens before it. W is the lane count of
+// torch's vectorised softmax (8 or 16; 0: unknown, defer). Fills w.cand (scaled value, id; the first max,
+// `first`, leads) and w.keep; false to defer.
+bool top_p_prefix(const float* v, int64_t V, float m, int64_t first, const Row& r, int W, Scratch& w) {
   if (W != 8 && W != 16) return false;
   w.hi.resize(V);
   w.ex.resize(V);
@@ -269,6 +273,14 @@ bool top_p_prefix(const float* v, int64_t V, float m, const Row& r, int W, Scrat
   double total = 0;  // roughly S: only the first guess at the head depends on it
   for (const float x : lane) total += x;
   for (; j < V; ++j) total += ex[j] = sluice_softmax::expf_u10(s[j]);
+  if (sluice_top_p::bounded_cut(s, ex, V, W, first, r.top_p, r.min_p, w.cut)) {
+    ++sluice_top_p::bounded;
+    w.cand.clear();
+    for (const uint32_t id : w.cut.ids) w.cand.push_back({s[id], id});
+    w.keep.assign(w.cut.keep.begin(), w.cut.keep.end());
+    return true;
+  }
+  ++sluice_top_p::sorted;
   // A first guess at the head: e >= S 2^-40. Random logits at T = 0.8 needed ~90% of 8,192 tokens, and a
   // guess of 2^-31 (half an ulp of a lane holding a 64th of S) fell short in half the rows: a second sort.
   float t = V < W ? -INFINITY : static_cast<float>(std::log(total) - 40 * M_LN2);
@@ -325,7 +337,7 @@ int64_t race_row(const float* v, int64_t V, float m, int64_t first, const Row& r
   const bool top_p = r.top_p < 1.f, min_p = r.min_p > 0.f;
   if (min_p && r.min_p < 1e-30f) return -1;  // its threshold probabilities would be subnormal floats
   if (r.top_k >= V) {  // every token is a candidate
-    if (top_p) return top_p_prefix(v, V, m, r, W, w) ? race_kept(w, base) : -1;
+    if (top_p) return top_p_prefix(v, V, m, first, r, W, w) ? race_kept(w, base) : -1;
     // min_p keeps p_i >= min_p p_max, i.e. exp(s_i) >= min_p (p_max = exp(0) / sum): a threshold on s.
     const double t = min_p ? std::log(static_cast<double>(r.min_p)) : -INFINITY;
     const double slack = 2 * kExpErr + 8 * kUlp;
@@ -482,6 +494,8 @@ std::tuple<torch::Tensor, bool> draw(torch::Tensor x, torch::Tensor rows, torch:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw", &draw, "one step of the batch sampler, or deferred to the torch path");
+  m.def("top_p_rows", [] { return std::make_tuple(sluice_top_p::bounded.load(), sluice_top_p::sorted.load()); },
+        "rows whose top_p cut was proven without a sort, and rows that were sorted (since load)");
   m.def("has_avx2", &has_avx2);
   m.def("has_avx512", &has_avx512);
 }

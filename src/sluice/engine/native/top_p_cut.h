@@ -1,0 +1,267 @@
+// torch's top_p cut of a row (filtering._candidates with top_k off) without sorting the row: sample.cpp
+// tries this first and sorts (its exact head sort) only where this cannot prove the answer.
+//
+// Why it can skip the sort: torch keeps the sorted prefix whose fp32 cumulative mass before each token is
+// < top_p, and that mass depends on the order of the row only near the cut. Two things are pinned down:
+// - torch's softmax sum S (a float sum in W lanes over the sorted row) is bracketed without the sort: each
+//   of its roundings is at most 2^-24 of the lane's sum and at most the value added (bounded_cut says how
+//   these add up); the fold of the lanes adds log2(W) roundings of at most 2^-24 S each. So
+//   1 / S, a float, lies between two floats inv_lo and inv_hi. Each probability fl(e * inv) grows with
+//   inv, and so does every cumulative mass: the cut moves only one way as inv does. Where inv_lo and
+//   inv_hi give the same cut, every inv between them does too, torch's among them.
+// - the cumulative masses: a few passes of 8 thresholds each over the scaled values find a bracket
+//   [lo, hi) of them holding the cut; the mass of every token >= hi is a float64 sum (in another order
+//   than torch's sequential one: the two differ by at most 2 n 2^-53 of the mass), and only the bracket is
+//   sorted (stably: equal values keep ids ascending, as torch's stable sort), its masses added one by one
+//   as torch does. A comparison with top_p that the 2 n 2^-53 could flip is not taken.
+// Anything not proven (a cut that moves between inv_lo and inv_hi, a mass too near top_p, a min_p
+// probability within 2^-22 of its floor) returns false, and sample.cpp sorts as before.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "radix.h"
+
+namespace sluice_top_p {
+
+// How many rows were cut here, and how many went on to the sort (tests check both happen).
+inline std::atomic<int64_t> bounded{0}, sorted{0};
+
+#ifdef __AVX512F__
+constexpr int kL = 16;
+using Vf = __m512;
+inline Vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vf vset(float x) { return _mm512_set1_ps(x); }
+inline uint32_t vge(Vf a, Vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+inline Vf vmask(uint32_t m, Vf a) { return _mm512_maskz_mov_ps(static_cast<__mmask16>(m), a); }
+inline Vf vadd(Vf a, Vf b) { return _mm512_add_ps(a, b); }
+inline Vf vmul(Vf a, Vf b) { return _mm512_mul_ps(a, b); }
+inline Vf vmin(Vf a, Vf b) { return _mm512_min_ps(a, b); }
+inline Vf vzero() { return _mm512_setzero_ps(); }
+struct Vd {  // the 16 lanes widened to double
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+  void add(Vf a) {
+    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(a)));
+    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
+  }
+  double sum() const { return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi)); }
+};
+#else  // AVX2 (sample.cpp's kernel refuses a build without it)
+constexpr int kL = 8;
+using Vf = __m256;
+inline Vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vf vset(float x) { return _mm256_set1_ps(x); }
+inline uint32_t vge(Vf a, Vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
+inline Vf vmask(uint32_t m, Vf a) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(m)), bit), bit);
+  return _mm256_and_ps(_mm256_castsi256_ps(on), a);
+}
+inline Vf vadd(Vf a, Vf b) { return _mm256_add_ps(a, b); }
+inline Vf vmul(Vf a, Vf b) { return _mm256_mul_ps(a, b); }
+inline Vf vmin(Vf a, Vf b) { return _mm256_min_ps(a, b); }
+inline Vf vzero() { return _mm256_setzero_ps(); }
+struct Vd {
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  void add(Vf a) {
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(a)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)));
+  }
+  double sum() const {
+    alignas(32) double l[4];
+    _mm256_store_pd(l, _mm256_add_pd(lo, hi));
+    return (l[0] + l[1]) + (l[2] + l[3]);
+  }
+};
+#endif
+
+inline float lanes_sum(Vf a) {
+  alignas(64) float l[kL];
+  std::memcpy(l, &a, sizeof a);
+  float t = 0.f;
+  for (const float x : l) t += x;
+  return t;
+}
+
+constexpr int kProbes = 8;
+
+// For thresholds t[0] > ... > t[7]: the count and (roughly: float lanes) the e-mass of {i : s[i] >= t[k]}.
+inline void probe(const float* s, const float* ex, int64_t V, const float* t, double* mass, int64_t* count) {
+  Vf acc[kProbes], tv[kProbes];
+  int64_t n[kProbes] = {0};
+  for (int k = 0; k < kProbes; ++k) acc[k] = vzero(), tv[k] = vset(t[k]);
+  int64_t j = 0;
+  for (; j + kL <= V; j += kL) {
+    const Vf x = vload(s + j), e = vload(ex + j);
+    for (int k = 0; k < kProbes; ++k) {
+      const uint32_t m = vge(x, tv[k]);
+      acc[k] = vadd(acc[k], vmask(m, e));
+      n[k] += __builtin_popcount(m);
+    }
+  }
+  for (int k = 0; k < kProbes; ++k) {
+    mass[k] = lanes_sum(acc[k]);
+    for (int64_t i = j; i < V; ++i)
+      if (s[i] >= t[k]) mass[k] += ex[i], ++n[k];
+    count[k] = n[k];
+  }
+}
+
+struct Work {
+  std::vector<uint32_t> above, bracket, sort_scratch, ids;  // ids: the kept tokens, the first max first
+  std::vector<char> keep;                                  // min_p's verdict on each of ids
+};
+
+inline float round_down(double x) {
+  const float f = static_cast<float>(x);
+  return f > x ? std::nextafter(f, -INFINITY) : f;
+}
+inline float round_up(double x) {
+  const float f = static_cast<float>(x);
+  return f < x ? std::nextafter(f, INFINITY) : f;
+}
+
+// fl32(before) < top_p, or -1 when before's error eps could change the answer.
+inline int below(double before, double eps, float top_p) {
+  const bool lo = static_cast<float>(before - eps) < top_p, hi = static_cast<float>(before + eps) < top_p;
+  return lo == hi ? lo : -1;
+}
+
+// The cut at one inv: the kept count K (the first position j >= 1 whose mass before is not < top_p, or V),
+// or -1 if not proven. `mass_above` is the float64 mass of the `a` tokens >= hi.
+inline int64_t cut_at(const float* ex, int64_t V, const std::vector<uint32_t>& bracket, int64_t a, double mass_above,
+                      float inv, float top_p) {
+  double before = mass_above;
+  const double eps = 2.2 * static_cast<double>(V) * 0x1p-53;  // times max(1, before)
+  int64_t pos = a;
+  // A mass not below top_p at the bracket's first position puts the cut at or above it, among the tokens >= hi,
+  // whose masses were not walked: not proven.
+  for (const uint32_t id : bracket) {
+    if (pos > 0) {
+      const int b = below(before, eps * std::max(1.0, before), top_p);
+      if (b < 0 || (!b && pos == a)) return -1;
+      if (!b) return pos;
+    }
+    before += static_cast<double>(ex[id] * inv);
+    ++pos;
+  }
+  if (pos == V) return V;
+  // Else the thresholds' float masses misled: the cut lies below the bracket (or above it, as before).
+  return pos > a && below(before, eps * std::max(1.0, before), top_p) == 0 ? pos : -1;
+}
+
+// Fills w.ids (the kept tokens: `first`, the first max, leads) and w.keep from the scaled row s and its
+// exps ex (torch's bits), or returns false. W: torch's softmax lanes (8 or 16).
+inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64_t first, float top_p, float min_p,
+                        Work& w) {
+  // S in float64 (exact to n 2^-53) and the smallest scaled value.
+  Vd total;
+  Vf low = vset(INFINITY);
+  int64_t j = 0;
+  for (; j + kL <= V; j += kL) {
+    total.add(vload(ex + j));
+    low = vmin(low, vload(s + j));  // NaN-free: the row is finite
+  }
+  double S = total.sum();
+  alignas(64) float l[kL];
+  std::memcpy(l, &low, sizeof low);
+  float smin = *std::min_element(l, l + kL);
+  for (; j < V; ++j) S += ex[j], smin = std::min(smin, s[j]);
+  // torch's S within S +- err (the header comment's bound, split at sigma): a token below sigma changes its
+  // lane's sum by at most itself; the N tokens at or above sigma are the first N of the sorted row, so no lane
+  // holds more than ceil(N / W) of them, each rounding by at most 2^-24 of a lane's sum (and the lanes' sums
+  // add up to S). sigma = log(2^-24 S / W) balances the two. A row shorter than W is one lane, left to right.
+  const int lanes = V < W ? 1 : W;
+  const float sigma = static_cast<float>(std::log(std::ldexp(S / lanes, -24)));
+  const Vf sv = vset(sigma);
+  Vf small = vzero();
+  int64_t n_big = 0;
+  for (j = 0; j + kL <= V; j += kL) {
+    const uint32_t big = vge(vload(s + j), sv);
+    n_big += __builtin_popcount(big);
+    small = vadd(small, vmask(~big, vload(ex + j)));
+  }
+  double below_sigma = lanes_sum(small);
+  for (; j < V; ++j)
+    if (s[j] >= sigma) ++n_big;
+    else below_sigma += ex[j];
+  // times 1.01 + 2 V 2^-24: the float sums (torch's partial sums, and this pass's) may be off by their own error
+  const double slack = 1.01 + std::ldexp(2.0 * V, -24);
+  const double err = (below_sigma + std::ldexp(S * static_cast<double>((n_big + lanes - 1) / lanes + std::log2(lanes)), -24)) * slack +
+                     std::ldexp(S * static_cast<double>(V), -51);
+  const float inv[2] = {1.0f / round_up(S + err), 1.0f / round_down(S - err)};
+
+  // The bracket: mass(>= hi) < top_p S <= mass(>= lo) by the float masses (checked exactly below).
+  const double target = static_cast<double>(top_p) * S;
+  float hi = INFINITY, lo = smin;
+  int64_t n_hi = 0, n_lo = V;
+  for (int pass = 0; pass < 6 && n_lo - n_hi > 32; ++pass) {
+    const float top = hi == INFINITY ? 0.f : hi;
+    if (!(lo < top)) break;
+    float t[kProbes];
+    double mass[kProbes];
+    int64_t count[kProbes];
+    for (int k = 0; k < kProbes; ++k) t[k] = top + (lo - top) * (static_cast<float>(k + 1) / (kProbes + 1));
+    probe(s, ex, V, t, mass, count);
+    int k = 0;
+    while (k < kProbes && mass[k] < target) ++k;
+    if (k < kProbes) lo = t[k], n_lo = count[k];
+    if (k > 0) hi = t[k - 1], n_hi = count[k - 1];
+  }
+
+  // The tokens >= hi (their float64 masses at both inv) and the bracket, in id order.
+  w.above.clear();
+  w.bracket.clear();
+  Vd above[2];
+  const Vf hv = vset(hi), lv = vset(lo), i0 = vset(inv[0]), i1 = vset(inv[1]);
+  for (j = 0; j + kL <= V; j += kL) {
+    const Vf x = vload(s + j), e = vload(ex + j);
+    const uint32_t up = vge(x, hv), in = vge(x, lv) & ~up;
+    if (up) {
+      above[0].add(vmask(up, vmul(e, i0)));
+      above[1].add(vmask(up, vmul(e, i1)));
+      for (uint32_t m = up; m; m &= m - 1) w.above.push_back(static_cast<uint32_t>(j + __builtin_ctz(m)));
+    }
+    for (uint32_t m = in; m; m &= m - 1) w.bracket.push_back(static_cast<uint32_t>(j + __builtin_ctz(m)));
+  }
+  double mass_above[2] = {above[0].sum(), above[1].sum()};
+  for (; j < V; ++j) {
+    if (s[j] >= hi) {
+      for (int q = 0; q < 2; ++q) mass_above[q] += static_cast<double>(ex[j] * inv[q]);
+      w.above.push_back(static_cast<uint32_t>(j));
+    } else if (s[j] >= lo) {
+      w.bracket.push_back(static_cast<uint32_t>(j));
+    }
+  }
+  const int64_t a = static_cast<int64_t>(w.above.size());
+  sluice_radix::sort_ids_descending(s, w.bracket.data(), static_cast<int64_t>(w.bracket.size()), w.sort_scratch);
+  const int64_t K = cut_at(ex, V, w.bracket, a, mass_above[0], inv[0], top_p);
+  if (K < 0 || K != cut_at(ex, V, w.bracket, a, mass_above[1], inv[1], top_p)) return false;
+
+  // The kept tokens; min_p keeps fl(e inv) >= fl(min_p inv) (torch's p_0 is exp(0) inv = inv): for every
+  // inv that is e >= min_p, unless e is within 2^-22 below min_p, where the roundings may tie them.
+  w.ids.clear();
+  w.keep.clear();
+  w.ids.push_back(static_cast<uint32_t>(first));
+  for (const uint32_t id : w.above)
+    if (id != first) w.ids.push_back(id);
+  for (int64_t q = 0; q < K - a; ++q)
+    if (w.bracket[q] != first) w.ids.push_back(w.bracket[q]);
+  const float band = static_cast<float>(min_p * (1.0 - 0x1p-22));
+  for (size_t q = 0; q < w.ids.size(); ++q) {
+    const float e = ex[w.ids[q]];
+    if (q == 0 || min_p <= 0.f || e >= min_p) w.keep.push_back(1);
+    else if (e < band) w.keep.push_back(0);
+    else return false;
+  }
+  return true;
+}
+
+}  // namespace sluice_top_p
