@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .native import NATIVE_DIR, NativeExtension
+from .sample import LANES
 
 _EXT = NativeExtension(NATIVE_DIR / "accept.cpp", "speculative acceptance kernel")
 STATS = {"calls": 0, "fallback": 0}  # native calls, and those handed to the torch rule
@@ -56,6 +57,41 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths
     n, final, deferred = kern.accept(p.contiguous(), _EMPTY if q is None else q.contiguous(), draft.contiguous(),
                                      torch.tensor(lengths, dtype=torch.int64), sampled,
                                      [s.key for s in streams], [s.draws for s in streams])
+    if deferred:
+        STATS["fallback"] += 1
+        return None
+    for i in rows:
+        streams[i].advance()
+        streams[i].advance()
+    return n, final
+
+
+def nucleus_probs(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """RoundProbs' probabilities (N, V) of fp32 logits x (N, V) for rows of temperature (0: greedy, a one-hot
+    argmax) and top_p alone, no penalties; or None (a non-finite logit, no kernel): RoundProbs' torch path."""
+    kern = kernel() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and LANES else None
+    if kern is None:
+        return None
+    probs, deferred = kern.nucleus_probs(x.contiguous(), temperature, top_p, LANES)
+    return None if deferred else probs
+
+
+def accept_logits(x: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths: list[int], rows: list[int],
+                  streams: list, temperature: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """accept()'s (n, final) from the target's logits x (B, K+1, V) fp32 instead of p, for rows of temperature
+    (0: greedy) and top_p alone without penalties: each p a position is nucleus_probs' row, filtered where
+    the rule first reads it. None, having changed nothing, where the torch path must run."""
+    kern = kernel() if x.device.type == "cpu" and x.dtype == torch.float32 and LANES else None
+    if kern is None or (q is not None and q.dtype != torch.float32):
+        return None
+    STATS["calls"] += 1
+    B = x.shape[0]
+    sampled = torch.zeros(B, dtype=torch.bool)
+    sampled[rows] = True
+    n, final, deferred = kern.accept_logits(_EMPTY, _EMPTY if q is None else q.contiguous(), draft.contiguous(),
+                                            torch.tensor(lengths, dtype=torch.int64), sampled,
+                                            [s.key for s in streams], [s.draws for s in streams], x.contiguous(),
+                                            temperature, top_p, LANES)
     if deferred:
         STATS["fallback"] += 1
         return None
