@@ -91,3 +91,22 @@ def test_native_probs_are_torch_bits():
     bad = torch.randn(1, V)
     bad[0, 5] = float("nan")
     assert accept_kernel.nucleus_probs(bad, torch.tensor([0.8]), torch.tensor([0.9])) is None  # the torch path's
+
+
+def test_native_probs_under_torchs_avx2_softmax():
+    """torch's softmax sums in 8 lanes under its AVX2 kernels (16 under AVX-512): the same check in a process
+    whose torch runs AVX2 (ATEN_CPU_CAPABILITY), so both lane counts are held to torch's bits."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if accept_kernel.kernel() is None or LANES != 16:
+        pytest.skip("torch already runs its AVX2 kernels here (or no kernel): the test above checks them")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    probe = "from sluice.engine.sample import LANES; assert LANES == 8, LANES"
+    assert subprocess.run([sys.executable, "-c", probe], env=env, timeout=300).returncode == 0
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "native_probs_are_torch_bits"], env=env, capture_output=True, text=True, timeout=900,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
