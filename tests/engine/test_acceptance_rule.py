@@ -194,7 +194,7 @@ def test_staged_verify_decides_what_the_full_one_decides(monkeypatch, native):
 
 
 def test_native_round_decides_what_the_torch_round_decides(monkeypatch):
-    """verify() on rows of temperature and top_p alone (and greedy rows) takes accept.accept_logits: the
+    """verify() on rows of temperature and top_p alone (and greedy rows) takes accept.accept on its logits: the
     rule with each p it reads filtered natively. Over random rounds whose guesses are often kept, uneven
     guess counts, a point-mass proposer as well as a draft: the same runs and the same streams as the torch
     path (RoundProbs' torch filters, speculative.accept's tensor rule)."""

@@ -19,7 +19,7 @@ from .sampling import NONFINITE, argmax_rows, nonfinite_rows
 from .sequence import SpecState
 from .spec_probs import RoundProbs
 from .noise import ACCEPT, uniforms_range
-from .accept import accept_logits
+from . import accept as accept_kernel
 from .speculative import AUTO_MAX_TOKENS, DEFAULT_SPECULATIVE_TOKENS, accept
 
 
@@ -113,8 +113,10 @@ def verify(rows: list[Row], logits: list[torch.Tensor], probs: RoundProbs | None
     sampled = [i for i, s in enumerate(samplers) if s.params[0].temperature > 0]
     streams = [s.streams[0] for s in samplers]
     columns = probs.native_columns(samplers, V, dev) if seen is None and counts is None else None
-    decided = None if columns is None else accept_logits(x.float(), q, draft, lengths, sampled, streams, *columns)
-    if decided is not None:  # the rule and each p it reads in one native call
+    decided = None  # the rule and each p it reads in one native call, where the kernel filters every row
+    if columns is not None:
+        decided = accept_kernel.accept(None, q, draft, lengths, sampled, streams, (x.float(), *columns))
+    if decided is not None:
         n, final = decided
     else:
         n, final = _torch_rule(x, draft, q, lengths, sampled, samplers, streams, *stacks(seen, counts, draft), probs)
