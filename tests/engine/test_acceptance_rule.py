@@ -191,3 +191,43 @@ def test_staged_verify_decides_what_the_full_one_decides(monkeypatch, native):
         assert [r.seq.sampler.streams[0].draws for r in staged] == [r.seq.sampler.streams[0].draws for r in full]
         kept += sum(len(run) - 1 for run in a)
     assert kept > 300  # rounds that keep guesses, where a stage too few or too many would show
+
+
+def test_native_round_decides_what_the_torch_round_decides(monkeypatch):
+    """verify() on rows of temperature and top_p alone (and greedy rows) takes accept.accept on its logits: the
+    rule with each p it reads filtered natively. Over random rounds whose guesses are often kept, uneven
+    guess counts, a point-mass proposer as well as a draft: the same runs and the same streams as the torch
+    path (RoundProbs' torch filters, speculative.accept's tensor rule)."""
+    import random
+
+    from sluice.engine import accept as accept_kernel
+    from sluice.engine.spec_probs import RoundProbs
+    if accept_kernel.kernel() is None or not accept_kernel.LANES:
+        pytest.skip("the native acceptance kernel is not built")
+    rng, gen, V = random.Random(1), torch.Generator().manual_seed(1), 300
+    kinds = [dict(temperature=0.8, top_p=0.95), dict(temperature=1.0, top_p=0.6), dict(temperature=0.7, top_p=1.0),
+             dict(temperature=0)]
+    kept, calls = 0, accept_kernel.STATS["calls"]
+    for t in range(150):
+        B, K = rng.randint(1, 3), rng.randint(1, 5)
+        shapes = [(rng.choice(kinds[:3] if b == 0 else kinds), rng.randint(1, K)) for b in range(B)]
+        logits = [torch.randn(n + 1, V, generator=gen) * 3 for _, n in shapes]
+        point = t % 3 == 0  # prompt lookup's guesses: no q
+        qs = [torch.softmax(lg[:-1] + 0.3 * torch.randn(lg.shape[0] - 1, V, generator=gen), -1) for lg in logits]
+        guesses = [torch.multinomial(q, 1, generator=gen)[:, 0].tolist() for q in qs]
+
+        def batch(seed=1000 * t):
+            return [SimpleNamespace(seq=SimpleNamespace(sampler=Sampler([SamplingParams(seed=seed + b, **kw)], V)),
+                                    guesses=g, q=None if point else q)
+                    for b, ((kw, _), g, q) in enumerate(zip(shapes, guesses, qs))]
+
+        native, torch_path = batch(), batch()
+        a = verify(native, logits, RoundProbs())
+        with monkeypatch.context() as m:
+            m.setattr(accept_kernel, "kernel", lambda: None)
+            b = verify(torch_path, logits, RoundProbs())
+        assert a == b, t
+        assert [r.seq.sampler.streams[0].draws for r in native] == [r.seq.sampler.streams[0].draws for r in torch_path]
+        kept += sum(len(run) - 1 for run in a)
+    assert kept > 150
+    assert accept_kernel.STATS["calls"] - calls >= 150  # every round took the native rule

@@ -4,10 +4,13 @@ across calls and top_p taken from a prefix of the sort where that provably keeps
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sluice import SamplingParams
+from sluice.engine.sample import LANES
 from sluice.engine.sampling import Sampler, filtered_probs
+from sluice.engine import accept as accept_kernel
 from sluice.engine.spec_probs import RoundProbs
 
 V = 8192
@@ -39,8 +42,10 @@ def test_equals_filtered_probs_and_takes_the_prefix_where_it_can():
     assert rp.nucleus_calls > 100 and 0 < rp.nucleus_fallbacks < rp.nucleus_calls
 
 
-def test_a_mass_at_the_cut_takes_the_sort():
-    """Tokens whose mass before them lands within the margin of top_p: the prefix does not decide them."""
+def test_a_mass_at_the_cut_takes_the_sort(monkeypatch):
+    """Tokens whose mass before them lands within the margin of top_p: the prefix does not decide them (the
+    torch path: the native kernel is switched off here; it decides the same without a margin)."""
+    monkeypatch.setattr(accept_kernel, "kernel", lambda: None)
     x = torch.randn(1, V, generator=torch.Generator().manual_seed(2)) * 0.1 - 30  # no ties at the prefix end
     x[0, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()  # masses before: 0, 0.5, 0.75, 0.875
     rp = RoundProbs()
@@ -57,3 +62,51 @@ def test_params_follow_a_new_batch():
     for kw in (dict(temperature=0.5, top_p=0.9), dict(temperature=1.5, top_p=0.6), dict(temperature=0)):
         p = SamplingParams(**kw)
         assert torch.equal(rp(x, [Sampler([p], V)]), filtered_probs(x, p))
+
+
+@pytest.mark.skipif(accept_kernel.kernel() is None or not LANES, reason="the native acceptance kernel is not built")
+def test_native_probs_are_torch_bits():
+    """accept.nucleus_probs (temperature and top_p alone, greedy one-hot) against filtered_probs bit for bit:
+    rows shorter than torch's softmax lanes, with a remainder past them, flat and peaked, a mass exactly at
+    the cut, top_p off; and RoundProbs takes it where no penalty applies."""
+    gen = torch.Generator().manual_seed(3)
+    kinds = [dict(temperature=0.8, top_p=0.95), dict(temperature=1.0, top_p=0.5), dict(temperature=0.6, top_p=0.99),
+             dict(temperature=0.7, top_p=1.0), dict(temperature=0, top_p=1.0), dict(temperature=1.3, top_p=0.75)]
+    for t in range(180):
+        width = [V, 7, 40, V + 5, 1000][t % 5]
+        x = torch.randn(3, width, generator=gen) * [0.5, 2.0, 4.0][t % 3]
+        if t % 2:
+            x[:, :6] += torch.rand(3, 6, generator=gen) * 12
+        if t % 7 == 0 and width >= 4:  # masses before the first tokens: 0, 0.5, 0.75, 0.875
+            x[:, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+            x[:, 4:] = -60
+        params = [SamplingParams(**kinds[(t + b) % len(kinds)]) for b in range(3)]
+        want = filtered_probs(x, params)
+        temperature = torch.tensor([float(p.temperature) for p in params])
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        assert torch.equal(accept_kernel.nucleus_probs(x, temperature, top_p), want), (t, params)
+        rp = RoundProbs()
+        assert torch.equal(rp(x[:1], [Sampler([params[0]], width)]), want[:1])
+        assert rp.nucleus_calls == 0  # the native call decided it
+    bad = torch.randn(1, V)
+    bad[0, 5] = float("nan")
+    assert accept_kernel.nucleus_probs(bad, torch.tensor([0.8]), torch.tensor([0.9])) is None  # the torch path's
+
+
+def test_native_probs_under_torchs_avx2_softmax():
+    """torch's softmax sums in 8 lanes under its AVX2 kernels (16 under AVX-512): the same check in a process
+    whose torch runs AVX2 (ATEN_CPU_CAPABILITY), so both lane counts are held to torch's bits."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if accept_kernel.kernel() is None or LANES != 16:
+        pytest.skip("torch already runs its AVX2 kernels here (or no kernel): the test above checks them")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    probe = "from sluice.engine.sample import LANES; assert LANES == 8, LANES"
+    assert subprocess.run([sys.executable, "-c", probe], env=env, timeout=300).returncode == 0
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "native_probs_are_torch_bits"], env=env, capture_output=True, text=True, timeout=900,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]

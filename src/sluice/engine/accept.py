@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .native import NATIVE_DIR, NativeExtension
+from .sample import LANES
 
 _EXT = NativeExtension(NATIVE_DIR / "accept.cpp", "speculative acceptance kernel")
 STATS = {"calls": 0, "fallback": 0}  # native calls, and those handed to the torch rule
@@ -42,20 +43,27 @@ def draw(probs: torch.Tensor, rows: list[int], streams: list) -> torch.Tensor | 
     return tokens
 
 
-def accept(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths: list[int], rows: list[int],
-           streams: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+def accept(p: torch.Tensor | None, q: torch.Tensor | None, draft: torch.Tensor, lengths: list[int], rows: list[int],
+           streams: list, logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """speculative.accept's (n, final), with the sampled rows' streams advanced as it advances them (the
-    acceptance draw, then the final token's); or None, having changed nothing, where the torch rule must run."""
-    kern = kernel() if p.device.type == "cpu" and p.dtype == torch.float32 else None
-    if kern is None or (q is not None and q.dtype != torch.float32):
+    acceptance draw, then the final token's); or None, having changed nothing, where the torch rule must run.
+    logits = (x (B, K+1, V) fp32, temperature (B,) with 0 on greedy rows, top_p (B,)) in place of p (None),
+    for rows of temperature and top_p alone without penalties: each p a position is nucleus_probs' row,
+    filtered where the rule first reads it."""
+    src = p if logits is None else logits[0]
+    kern = kernel() if src.device.type == "cpu" and src.dtype == torch.float32 else None
+    if kern is None or (q is not None and q.dtype != torch.float32) or (logits is not None and not LANES):
         return None
     STATS["calls"] += 1
-    B = p.shape[0]
-    sampled = torch.zeros(B, dtype=torch.bool)
+    sampled = torch.zeros(src.shape[0], dtype=torch.bool)
     sampled[rows] = True
-    n, final, deferred = kern.accept(p.contiguous(), _EMPTY if q is None else q.contiguous(), draft.contiguous(),
-                                     torch.tensor(lengths, dtype=torch.int64), sampled,
-                                     [s.key for s in streams], [s.draws for s in streams])
+    args = (_EMPTY if q is None else q.contiguous(), draft.contiguous(), torch.tensor(lengths, dtype=torch.int64),
+            sampled, [s.key for s in streams], [s.draws for s in streams])
+    if logits is None:
+        n, final, deferred = kern.accept(p.contiguous(), *args)
+    else:
+        n, final, deferred = kern.accept_logits(_EMPTY, *args, logits[0].contiguous(), *logits[1:], LANES)
     if deferred:
         STATS["fallback"] += 1
         return None
@@ -63,3 +71,14 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths
         streams[i].advance()
         streams[i].advance()
     return n, final
+
+
+def nucleus_probs(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """RoundProbs' probabilities (N, V) of fp32 logits x (N, V) for rows of temperature (0: greedy, a one-hot
+    argmax) and top_p alone, no penalties; or None (a non-finite logit, no kernel): RoundProbs' torch path."""
+    kern = kernel() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and LANES else None
+    if kern is None:
+        return None
+    probs, deferred = kern.nucleus_probs(x.contiguous(), temperature, top_p, LANES)
+    return None if deferred else probs
+

@@ -8,7 +8,9 @@ themselves. RoundProbs runs the same operations in the same order (penalties, fi
 greedy rows' one-hot), so the probabilities are filtered_probs' bit for bit; only the tensors of the
 params are kept, until the rows change. With top_p alone (the bundled model's generation_config sets
 0.95), a row's nucleus is first looked for among its 64 largest logits instead of its whole sorted row
-(_nucleus: the same tokens kept, or the whole sort where it cannot be sure).
+(_nucleus: the same tokens kept, or the whole sort where it cannot be sure). Rows of temperature and top_p
+alone, without penalties (the bundled model's defaults), take one native call instead (native/accept.cpp's
+nucleus_probs: the same operations in torch's order, so the same bits), where the kernel is built.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import accept as accept_kernel
 from .filtering import filter_flags, filter_logits, penalize_counts, penalize_seen, row_tensors
 from .select import top_candidates
 
@@ -47,10 +50,20 @@ class RoundProbs:
             return
         params = [s.params[0] for s in samplers for _ in range(repeat)]
         self.rows = row_tensors(params, width, device)
+        self.rows["native_t"] = self.rows["temperature"].masked_fill(self.rows["greedy"], 0)  # 0: greedy
+        self.rows["no_top_p"] = torch.ones_like(self.rows["top_p"])
         self.flags = filter_flags(params)
         self.any_greedy = any(p.temperature == 0 for p in params)
         self.nucleus_only = all(p.temperature > 0 and p.top_p < 1 and p.top_k <= 0 and p.min_p == 0 for p in params)
+        # rows the native kernel filters (with no penalty state passed): greedy, or temperature and top_p alone
+        self.native = all(p.temperature == 0 or (p.top_k <= 0 and p.min_p == 0) for p in params)
         self._samplers, self._repeat, self._width = list(samplers), repeat, width
+
+    def native_columns(self, samplers: list, width: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(temperature, 0 on greedy rows; top_p) (B,) of the samplers where the native kernel filters
+        every row (greedy, or temperature and top_p alone; the caller checks there are no penalties)."""
+        self._refresh(samplers, 1, width, device)
+        return (self.rows["native_t"], self.rows["top_p"]) if self.native else None
 
     @staticmethod
     def sorts(samplers: list) -> bool:
@@ -70,6 +83,10 @@ class RoundProbs:
         if pick is not None and len(pick) < len(samplers):
             at = torch.tensor(pick, device=x.device)
             rows = {k: v.index_select(0, at) for k, v in rows.items()}
+        if self.native and seen is None and counts is None:
+            native = accept_kernel.nucleus_probs(x, rows["native_t"], rows["top_p" if tail_cuts else "no_top_p"])
+            if native is not None:
+                return native
         if seen is not None:
             x = penalize_seen(x, seen, rows["penalty"])
         if counts is not None:

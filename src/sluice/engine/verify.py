@@ -19,6 +19,7 @@ from .sampling import NONFINITE, argmax_rows, nonfinite_rows
 from .sequence import SpecState
 from .spec_probs import RoundProbs
 from .noise import ACCEPT, uniforms_range
+from . import accept as accept_kernel
 from .speculative import AUTO_MAX_TOKENS, DEFAULT_SPECULATIVE_TOKENS, accept
 
 
@@ -100,7 +101,7 @@ def verify(rows: list[Row], logits: list[torch.Tensor], probs: RoundProbs | None
             x[i, : lg.shape[0]] = lg
     draft = torch.tensor([r.guesses + [0] * (K - len(r.guesses)) for r in rows], dtype=torch.long, device=dev)
     samplers = [r.seq.sampler for r in rows]
-    seen, counts = stacks(*penalty_state(rows), draft)
+    seen, counts = penalty_state(rows)
     probs = probs or RoundProbs()
     q = None
     if rows[0].q is not None and all(n == K for n in lengths):
@@ -110,18 +111,33 @@ def verify(rows: list[Row], logits: list[torch.Tensor], probs: RoundProbs | None
         for i, r in enumerate(rows):
             q[i, : len(r.guesses)] = r.q
     sampled = [i for i, s in enumerate(samplers) if s.params[0].temperature > 0]
-    if probs.sorts(samplers):
-        p = staged_probs(x, draft, q, lengths, sampled, samplers, seen, counts, probs)
+    streams = [s.streams[0] for s in samplers]
+    columns = probs.native_columns(samplers, V, dev) if seen is None and counts is None else None
+    decided = None  # the rule and each p it reads in one native call, where the kernel filters every row
+    if columns is not None:
+        decided = accept_kernel.accept(None, q, draft, lengths, sampled, streams, (x.float(), *columns))
+    if decided is not None:
+        n, final = decided
     else:
-        p = probs(x.reshape(B * (K + 1), V), samplers, K + 1, None if seen is None else seen.reshape(B * (K + 1), V),
-                  None if counts is None else counts.reshape(B * (K + 1), V)).view(B, K + 1, V)
-    n, final = accept(p, q, draft, lengths, sampled, [s.streams[0] for s in samplers])
+        n, final = _torch_rule(x, draft, q, lengths, sampled, samplers, streams, *stacks(seen, counts, draft), probs)
     # A position whose logits hold NaN or inf ends the row's run with NONFINITE (the engine reports it).
     bad = nonfinite_rows(x)  # (B, K+1)
     first_bad = torch.where(bad.any(-1), bad.long().argmax(-1), K + 1)
     final = torch.where(first_bad <= n, NONFINITE, final)
     n = torch.minimum(n, first_bad)
     return [g[:k] + [f] for g, k, f in zip(draft.tolist(), n.tolist(), final.tolist(), strict=True)]
+
+
+def _torch_rule(x, draft, q, lengths, sampled, samplers, streams, seen, counts, probs: RoundProbs):
+    """verify()'s (n, final) from the target's p filtered in torch (RoundProbs), then speculative.accept."""
+    B, K1, V = x.shape
+    K = K1 - 1
+    if probs.sorts(samplers):
+        p = staged_probs(x, draft, q, lengths, sampled, samplers, seen, counts, probs)
+    else:
+        p = probs(x.reshape(B * (K + 1), V), samplers, K + 1, None if seen is None else seen.reshape(B * (K + 1), V),
+                  None if counts is None else counts.reshape(B * (K + 1), V)).view(B, K + 1, V)
+    return accept(p, q, draft, lengths, sampled, streams)
 
 
 def staged_probs(x, draft, q, lengths, sampled, samplers, seen, counts, probs: RoundProbs) -> torch.Tensor:

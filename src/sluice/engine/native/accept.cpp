@@ -20,7 +20,9 @@
 #include <limits>
 #include <vector>
 
+#include "radix.h"
 #include "simd.h"
+#include "torch_softmax.h"
 
 // torch rounds u * q(x) before comparing it with p(x); a fused multiply-add here would not.
 #if defined(__clang__)
@@ -104,18 +106,87 @@ bool any_nan(const float* p, int64_t V) {
   return bad;
 }
 
+// torch's reduce_all(+) of e (torch_softmax.h): W lanes, lane l the float sum of e[l], e[l + W], ... in
+// order, then folded; a row shorter than W left to right. order: the positions' ids (nullptr: 0..n-1).
+float lane_sum(const float* e, const uint32_t* order, int64_t n, int W) {
+  float acc[16] = {0.f};
+  if (n < W) {
+    for (int64_t j = 0; j < n; ++j) acc[0] = j ? acc[0] + e[order ? order[j] : j] : e[order ? order[j] : j];
+    return acc[0];
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = e[order ? order[j] : j];
+    acc[j % W] = j < W ? v : acc[j % W] + v;
+  }
+  return sluice_softmax::fold_lanes(acc, W);
+}
+
+struct Nucleus {  // scratch of one thread
+  std::vector<float> s, e;
+  std::vector<uint32_t> ids, sort_scratch;
+};
+
+// RoundProbs' row for a sampled row with temperature T and top_p alone (1: off), no penalties: the scaled
+// logits s = (x - max) / T, filter_logits' top_p cut (its stable descending sort, torch's softmax of the
+// sorted row, the cumulative mass accumulated in double and rounded to float as ATen's cumsum does), then
+// torch's softmax of the kept tokens in vocabulary order. Every step is the float operation torch does, in
+// its order, so the same bits. W: the lanes of torch's softmax sum (8 or 16). False (out unset) on a
+// non-finite logit, where the torch path decides.
+bool nucleus_row(const float* x, int64_t V, float T, float top_p, int W, float* out, Nucleus& w) {
+  float m = x[0];
+  bool finite = true;
+  for (int64_t i = 0; i < V; ++i) {
+    finite &= std::isfinite(x[i]);
+    m = std::max(m, x[i]);
+  }
+  if (!finite) return false;
+  w.s.resize(V);
+  w.e.resize(V);
+  float *s = w.s.data(), *e = w.e.data();
+  for (int64_t i = 0; i < V; ++i) s[i] = (x[i] - m) / T;  // sampling._scaled: the max's s is exactly 0
+  for (int64_t i = 0; i < V; ++i) e[i] = sluice_softmax::expf_u10(s[i]);
+  int64_t kept = V;  // the sorted prefix top_p keeps
+  if (top_p < 1.f) {
+    w.ids.resize(V);
+    for (int64_t i = 0; i < V; ++i) w.ids[i] = static_cast<uint32_t>(i);
+    sluice_radix::sort_ids_descending(s, w.ids.data(), V, w.sort_scratch);
+    const float inv = 1 / lane_sum(e, w.ids.data(), V, W);  // the sorted row's softmax: its max is s = 0 too
+    double mass = 0;
+    for (kept = 0; kept < V; ++kept) {
+      if (kept && !(static_cast<float>(mass) < top_p)) break;
+      mass += static_cast<double>(e[w.ids[kept]] * inv);
+    }
+    if (kept < V) {  // the softmax over the kept tokens alone, in vocabulary order: the rest count 0
+      std::vector<float>& masked = w.s;  // s is no longer needed
+      std::fill(masked.begin(), masked.end(), 0.f);
+      for (int64_t j = 0; j < kept; ++j) masked[w.ids[j]] = e[w.ids[j]];
+      e = masked.data();
+    }
+  }
+  const float inv = 1 / lane_sum(e, nullptr, V, W);
+  for (int64_t i = 0; i < V; ++i) out[i] = e[i] * inv;
+  return true;
+}
+
 }  // namespace
 
 // speculative.accept for a batch: p (B, K+1, V) and q (B, K, V) fp32 (q empty: a point mass on each
 // guess), draft (B, K) and lengths (B,) int64, sampled (B,) bool (the other rows decide by argmax), keys
 // and draws (B,): each row's RowStream at the acceptance draw (the final draw is the next one). Returns
 // (n (B,) guesses kept, final (B,) the token after them, deferred); when deferred nothing means anything.
-std::tuple<torch::Tensor, torch::Tensor, bool> accept(torch::Tensor p, torch::Tensor q, torch::Tensor draft,
-                                                      torch::Tensor lengths, torch::Tensor sampled,
-                                                      std::vector<uint64_t> keys, std::vector<int64_t> draws) {
-  TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kFloat32 && p.is_contiguous() && p.device().is_cpu(),
-              "accept: p must be a contiguous (B, K+1, V) fp32 CPU tensor");
-  const int64_t B = p.size(0), K = p.size(1) - 1, V = p.size(2);
+// With logits (B, K+1, V) given instead of p (p empty), each row's p at a position is computed when the rule
+// first reads it (nucleus_row with the row's temperature and top_p; a one-hot argmax on a greedy row): a
+// round that rejects its first guess filters one position, not K+1.
+std::tuple<torch::Tensor, torch::Tensor, bool> accept_rule(torch::Tensor p, torch::Tensor q, torch::Tensor draft,
+                                                           torch::Tensor lengths, torch::Tensor sampled,
+                                                           std::vector<uint64_t> keys, std::vector<int64_t> draws,
+                                                           torch::Tensor logits, torch::Tensor temperature,
+                                                           torch::Tensor top_p, int64_t W) {
+  const bool lazy = logits.numel() > 0;
+  const torch::Tensor& src = lazy ? logits : p;
+  TORCH_CHECK(src.dim() == 3 && src.scalar_type() == torch::kFloat32 && src.is_contiguous() && src.device().is_cpu(),
+              "accept: p (or logits) must be a contiguous (B, K+1, V) fp32 CPU tensor");
+  const int64_t B = src.size(0), K = src.size(1) - 1, V = src.size(2);
   const bool point = q.numel() == 0;
   TORCH_CHECK(K >= 0 && V > 0, "accept: p must have K+1 >= 1 positions of V >= 1 values");
   TORCH_CHECK(point || (q.sizes() == torch::IntArrayRef({B, K, V}) && q.scalar_type() == torch::kFloat32 &&
@@ -127,35 +198,51 @@ std::tuple<torch::Tensor, torch::Tensor, bool> accept(torch::Tensor p, torch::Te
               "accept: lengths (B,) int64, sampled (B,) bool");
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == B && static_cast<int64_t>(draws.size()) == B,
               "accept: one stream a row");
+  TORCH_CHECK(!lazy || (temperature.sizes() == torch::IntArrayRef({B}) && top_p.sizes() == torch::IntArrayRef({B}) &&
+                        temperature.scalar_type() == torch::kFloat32 && top_p.scalar_type() == torch::kFloat32 &&
+                        (W == 8 || W == 16)), "accept: temperature and top_p (B,) fp32, W 8 or 16");
   auto n_out = torch::empty({B}, torch::kInt64), final_out = torch::empty({B}, torch::kInt64);
   int64_t *np = n_out.data_ptr<int64_t>(), *fp = final_out.data_ptr<int64_t>();
-  const float* pp = p.data_ptr<float>();
+  const float* pp = src.data_ptr<float>();
   const float* qp = point ? nullptr : q.data_ptr<float>();
+  const float *tp = lazy ? temperature.data_ptr<float>() : nullptr, *topp = lazy ? top_p.data_ptr<float>() : nullptr;
   const int64_t *dp = draft.data_ptr<int64_t>(), *lp = lengths.data_ptr<int64_t>();
   const bool* sp = sampled.data_ptr<bool>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(0 <= lp[b] && lp[b] <= K, "accept: lengths must be in [0, K]");
   std::vector<char> deferred(B, 0);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> residual(V);
+    std::vector<float> residual(V), row(lazy ? V : 0);
     std::vector<Rival> rivals;
+    Nucleus scratch;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lp[b];
       const uint64_t accept_base = base_of(keys[b], kAccept, draws[b]);
+      auto p_at = [&](int64_t j) -> const float* {  // the row's p at position j, or nullptr to defer
+        const float* at = pp + (b * (K + 1) + j) * V;
+        if (!lazy) return at;
+        if (sp[b]) return nucleus_row(at, V, tp[b], topp[b], static_cast<int>(W), row.data(), scratch) ? row.data() : nullptr;
+        if (any_nan(at, V)) return nullptr;
+        std::fill(row.begin(), row.end(), 0.f);
+        row[first_max(at, V)] = 1.f;
+        return row.data();
+      };
       // The leading run of kept guesses: u q(x) < p(x), u = 0 on a greedy row (kept iff p(x) > 0).
       int64_t n = 0;
       bool bad = false;
-      for (; n < len; ++n) {
+      const float* target = nullptr;
+      for (;; ++n) {
+        target = p_at(n);
+        if (target == nullptr || n == len) break;
         const int64_t x = dp[b * K + n];
-        const float px = pp[(b * (K + 1) + n) * V + x], qx = point ? 1.f : qp[(b * K + n) * V + x];
+        const float px = target[x], qx = point ? 1.f : qp[(b * K + n) * V + x];
         const float u = sp[b] ? static_cast<float>(bits_of(accept_base, n)) * 0x1p-24f : 0.f;
         bad |= std::isnan(px) || std::isnan(qx);
         if (!(u * qx < px)) break;
       }
-      const float* target = pp + (b * (K + 1) + n) * V;
-      bad |= any_nan(target, V);
+      bad |= target == nullptr || any_nan(target, V);
       const float* d = target;
-      if (n < len) {  // rejected: max(0, p - q) at the first rejected guess; p without the guess for a point mass
+      if (!bad && n < len) {  // rejected: max(0, p - q) at the first rejected guess; p without the guess for a point mass
         float* r = residual.data();
         if (point) {
           std::copy(target, target + V, r);
@@ -179,6 +266,38 @@ std::tuple<torch::Tensor, torch::Tensor, bool> accept(torch::Tensor p, torch::Te
   });
   const bool any_deferred = std::any_of(deferred.begin(), deferred.end(), [](char c) { return c != 0; });
   return {n_out, final_out, any_deferred};
+}
+
+// nucleus_row for each row of x (N, V) fp32, a one-hot first argmax where temperature is 0: the bits of
+// RoundProbs for rows of temperature and top_p alone. Returns (probs, deferred).
+std::tuple<torch::Tensor, bool> nucleus_probs(torch::Tensor x, torch::Tensor temperature, torch::Tensor top_p, int64_t W) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu() &&
+              x.size(1) > 0, "nucleus_probs: x must be a contiguous (N, V) fp32 CPU tensor");
+  const int64_t N = x.size(0), V = x.size(1);
+  TORCH_CHECK(temperature.sizes() == torch::IntArrayRef({N}) && top_p.sizes() == torch::IntArrayRef({N}) &&
+              temperature.scalar_type() == torch::kFloat32 && top_p.scalar_type() == torch::kFloat32 &&
+              (W == 8 || W == 16), "nucleus_probs: temperature and top_p (N,) fp32, W 8 or 16");
+  auto out = torch::zeros({N, V}, torch::kFloat32);
+  const float *xp = x.data_ptr<float>(), *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  Nucleus scratch;
+  bool deferred = false;
+  for (int64_t i = 0; i < N && !deferred; ++i) {
+    if (tp[i] > 0) {
+      deferred = !nucleus_row(xp + i * V, V, tp[i], pp[i], static_cast<int>(W), op + i * V, scratch);
+    } else {
+      deferred = any_nan(xp + i * V, V);
+      op[i * V + first_max(xp + i * V, V)] = 1.f;
+    }
+  }
+  return {out, deferred};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, bool> accept(torch::Tensor p, torch::Tensor q, torch::Tensor draft,
+                                                      torch::Tensor lengths, torch::Tensor sampled,
+                                                      std::vector<uint64_t> keys, std::vector<int64_t> draws) {
+  const torch::Tensor none;
+  return accept_rule(p, q, draft, lengths, sampled, keys, draws, torch::empty({0}), none, none, 0);
 }
 
 // speculative.draw for a batch: one token per row of probs (B, V) fp32, the race over log p on a sampled
@@ -209,6 +328,8 @@ std::tuple<torch::Tensor, bool> draw(torch::Tensor probs, torch::Tensor sampled,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw", &draw, "speculative decoding's race over probabilities for a batch, or deferred to torch");
   m.def("accept", &accept, "speculative decoding's acceptance rule for a batch, or deferred to the torch rule");
+  m.def("accept_logits", &accept_rule, "the acceptance rule with p filtered from logits where it reads it");
+  m.def("nucleus_probs", &nucleus_probs, "RoundProbs' probabilities of rows with temperature and top_p alone");
   m.def("has_avx2", &has_avx2);
   m.def("has_avx512", &has_avx512);
 }
