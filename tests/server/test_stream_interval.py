@@ -97,3 +97,12 @@ def test_concurrent_streams_get_the_same_chunks_at_any_interval(tiny_dir, one_to
     assert results[interval] == results[1]
     for i, chunks in enumerate(results[interval]):  # one chunk a token, then the one with the finish_reason
         assert len(chunks) <= 5 + 6 * i + 1 and chunks[-1][1] == "length"
+
+
+def test_serve_refuses_a_stream_interval_below_one():
+    from sluice.cli import build_parser
+    from sluice.cli.serve import _check
+    from sluice.errors import ConfigError
+    assert build_parser().parse_args(["serve"]).stream_interval == 1
+    with pytest.raises(ConfigError, match="--stream-interval must be at least 1, got 0"):
+        _check(build_parser().parse_args(["serve", "--stream-interval", "0"]))
