@@ -46,6 +46,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=256, metavar="N",
                    help="tokens one engine step may take: a long prompt is prefilled in chunks of this, "
                         "between decode steps of the others (default 256)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="engine steps between writes of a stream's tokens (each still its own SSE chunk); a "
+                        "request's first token and its end go out at once. 2 or more saves the server work per "
+                        "token with many streams, each token arriving up to N-1 steps later (default 1)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for the engine; past it, 429 with Retry-After (default 64)")
     p.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
@@ -67,7 +71,8 @@ def _check(args):
     """Refuse bad flags before the (slow) imports and load; the engine's, by building its EngineConfig."""
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
-    for flag, value in (("--max-queue", args.max_queue), ("--max-body-bytes", args.max_body_bytes)):
+    for flag, value in (("--max-queue", args.max_queue), ("--max-body-bytes", args.max_body_bytes),
+                        ("--stream-interval", args.stream_interval)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     args.api_key = api_key(args.api_key)
@@ -169,7 +174,8 @@ def cmd_serve(args) -> int:
     # Under --tp, rank 0 drives its LLM through a Leader that the followers' steps follow.
     from ..parallel.lockstep import Leader
     lockstep = (lambda llm: Leader(llm, args.tp_timeout)) if tp else None
-    engine = BatchServingEngine(make_llm, name, max_queue=args.max_queue, on_fatal=stop_server, lockstep=lockstep)
+    engine = BatchServingEngine(make_llm, name, max_queue=args.max_queue, on_fatal=stop_server, lockstep=lockstep,
+                                stream_interval=args.stream_interval)
     engines.append(engine)
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     # uvicorn's own drain timeout is the backstop for a connection that will not close after ours

@@ -29,13 +29,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from ..errors import SluiceError
 from .echo import choice_prompts
 from .engine import Aborted, Delta, Done, Draining, Failed, Finished, HeldEvents, RequestHandle, Started
 from .fingerprint import Fingerprint
 from .inbox import Inbox
+from .nonfinite import nonfinite_origin
 from .prompts import checked_requests
 
 log = logging.getLogger("sluice.server")
@@ -43,22 +42,6 @@ log = logging.getLogger("sluice.server")
 
 class GroupFailed(Draining):
     """The tensor-parallel group broke: the server is going away (its clients get a 503)."""
-
-
-def nonfinite_origin(model, ids: list[int]) -> str:
-    """Where a NaN or inf first appears when `ids` run through `model` (a plain forward with probes)."""
-    from ..observatory.attach import observe
-    try:
-        with torch.inference_mode(), observe(model, capacity=(1, len(ids))) as obs:
-            model(torch.tensor([ids], device=model.embed.weight.device))
-            first = obs.first_nonfinite()
-    except Exception as e:  # noqa: BLE001 -- the diagnosis must not turn one failed request into a crash
-        return f"locating its origin failed ({type(e).__name__}: {e})"
-    if first is None:
-        return "a rerun of the sequence without the cache gave finite values everywhere (a transient fault?)"
-    where = f"layer {first['layer']}" if first["layer"] is not None else "outside the blocks"
-    return (f"it starts in {first['module']} ({where}) at prompt position {first['position']} "
-            f"(the observatory's first non-finite value)")
 
 
 @dataclass
@@ -72,15 +55,17 @@ class _Live:
 class BatchServingEngine:
     def __init__(self, make_llm: Callable[[], object], model_name: str, max_queue: int = 64,
                  on_fatal: Callable[[Exception], None] | None = None,
-                 lockstep: Callable[[object], object] | None = None):
+                 lockstep: Callable[[object], object] | None = None, stream_interval: int = 1):
         """make_llm builds the LLM; it runs on the worker thread, which owns the LLM from then on.
         lockstep(llm): under tensor parallelism, what the worker drives instead of the LLM (a
         parallel.lockstep.Leader). on_fatal(error) is called (on that thread) when the engine cannot
-        serve: the load failed (load_error), or it broke later (fatal_error: a tensor-parallel rank died)."""
+        serve: the load failed (load_error), or it broke later (fatal_error: a tensor-parallel rank died).
+        stream_interval: steps between deliveries of a stream's text (engine.HeldEvents)."""
         self.model_name, self.max_model_len = model_name, 0
         self.inbox = Inbox(max_queue, self._queued_beyond_inbox)
         self.metrics = self.inbox.metrics
         self._make_llm, self._make_lockstep, self._on_fatal = make_llm, lockstep, on_fatal
+        self.stream_interval = stream_interval
         self._llm = self._engine = self._group = None  # the LLM; what the worker drives; the Leader, if any
         self._fingerprint: Fingerprint | None = None
         self._live: dict[int, _Live] = {}
@@ -169,9 +154,9 @@ class BatchServingEngine:
         if not self._load():
             return
         llm = self._llm
-        held = HeldEvents()  # this thread's events, delivered before each forward and when work runs out
+        held = HeldEvents(self.stream_interval)  # this thread's events, delivered before forwards and when work runs out
         origin = self._group.nonfinite_origin if self._group else (lambda ids: nonfinite_origin(llm.model, ids))
-        llm.on_step(before_forward=held.deliver, nonfinite_origin=origin)
+        llm.on_step(before_forward=held.step, nonfinite_origin=origin)
         with held.holding():
             try:
                 self._rounds(held)

@@ -110,6 +110,7 @@ class RequestHandle:
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._aborted = threading.Event()
         self.abort_reason: Exception | None = None  # told to the client, if one is still there
+        self.streaming = False  # a Delta of it has been delivered (HeldEvents: the first goes out at once)
 
     @property
     def aborted(self) -> bool:
@@ -161,8 +162,21 @@ class HeldEvents:
     sampling) and stalling it: on 2 cores the two threads' Python runs one at a time.
     """
 
-    def __init__(self):
+    def __init__(self, interval: int = 1):
         self.events: list[tuple[RequestHandle, Event]] = []
+        self.interval = interval  # steps between deliveries of plain text (`sluice serve --stream-interval`)
+        self._steps = 0  # steps since the last delivery
+
+    def step(self) -> None:
+        """Before a forward: deliver what is held once `interval` steps have passed since the last
+        delivery, or at once when anything held is more than a further piece of a request's text: its
+        start, its first text (time to first token), a choice's end or the request's (a client may send
+        its next request then). With interval N a stream's chunks come in writes of up to N tokens each,
+        still one SSE chunk a token: the event loop wakes and writes to each socket once per N steps,
+        the cost that grows with the streams (docs/server.md)."""
+        self._steps += 1
+        if self._steps >= self.interval or any(not isinstance(e, Delta) or not h.streaming for h, e in self.events):
+            self.deliver()
 
     @contextlib.contextmanager
     def holding(self):
@@ -174,8 +188,10 @@ class HeldEvents:
             _held.box = None
 
     def deliver(self) -> None:
-        events, self.events = self.events, []
+        events, self.events, self._steps = self.events, [], 0
         if events:
+            for handle, event in events:
+                handle.streaming = handle.streaming or isinstance(event, Delta)
             _deliver(events)
 
 
