@@ -19,6 +19,7 @@ from torch import nn
 
 import sluice
 from avx2_build import run_avx2_build
+from greedy_walk import greedy_walks
 from chunking import assert_same_numbers_in_any_chunk_and_batch
 from sluice.engine import fast_step, gemv
 from sluice.engine.fast_step import FastStep
@@ -105,16 +106,8 @@ def test_greedy_tokens_equal_the_rounded_model(ckpt_dirs, name):
     ref = rounded(model)
     (cache, ref_cache), pos = caches_after_prompts(model, 1)
     step = FastStep(model, int8_dot="int8")
-    tokens = {"fast": [], "ref": []}
-    with torch.inference_mode():
-        first = torch.tensor([PROMPTS[0][-1], PROMPTS[1][-1]])
-        for key in tokens:
-            last = first
-            for i in range(20):
-                p = pos[:, None] + i
-                out = step(last[:, None], p, cache.k, cache.v) if key == "fast" else ref(last[:, None], p, ref_cache)
-                last = out[:, 0].argmax(-1)
-                tokens[key].append(last.tolist())
+    first = torch.tensor([PROMPTS[0][-1], PROMPTS[1][-1]])
+    tokens = greedy_walks(step, ref, first, pos, cache, ref_cache)
     assert tokens["fast"] == tokens["ref"]
 
 
