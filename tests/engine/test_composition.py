@@ -18,6 +18,7 @@ import torch
 
 import sluice
 from sluice import SamplingParams
+from sluice.engine import fast_step, mixed
 
 # The features that must not change a greedy token: the rest (weights, the native step) define the reference.
 OUTPUT_NEUTRAL = ("draft_model", "speculative", "fused_head", "compile")
@@ -67,7 +68,10 @@ def _run(llm, params):
 
 
 @pytest.mark.parametrize("a, b", list(_cells()))
-def test_cell_greedy_logprobs_penalties_equal_the_plain_path_and_seeds_repeat(tiny_dir, a, b):
+def test_cell_greedy_logprobs_penalties_equal_the_plain_path_and_seeds_repeat(tiny_dir, a, b, monkeypatch):
+    # bf16 weights with fp32 products, where the torch forward and the native step differ by summation order only;
+    # the bf16 dot mode ("auto" on a CPU with AVX512_BF16) has its own cells below
+    monkeypatch.setattr(mixed, "BF16_DOT", "fp32")
     kw = _kwargs(tiny_dir, (a, b))
     ref_kw = {k: v for k, v in kw.items() if k not in OUTPUT_NEUTRAL}
     llm, ref = sluice.LLM(str(tiny_dir), **kw), sluice.LLM(str(tiny_dir), fused_head=False, **ref_kw)
@@ -90,3 +94,36 @@ def test_cell_greedy_logprobs_penalties_equal_the_plain_path_and_seeds_repeat(ti
             handle.remove()
     assert bool(calls) == ("hooks" in (a, b))
     assert (proposed > 0) == ("draft" in (a, b) or "prompt-lookup" in (a, b))  # it did speculate
+
+
+@pytest.mark.skipif(fast_step.kernel() is None or not fast_step.kernel().has_bf16_dot(),
+                    reason="needs the native step on a CPU with AVX512_BF16")
+@pytest.mark.parametrize("feature", ["hooks", pytest.param("compile", marks=pytest.mark.slow)])
+def test_bf16_dot_mode_torch_forward_keeps_the_native_steps_tokens(tiny_dir, feature, monkeypatch):
+    """In the bf16 dot mode both paths round each linear's input to bf16; their fp32 sums differ in order, so now
+    and then an input lands on the other side of a bf16 rounding boundary (test_fast_step_bf16_dot.py bounds the
+    step against the model). So: the same greedy tokens under every penalty, logprobs within the mode's bound
+    (2e-2 of the largest |logit|, as a logprob bound: twice it), and the hooked and compiled torch forwards agree
+    with each other to summation order."""
+    monkeypatch.setattr(mixed, "BF16_DOT", "bf16")
+    native = sluice.LLM(str(tiny_dir), dtype="bfloat16")
+    llm = sluice.LLM(str(tiny_dir), dtype="bfloat16", compile=feature == "compile")
+    hooked = sluice.LLM(str(tiny_dir), dtype="bfloat16")
+    calls, handle = _hooked(hooked, True)
+    _, own = _hooked(llm, feature == "hooks")
+    try:
+        for params in (GREEDY, PENALIZED):
+            want, got, torch_ref = native.generate(PROMPTS, params), _run(llm, params), hooked.generate(PROMPTS, params)
+            assert [o.token_ids for o in got] == [o.token_ids for o in want] == [o.token_ids for o in torch_ref]
+            if params.logprobs:
+                with torch.inference_mode():
+                    bound = 2 * 2e-2 * native.model(torch.tensor([PROMPTS[2]])).abs().max().item()
+                for g, w, t in zip(got, want, torch_ref, strict=True):
+                    lp = lambda o: torch.tensor([x.logprob for x in o.logprobs])  # noqa: E731
+                    torch.testing.assert_close(lp(g), lp(w), atol=bound, rtol=0)
+                    torch.testing.assert_close(lp(g), lp(t), atol=2e-4, rtol=0)
+        assert native.last_stats is not None and calls
+    finally:
+        handle.remove()
+        if own is not None:
+            own.remove()

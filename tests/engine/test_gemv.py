@@ -206,6 +206,8 @@ def test_int8_linears_decode_through_the_kernel(tiny_dir, monkeypatch):
     or with INT8_X = "fp32" to gemv with the int8 weight and per-row scales; prefill to fp32 GEMMs on
     blocks of the dequantized weight."""
     monkeypatch.setattr(gemv, "PREFILL_BLOCK_BYTES", 4 * 64 * 24)  # ~24 rows per block: many blocks
+    # x unrounded: the integer-dot mode's own rounding of x (INT8_DOT "int8") is test_fast_step_int8_dot's
+    monkeypatch.setattr(gemv, "INT8_DOT", "fp32")
     from sluice.model.quant import Int8Linear
     model = sluice.load(tiny_dir, quantize="int8")
     ids = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4, 6, 8, 10]])

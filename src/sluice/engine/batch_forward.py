@@ -34,7 +34,10 @@ class BatchForward:
             "compile=True (the torch forward is compiled)" if compile else "not asked for")
         self.fast: FastStep | None = None  # built at the first busy period that can use it
         self.use_fast = False  # for the current busy period
-        self._compiled = torch.compile(self._torch, dynamic=True) if compile else None
+        # emulate_precision_casts: inductor keeps a cast to a narrower dtype and back (the bf16 dot mode's rounding
+        # of x, mixed.Bf16WeightLinear) instead of fusing it away, so the compiled forward has the eager numbers.
+        self._compiled = (torch.compile(self._torch, dynamic=True, options={"emulate_precision_casts": True})
+                          if compile else None)
 
     def refresh(self) -> None:
         """Decide the path for a new busy period: the native step, or (native_reason says why) torch's."""

@@ -175,14 +175,22 @@ def blocked_linear(x32: torch.Tensor, weight_rows, bias: torch.Tensor | None, N:
     return out
 
 
+@torch.library.custom_op("sluice::round_blocks_int8", mutates_args=())
 def round_blocks_int8(x: torch.Tensor, padded: int) -> torch.Tensor:
     """x as native/q4i.h's and q8t.h's integer dots see it: over each row zero-padded to `padded` inputs, per block of 32,
-    a = rint(clamp(x * (127 / max|x|), -127, 127)) times max|x| / 127 (Q8_0's rounding)."""
+    a = rint(clamp(x * (127 / max|x|), -127, 127)) times max|x| / 127 (Q8_0's rounding). An op of its own, so that
+    torch.compile calls it as it is: inductor's fusion of the padded blocks and the slice back to K gave the next op
+    wrong inputs (test_composition's compile+int8 cell), and a fused rounding could round one input differently."""
     K = x.shape[-1]
     xb = F.pad(x, (0, padded - K)).unflatten(-1, (-1, 32))
     amax = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return (torch.round((xb * inv).clamp(-127, 127)) * (amax / 127)).flatten(-2)[..., :K]
+    return (torch.round((xb * inv).clamp(-127, 127)) * (amax / 127)).flatten(-2)[..., :K].contiguous()
+
+
+@round_blocks_int8.register_fake
+def _(x, padded):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 # The native step's int4 arithmetic (fast_step.py, native/q4i.h): "int8" rounds x per block of 32 to int8 for an

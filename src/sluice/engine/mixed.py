@@ -76,7 +76,13 @@ def bf16_dot(mode: str | None = None) -> str:
     mode = mode or BF16_DOT
     if mode not in BF16_DOTS:
         raise ConfigError(f"SLUICE_BF16_DOT (bf16_dot) must be one of {', '.join(BF16_DOTS)}, got {mode!r}")
-    return auto_bf16_dot() if mode == "auto" else mode
+    return _auto_constant() if mode == "auto" else mode
+
+
+@torch.compiler.assume_constant_result
+def _auto_constant() -> str:
+    """auto_bf16_dot() as a constant of a torch.compile trace (dynamo cannot trace its read of /proc/cpuinfo)."""
+    return auto_bf16_dot()
 
 
 @functools.cache

@@ -51,7 +51,10 @@ class Runner:
         self.native_reason: str | None = None if self.native else "not asked for"  # why the torch step runs
         self._fast: FastStep | None = None  # built on the first request that can use it
         self._use_fast = False  # for the current request
-        wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if compile else (lambda f: f)
+        # emulate_precision_casts: inductor keeps a cast to a narrower dtype and back (the bf16 dot mode's
+        # rounding of x, mixed.Bf16WeightLinear) instead of fusing it away, so compile gives the eager numbers.
+        wrap = ((lambda f: torch.compile(f, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True}))
+                if compile else (lambda f: f))
         self._step, self._step_hidden = wrap(self._decode), wrap(self._decode_hidden)  # compiled on first use
 
     @staticmethod
