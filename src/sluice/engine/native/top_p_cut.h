@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "radix.h"
+#include "torch_softmax.h"
 
 namespace sluice_top_p {
 
@@ -116,6 +117,8 @@ inline void probe(const float* s, const float* ex, int64_t V, const float* t, do
 
 struct Work {
   std::vector<uint32_t> above, bracket, sort_scratch, ids;  // ids: the kept tokens, the first max first
+  std::vector<uint32_t> cid;                                // the tokens the cut can fall among, and their
+  std::vector<float> cs, ce;                                // scaled values and exps
   std::vector<char> keep;                                  // min_p's verdict on each of ids
 };
 
@@ -157,51 +160,89 @@ inline int64_t cut_at(const float* ex, int64_t V, const std::vector<uint32_t>& b
   return pos > a && below(before, eps * std::max(1.0, before), top_p) == 0 ? pos : -1;
 }
 
-// Fills w.ids (the kept tokens: `first`, the first max, leads) and w.keep from the scaled row s and its
-// exps ex (torch's bits), or returns false. W: torch's softmax lanes (8 or 16).
-inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64_t first, float top_p, float min_p,
-                        Work& w) {
-  // S in float64 (exact to n 2^-53) and the smallest scaled value.
+// One pass over a row v (finite, max m, temperature T): the scaled values s = (v - m) / T (sampling._scaled,
+// one rounding per op), their exps ex (torch's bits: torch_softmax.h), their sum S in float64 (exact to
+// V 2^-53) and the smallest s. One pass where three were: the row is read once while it is in L1.
+inline void scaled_exps(const float* v, int64_t V, float m, float T, float* s, float* ex, double& S, float& smin) {
   Vd total;
   Vf low = vset(INFINITY);
+  const Vf mv = vset(m), tv = vset(T);
   int64_t j = 0;
   for (; j + kL <= V; j += kL) {
-    total.add(vload(ex + j));
-    low = vmin(low, vload(s + j));  // NaN-free: the row is finite
+#ifdef __AVX512F__
+    const Vf x = _mm512_div_ps(_mm512_sub_ps(vload(v + j), mv), tv);
+    _mm512_storeu_ps(s + j, x);
+#else
+    const Vf x = _mm256_div_ps(_mm256_sub_ps(vload(v + j), mv), tv);
+    _mm256_storeu_ps(s + j, x);
+#endif
+    const Vf e = sluice_softmax::expf_u10(x);
+    std::memcpy(ex + j, &e, sizeof e);
+    total.add(e);
+    low = vmin(low, x);  // NaN-free: the row is finite
   }
-  double S = total.sum();
+  S = total.sum();
   alignas(64) float l[kL];
   std::memcpy(l, &low, sizeof low);
-  float smin = *std::min_element(l, l + kL);
-  for (; j < V; ++j) S += ex[j], smin = std::min(smin, s[j]);
+  smin = *std::min_element(l, l + kL);
+  for (; j < V; ++j) {
+    s[j] = (v[j] - m) / T;
+    ex[j] = sluice_softmax::expf_u10(s[j]);
+    S += ex[j];
+    smin = std::min(smin, s[j]);
+  }
+}
+
+// Fills w.ids (the kept tokens: `first`, the first max, leads) and w.keep from the scaled row s and its
+// exps ex (torch's bits), or returns false. W: torch's softmax lanes (8 or 16); S, smin: scaled_exps'.
+inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64_t first, float top_p, float min_p,
+                        double S, float smin, Work& w) {
   // torch's S within S +- err (the header comment's bound, split at sigma): a token below sigma changes its
   // lane's sum by at most itself; the N tokens at or above sigma are the first N of the sorted row, so no lane
   // holds more than ceil(N / W) of them, each rounding by at most 2^-24 of a lane's sum (and the lanes' sums
   // add up to S). sigma = log(2^-24 S / W) balances the two. A row shorter than W is one lane, left to right.
   const int lanes = V < W ? 1 : W;
   const float sigma = static_cast<float>(std::log(std::ldexp(S / lanes, -24)));
-  const Vf sv = vset(sigma);
+  // The same pass keeps the tokens the cut can fall among (the rest of this function looks at those only):
+  // every token below floor_s has e < 2 e^floor_s (Sleef's exp is within an ulp), so all of them together
+  // hold under 2 V e^floor_s = (1 - top_p) S / 4 of the mass, and the cut lies above them. floor_s only picks
+  // where the search starts: cut_at checks its result whatever it is.
+  const float floor_s = std::max(smin, static_cast<float>(std::log((1.0 - top_p) * S / (8.0 * V))));
+  const Vf sv = vset(sigma), fv = vset(floor_s);
   Vf small = vzero();
   int64_t n_big = 0;
-  for (j = 0; j + kL <= V; j += kL) {
-    const uint32_t big = vge(vload(s + j), sv);
+  w.cid.clear();
+  int64_t j = 0;
+  for (; j + kL <= V; j += kL) {
+    const Vf x = vload(s + j);
+    const uint32_t big = vge(x, sv);
     n_big += __builtin_popcount(big);
     small = vadd(small, vmask(~big, vload(ex + j)));
+    for (uint32_t m = vge(x, fv); m; m &= m - 1) w.cid.push_back(static_cast<uint32_t>(j + __builtin_ctz(m)));
   }
   double below_sigma = lanes_sum(small);
-  for (; j < V; ++j)
+  for (; j < V; ++j) {
     if (s[j] >= sigma) ++n_big;
     else below_sigma += ex[j];
+    if (s[j] >= floor_s) w.cid.push_back(static_cast<uint32_t>(j));
+  }
   // times 1.01 + 2 V 2^-24: the float sums (torch's partial sums, and this pass's) may be off by their own error
   const double slack = 1.01 + std::ldexp(2.0 * V, -24);
   const double err = (below_sigma + std::ldexp(S * static_cast<double>((n_big + lanes - 1) / lanes + std::log2(lanes)), -24)) * slack +
                      std::ldexp(S * static_cast<double>(V), -51);
   const float inv[2] = {1.0f / round_up(S + err), 1.0f / round_down(S - err)};
 
+  // The kept tokens' values and exps side by side, so the passes below read a few hundred floats, not the row.
+  const int64_t n = static_cast<int64_t>(w.cid.size());
+  w.cs.resize(n);
+  w.ce.resize(n);
+  for (int64_t q = 0; q < n; ++q) w.cs[q] = s[w.cid[q]], w.ce[q] = ex[w.cid[q]];
+  const float *cs = w.cs.data(), *ce = w.ce.data();
+
   // The bracket: mass(>= hi) < top_p S <= mass(>= lo) by the float masses (checked exactly below).
   const double target = static_cast<double>(top_p) * S;
-  float hi = INFINITY, lo = smin;
-  int64_t n_hi = 0, n_lo = V;
+  float hi = INFINITY, lo = floor_s;
+  int64_t n_hi = 0, n_lo = n;
   for (int pass = 0; pass < 6 && n_lo - n_hi > 32; ++pass) {
     const float top = hi == INFINITY ? 0.f : hi;
     if (!(lo < top)) break;
@@ -209,7 +250,7 @@ inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64
     double mass[kProbes];
     int64_t count[kProbes];
     for (int k = 0; k < kProbes; ++k) t[k] = top + (lo - top) * (static_cast<float>(k + 1) / (kProbes + 1));
-    probe(s, ex, V, t, mass, count);
+    probe(cs, ce, n, t, mass, count);
     int k = 0;
     while (k < kProbes && mass[k] < target) ++k;
     if (k < kProbes) lo = t[k], n_lo = count[k];
@@ -221,27 +262,29 @@ inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64
   w.bracket.clear();
   Vd above[2];
   const Vf hv = vset(hi), lv = vset(lo), i0 = vset(inv[0]), i1 = vset(inv[1]);
-  for (j = 0; j + kL <= V; j += kL) {
-    const Vf x = vload(s + j), e = vload(ex + j);
+  for (j = 0; j + kL <= n; j += kL) {
+    const Vf x = vload(cs + j), e = vload(ce + j);
     const uint32_t up = vge(x, hv), in = vge(x, lv) & ~up;
     if (up) {
       above[0].add(vmask(up, vmul(e, i0)));
       above[1].add(vmask(up, vmul(e, i1)));
-      for (uint32_t m = up; m; m &= m - 1) w.above.push_back(static_cast<uint32_t>(j + __builtin_ctz(m)));
+      for (uint32_t m = up; m; m &= m - 1) w.above.push_back(w.cid[j + __builtin_ctz(m)]);
     }
-    for (uint32_t m = in; m; m &= m - 1) w.bracket.push_back(static_cast<uint32_t>(j + __builtin_ctz(m)));
+    for (uint32_t m = in; m; m &= m - 1) w.bracket.push_back(w.cid[j + __builtin_ctz(m)]);
   }
   double mass_above[2] = {above[0].sum(), above[1].sum()};
-  for (; j < V; ++j) {
-    if (s[j] >= hi) {
-      for (int q = 0; q < 2; ++q) mass_above[q] += static_cast<double>(ex[j] * inv[q]);
-      w.above.push_back(static_cast<uint32_t>(j));
-    } else if (s[j] >= lo) {
-      w.bracket.push_back(static_cast<uint32_t>(j));
+  for (; j < n; ++j) {
+    if (cs[j] >= hi) {
+      for (int q = 0; q < 2; ++q) mass_above[q] += static_cast<double>(ce[j] * inv[q]);
+      w.above.push_back(w.cid[j]);
+    } else if (cs[j] >= lo) {
+      w.bracket.push_back(w.cid[j]);
     }
   }
   const int64_t a = static_cast<int64_t>(w.above.size());
-  sluice_radix::sort_ids_descending(s, w.bracket.data(), static_cast<int64_t>(w.bracket.size()), w.sort_scratch);
+  const int64_t nb = static_cast<int64_t>(w.bracket.size());
+  if (nb <= 64) sluice_radix::sort_few_ids_descending(s, w.bracket.data(), nb);
+  else sluice_radix::sort_ids_descending(s, w.bracket.data(), nb, w.sort_scratch);
   const int64_t K = cut_at(ex, V, w.bracket, a, mass_above[0], inv[0], top_p);
   if (K < 0 || K != cut_at(ex, V, w.bracket, a, mass_above[1], inv[1], top_p)) return false;
 
