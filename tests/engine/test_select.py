@@ -27,6 +27,18 @@ def test_argmax_rows_equals_torch(V, kind):
     assert ids.dtype == torch.int64 and bad.dtype == torch.bool
 
 
+@pytest.mark.parametrize("at", [0, 15, 16, 4000, 8192, 8192 + 4])  # vector part, its edges, the scalar tail
+def test_argmax_rows_finds_the_first_of_equal_maxima(at):
+    """The max held at `at` and at every later 1000th token, a -0.0 and +0.0 max in another row: torch.argmax
+    gives the first (-0.0 == +0.0), and so must the vectorised search for it."""
+    x = rows("random", 2, 8192 + 5, seed=2) - 100
+    x[0, at::1000] = 50.0
+    x[1, at] = -0.0
+    x[1, at + 1:] = 0.0
+    ids, bad = select.argmax_rows(x)
+    assert ids.tolist() == x.argmax(-1).tolist() == [at, at] and not bad.any()
+
+
 @pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("at", [0, 5, 8192 + 4])  # in the vector part and in the scalar tail
 def test_argmax_rows_flags_nan_and_inf_rows_only(poison, at):

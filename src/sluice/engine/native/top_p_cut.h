@@ -83,6 +83,41 @@ struct Vd {
 };
 #endif
 
+// Appends the lanes of x, e and their ids (j, j + 1, ...) picked by mask m to cs, ce, cid: whole vectors are
+// stored (the buffers have kL spare entries), the count advances by the picked ones.
+#ifdef __AVX512F__
+inline int64_t compress(uint32_t m, Vf x, Vf e, int64_t j, float* cs, float* ce, uint32_t* cid) {
+  const __mmask16 k = static_cast<__mmask16>(m);
+  _mm512_storeu_ps(cs, _mm512_maskz_compress_ps(k, x));
+  _mm512_storeu_ps(ce, _mm512_maskz_compress_ps(k, e));
+  const __m512i ids = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j)),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  _mm512_storeu_si512(cid, _mm512_maskz_compress_epi32(k, ids));
+  return __builtin_popcount(m);
+}
+#else
+// AVX2 has no compress: a table of the permutations that move the picked lanes of each 8-bit mask to the front.
+struct Moves {
+  alignas(32) int32_t to[256][8];
+  Moves() {
+    for (int m = 0; m < 256; ++m) {
+      int n = 0;
+      for (int l = 0; l < 8; ++l)
+        if (m >> l & 1) to[m][n++] = l;
+      for (; n < 8; ++n) to[m][n] = 0;
+    }
+  }
+};
+inline const Moves kMoves;
+inline int64_t compress(uint32_t m, Vf x, Vf e, int64_t j, float* cs, float* ce, uint32_t* cid) {
+  const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(kMoves.to[m]));
+  _mm256_storeu_ps(cs, _mm256_permutevar8x32_ps(x, p));
+  _mm256_storeu_ps(ce, _mm256_permutevar8x32_ps(e, p));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(cid), _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), p));
+  return __builtin_popcount(m);
+}
+#endif
+
 inline float lanes_sum(Vf a) {
   alignas(64) float l[kL];
   std::memcpy(l, &a, sizeof a);
@@ -203,41 +238,38 @@ inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64
   // add up to S). sigma = log(2^-24 S / W) balances the two. A row shorter than W is one lane, left to right.
   const int lanes = V < W ? 1 : W;
   const float sigma = static_cast<float>(std::log(std::ldexp(S / lanes, -24)));
-  // The same pass keeps the tokens the cut can fall among (the rest of this function looks at those only):
-  // every token below floor_s has e < 2 e^floor_s (Sleef's exp is within an ulp), so all of them together
+  // The same pass keeps the tokens the cut can fall among, their values and exps side by side (the rest of this
+  // function reads those few hundred floats, not the row). Every token below floor_s has e < 2 e^floor_s (Sleef's exp is within an ulp), so all of them together
   // hold under 2 V e^floor_s = (1 - top_p) S / 4 of the mass, and the cut lies above them. floor_s only picks
   // where the search starts: cut_at checks its result whatever it is.
   const float floor_s = std::max(smin, static_cast<float>(std::log((1.0 - top_p) * S / (8.0 * V))));
   const Vf sv = vset(sigma), fv = vset(floor_s);
   Vf small = vzero();
-  int64_t n_big = 0;
-  w.cid.clear();
+  int64_t n_big = 0, n = 0;
+  w.cid.resize(V + kL);
+  w.cs.resize(V + kL);
+  w.ce.resize(V + kL);
+  float *cs = w.cs.data(), *ce = w.ce.data();
+  uint32_t* cid = w.cid.data();
   int64_t j = 0;
   for (; j + kL <= V; j += kL) {
-    const Vf x = vload(s + j);
+    const Vf x = vload(s + j), e = vload(ex + j);
     const uint32_t big = vge(x, sv);
     n_big += __builtin_popcount(big);
-    small = vadd(small, vmask(~big, vload(ex + j)));
-    for (uint32_t m = vge(x, fv); m; m &= m - 1) w.cid.push_back(static_cast<uint32_t>(j + __builtin_ctz(m)));
+    small = vadd(small, vmask(~big, e));
+    if (const uint32_t keep = vge(x, fv)) n += compress(keep, x, e, j, cs + n, ce + n, cid + n);
   }
   double below_sigma = lanes_sum(small);
   for (; j < V; ++j) {
     if (s[j] >= sigma) ++n_big;
     else below_sigma += ex[j];
-    if (s[j] >= floor_s) w.cid.push_back(static_cast<uint32_t>(j));
+    if (s[j] >= floor_s) cs[n] = s[j], ce[n] = ex[j], cid[n++] = static_cast<uint32_t>(j);
   }
   // times 1.01 + 2 V 2^-24: the float sums (torch's partial sums, and this pass's) may be off by their own error
   const double slack = 1.01 + std::ldexp(2.0 * V, -24);
   const double err = (below_sigma + std::ldexp(S * static_cast<double>((n_big + lanes - 1) / lanes + std::log2(lanes)), -24)) * slack +
                      std::ldexp(S * static_cast<double>(V), -51);
   const float inv[2] = {1.0f / round_up(S + err), 1.0f / round_down(S - err)};
-
-  // The kept tokens' values and exps side by side, so the passes below read a few hundred floats, not the row.
-  const int64_t n = static_cast<int64_t>(w.cid.size());
-  w.cs.resize(n);
-  w.ce.resize(n);
-  for (int64_t q = 0; q < n; ++q) w.cs[q] = s[w.cid[q]], w.ce[q] = ex[w.cid[q]];
-  const float *cs = w.cs.data(), *ce = w.ce.data();
 
   // The bracket: mass(>= hi) < top_p S <= mass(>= lo) by the float masses (checked exactly below).
   const double target = static_cast<double>(top_p) * S;
@@ -268,17 +300,17 @@ inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64
     if (up) {
       above[0].add(vmask(up, vmul(e, i0)));
       above[1].add(vmask(up, vmul(e, i1)));
-      for (uint32_t m = up; m; m &= m - 1) w.above.push_back(w.cid[j + __builtin_ctz(m)]);
+      for (uint32_t m = up; m; m &= m - 1) w.above.push_back(cid[j + __builtin_ctz(m)]);
     }
-    for (uint32_t m = in; m; m &= m - 1) w.bracket.push_back(w.cid[j + __builtin_ctz(m)]);
+    for (uint32_t m = in; m; m &= m - 1) w.bracket.push_back(cid[j + __builtin_ctz(m)]);
   }
   double mass_above[2] = {above[0].sum(), above[1].sum()};
   for (; j < n; ++j) {
     if (cs[j] >= hi) {
       for (int q = 0; q < 2; ++q) mass_above[q] += static_cast<double>(ce[j] * inv[q]);
-      w.above.push_back(w.cid[j]);
+      w.above.push_back(cid[j]);
     } else if (cs[j] >= lo) {
-      w.bracket.push_back(w.cid[j]);
+      w.bracket.push_back(cid[j]);
     }
   }
   const int64_t a = static_cast<int64_t>(w.above.size());
