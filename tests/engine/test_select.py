@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from avx2_build import run_avx2_build
 from sluice.engine import select
 from sluice.engine.sampling import Sampler, SamplingParams
 
@@ -121,3 +122,9 @@ def test_the_sampler_draws_the_same_with_and_without_the_kernel(monkeypatch):
     native = run()
     monkeypatch.setattr(select, "_kernel", lambda x: None)
     assert run() == native
+
+
+@pytest.mark.slow
+def test_the_avx2_build_selects_the_same_on_an_avx512_cpu():
+    """select.cpp's AVX2 paths (an AVX2-only CPU's build) pass the tests above in a subprocess."""
+    run_avx2_build("select", __file__, "not avx2")

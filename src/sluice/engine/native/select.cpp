@@ -255,4 +255,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("counter_uniforms", &counter_uniforms, "counter-based uniforms of the given tokens (engine/noise.py)");
   m.def("counter_uniform_rows", &counter_uniform_rows, "counter-based uniforms of a range of tokens (engine/noise.py)");
   m.def("has_avx2", &has_avx2);
+  m.def("has_avx512", &has_avx512);
 }

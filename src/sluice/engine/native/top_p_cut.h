@@ -9,8 +9,9 @@
 //   1 / S, a float, lies between two floats inv_lo and inv_hi. Each probability fl(e * inv) grows with
 //   inv, and so does every cumulative mass: the cut moves only one way as inv does. Where inv_lo and
 //   inv_hi give the same cut, every inv between them does too, torch's among them.
-// - the cumulative masses: a few passes of 8 thresholds each over the scaled values find a bracket
-//   [lo, hi) of them holding the cut; the mass of every token >= hi is a float64 sum (in another order
+// - the cumulative masses: the pass that bounds S also keeps the tokens whose mass can reach the cut (all
+//   the others together hold under a quarter of 1 - top_p), a few hundred of a row of 8,192 like a model's;
+//   a few passes of 8 thresholds each over those find a bracket [lo, hi) of them holding the cut; the mass of every token >= hi is a float64 sum (in another order
 //   than torch's sequential one: the two differ by at most 2 n 2^-53 of the mass), and only the bracket is
 //   sorted (stably: equal values keep ids ascending, as torch's stable sort), its masses added one by one
 //   as torch does. A comparison with top_p that the 2 n 2^-53 could flip is not taken.
