@@ -78,6 +78,20 @@ def test_ties_across_the_cut_keep_the_lowest_ids():
         assert bounded == 48 and sorted_ == 0
 
 
+@pytest.mark.parametrize(("V", "stride"), [(1000, 9), (3001, 20), (8192 + 5, 41)])  # 112-200 ties: the radix sort
+def test_a_bracket_of_many_ties_keeps_the_lowest_ids(V, stride):
+    """The cut among more tied tokens than the insertion sort takes (64): the radix sort orders the bracket,
+    and a few scattered tokens just below the ties sit on either side of the row's vector part and tail."""
+    x = torch.full((1, V), -6.0)
+    x[0, ::stride] = 2.0
+    x[0, 1::stride * 3] = 1.5
+    x[0, V - 1] = 2.0  # a tied token in the scalar tail
+    for top_p in (0.3, 0.7):
+        params = [SamplingParams(temperature=1.0, top_p=top_p, seed=s) for s in range(8)]
+        bounded, sorted_ = cut_rows(params, V, [x.expand(8, V).contiguous()] * 2)
+        assert bounded == 16 and sorted_ == 0
+
+
 @pytest.mark.parametrize(("kind", "cut_unsorted"), [("wide", 2), ("ties", 0)])  # ties: flatter rows, all sorted
 def test_with_min_p_penalties_and_the_qwen_vocabulary(kind, cut_unsorted):
     V = 151936

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from avx2_build import run_avx2_build
 from sluice.engine import select
 from sluice.engine.sampling import Sampler, SamplingParams
 
@@ -25,6 +26,18 @@ def test_argmax_rows_equals_torch(V, kind):
     ids, bad = select.argmax_rows(x)
     assert torch.equal(ids, x.argmax(-1)) and not bad.any()
     assert ids.dtype == torch.int64 and bad.dtype == torch.bool
+
+
+@pytest.mark.parametrize("at", [0, 15, 16, 4000, 8192, 8192 + 4])  # vector part, its edges, the scalar tail
+def test_argmax_rows_finds_the_first_of_equal_maxima(at):
+    """The max held at `at` and at every later 1000th token, a -0.0 and +0.0 max in another row: torch.argmax
+    gives the first (-0.0 == +0.0), and so must the vectorised search for it."""
+    x = rows("random", 2, 8192 + 5, seed=2) - 100
+    x[0, at::1000] = 50.0
+    x[1, at] = -0.0
+    x[1, at + 1:] = 0.0
+    ids, bad = select.argmax_rows(x)
+    assert ids.tolist() == x.argmax(-1).tolist() == [at, at] and not bad.any()
 
 
 @pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
@@ -109,3 +122,9 @@ def test_the_sampler_draws_the_same_with_and_without_the_kernel(monkeypatch):
     native = run()
     monkeypatch.setattr(select, "_kernel", lambda x: None)
     assert run() == native
+
+
+@pytest.mark.slow
+def test_the_avx2_build_selects_the_same_on_an_avx512_cpu():
+    """select.cpp's AVX2 paths (an AVX2-only CPU's build) pass the tests above in a subprocess."""
+    run_avx2_build("select", __file__, "not avx2")

@@ -211,6 +211,13 @@ struct Scratch {
   sluice_top_p::Work cut;
 };
 
+// This thread's buffers, kept from call to call: allocating and zeroing a row's worth each step cost more
+// than some rows' whole draw.
+Scratch& thread_scratch() {
+  thread_local Scratch w;
+  return w;
+}
+
 // The head of a row for torch's softmax sum: the ids whose scaled value is >= t, in id order, and the largest
 // e of the rest (0 if none).
 float split_head(const float* s, const float* ex, int64_t V, float t, std::vector<uint32_t>& head) {
@@ -260,20 +267,10 @@ bool top_p_prefix(const float* v, int64_t V, float m, int64_t first, const Row& 
   w.hi.resize(V);
   w.ex.resize(V);
   float *s = w.hi.data(), *ex = w.ex.data();
-  for (int64_t i = 0; i < V; ++i) s[i] = (v[i] - m) / r.temperature;  // sampling._scaled, op by op
-  int64_t j = 0;
-  Lanes sums = splat(0.f);
-  for (; j + kW <= V; j += kW) {
-    const Lanes e = sluice_softmax::expf_u10(load(s + j));
-    store(ex + j, e);
-    sums = add(sums, e);
-  }
-  alignas(64) float lane[kW];
-  store(lane, sums);
-  double total = 0;  // roughly S: only the first guess at the head depends on it
-  for (const float x : lane) total += x;
-  for (; j < V; ++j) total += ex[j] = sluice_softmax::expf_u10(s[j]);
-  if (sluice_top_p::bounded_cut(s, ex, V, W, first, r.top_p, r.min_p, w.cut)) {
+  double total;  // S in float64
+  float smin;
+  sluice_top_p::scaled_exps(v, V, m, r.temperature, s, ex, total, smin);
+  if (sluice_top_p::bounded_cut(s, ex, V, W, first, r.top_p, r.min_p, total, smin, w.cut)) {
     ++sluice_top_p::bounded;
     w.cand.clear();
     for (const uint32_t id : w.cut.ids) w.cand.push_back({s[id], id});
@@ -443,7 +440,7 @@ std::tuple<torch::Tensor, bool> draw(torch::Tensor x, torch::Tensor rows, torch:
   float* cp = use_counts ? counts.data_ptr<float>() : nullptr;
   std::vector<char> deferred(B, 0);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    Scratch w;
+    Scratch& w = thread_scratch();
     for (int64_t b = begin; b < end; ++b) {
       const Row r{rp[b * 6], rp[b * 6 + 1], rp[b * 6 + 2], rp[b * 6 + 3], rp[b * 6 + 4], rp[b * 6 + 5], kp[b]};
       const float* v = xp + b * V;

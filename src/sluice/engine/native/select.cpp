@@ -60,6 +60,21 @@ void max_and_finite(const float* p, int64_t V, float& best, bool& finite) {
   }
 }
 
+// The first j with p[j] == best (a finite row holds its max): 16 or 8 at a time, since a scalar walk to a
+// max in the middle of a row cost more than the scan that found it.
+int64_t first_index_of(const float* p, int64_t V, float best) {
+  int64_t j = 0;
+#ifdef __AVX512F__
+  for (const __m512 bv = _mm512_set1_ps(best); j + 16 <= V; j += 16)
+    if (const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + j), bv, _CMP_EQ_OQ)) return j + __builtin_ctz(hit);
+#elif defined(SLUICE_AVX2)
+  for (const __m256 bv = _mm256_set1_ps(best); j + 8 <= V; j += 8)
+    if (const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), bv, _CMP_EQ_OQ))) return j + __builtin_ctz(hit);
+#endif
+  while (p[j] != best) ++j;
+  return j;
+}
+
 // A candidate token: ranked by value descending, then id ascending (a stable descending sort's order).
 struct Cand {
   float value;
@@ -86,9 +101,7 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_rows(torch::Tensor x) {
     float best;
     bool finite;
     max_and_finite(p, V, best, finite);
-    int64_t j = 0;
-    while (finite && p[j] != best) ++j;  // the first occurrence; a finite row holds its max
-    ip[b] = finite ? j : 0;
+    ip[b] = finite ? first_index_of(p, V, best) : 0;  // the first occurrence
     bp[b] = !finite;
   }
   return {ids, bad};
@@ -242,4 +255,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("counter_uniforms", &counter_uniforms, "counter-based uniforms of the given tokens (engine/noise.py)");
   m.def("counter_uniform_rows", &counter_uniform_rows, "counter-based uniforms of a range of tokens (engine/noise.py)");
   m.def("has_avx2", &has_avx2);
+  m.def("has_avx512", &has_avx512);
 }

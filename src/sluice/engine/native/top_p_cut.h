@@ -9,8 +9,9 @@
 //   1 / S, a float, lies between two floats inv_lo and inv_hi. Each probability fl(e * inv) grows with
 //   inv, and so does every cumulative mass: the cut moves only one way as inv does. Where inv_lo and
 //   inv_hi give the same cut, every inv between them does too, torch's among them.
-// - the cumulative masses: a few passes of 8 thresholds each over the scaled values find a bracket
-//   [lo, hi) of them holding the cut; the mass of every token >= hi is a float64 sum (in another order
+// - the cumulative masses: the pass that bounds S also keeps the tokens whose mass can reach the cut (all
+//   the others together hold under a quarter of 1 - top_p), a few hundred of a row of 8,192 like a model's;
+//   a few passes of 8 thresholds each over those find a bracket [lo, hi) of them holding the cut; the mass of every token >= hi is a float64 sum (in another order
 //   than torch's sequential one: the two differ by at most 2 n 2^-53 of the mass), and only the bracket is
 //   sorted (stably: equal values keep ids ascending, as torch's stable sort), its masses added one by one
 //   as torch does. A comparison with top_p that the 2 n 2^-53 could flip is not taken.
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "radix.h"
+#include "torch_softmax.h"
 
 namespace sluice_top_p {
 
@@ -82,6 +84,41 @@ struct Vd {
 };
 #endif
 
+// Appends the lanes of x, e and their ids (j, j + 1, ...) picked by mask m to cs, ce, cid: whole vectors are
+// stored (the buffers have kL spare entries), the count advances by the picked ones.
+#ifdef __AVX512F__
+inline int64_t compress(uint32_t m, Vf x, Vf e, int64_t j, float* cs, float* ce, uint32_t* cid) {
+  const __mmask16 k = static_cast<__mmask16>(m);
+  _mm512_storeu_ps(cs, _mm512_maskz_compress_ps(k, x));
+  _mm512_storeu_ps(ce, _mm512_maskz_compress_ps(k, e));
+  const __m512i ids = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j)),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  _mm512_storeu_si512(cid, _mm512_maskz_compress_epi32(k, ids));
+  return __builtin_popcount(m);
+}
+#else
+// AVX2 has no compress: a table of the permutations that move the picked lanes of each 8-bit mask to the front.
+struct Moves {
+  alignas(32) int32_t to[256][8];
+  Moves() {
+    for (int m = 0; m < 256; ++m) {
+      int n = 0;
+      for (int l = 0; l < 8; ++l)
+        if (m >> l & 1) to[m][n++] = l;
+      for (; n < 8; ++n) to[m][n] = 0;
+    }
+  }
+};
+inline const Moves kMoves;
+inline int64_t compress(uint32_t m, Vf x, Vf e, int64_t j, float* cs, float* ce, uint32_t* cid) {
+  const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(kMoves.to[m]));
+  _mm256_storeu_ps(cs, _mm256_permutevar8x32_ps(x, p));
+  _mm256_storeu_ps(ce, _mm256_permutevar8x32_ps(e, p));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(cid), _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), p));
+  return __builtin_popcount(m);
+}
+#endif
+
 inline float lanes_sum(Vf a) {
   alignas(64) float l[kL];
   std::memcpy(l, &a, sizeof a);
@@ -116,6 +153,8 @@ inline void probe(const float* s, const float* ex, int64_t V, const float* t, do
 
 struct Work {
   std::vector<uint32_t> above, bracket, sort_scratch, ids;  // ids: the kept tokens, the first max first
+  std::vector<uint32_t> cid;                                // the tokens the cut can fall among, and their
+  std::vector<float> cs, ce;                                // scaled values and exps
   std::vector<char> keep;                                  // min_p's verdict on each of ids
 };
 
@@ -157,41 +196,76 @@ inline int64_t cut_at(const float* ex, int64_t V, const std::vector<uint32_t>& b
   return pos > a && below(before, eps * std::max(1.0, before), top_p) == 0 ? pos : -1;
 }
 
-// Fills w.ids (the kept tokens: `first`, the first max, leads) and w.keep from the scaled row s and its
-// exps ex (torch's bits), or returns false. W: torch's softmax lanes (8 or 16).
-inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64_t first, float top_p, float min_p,
-                        Work& w) {
-  // S in float64 (exact to n 2^-53) and the smallest scaled value.
+// One pass over a row v (finite, max m, temperature T): the scaled values s = (v - m) / T (sampling._scaled,
+// one rounding per op), their exps ex (torch's bits: torch_softmax.h), their sum S in float64 (exact to
+// V 2^-53) and the smallest s. One pass where three were: the row is read once while it is in L1.
+inline void scaled_exps(const float* v, int64_t V, float m, float T, float* s, float* ex, double& S, float& smin) {
   Vd total;
   Vf low = vset(INFINITY);
+  const Vf mv = vset(m), tv = vset(T);
   int64_t j = 0;
   for (; j + kL <= V; j += kL) {
-    total.add(vload(ex + j));
-    low = vmin(low, vload(s + j));  // NaN-free: the row is finite
+#ifdef __AVX512F__
+    const Vf x = _mm512_div_ps(_mm512_sub_ps(vload(v + j), mv), tv);
+    _mm512_storeu_ps(s + j, x);
+#else
+    const Vf x = _mm256_div_ps(_mm256_sub_ps(vload(v + j), mv), tv);
+    _mm256_storeu_ps(s + j, x);
+#endif
+    const Vf e = sluice_softmax::expf_u10(x);
+    std::memcpy(ex + j, &e, sizeof e);
+    total.add(e);
+    low = vmin(low, x);  // NaN-free: the row is finite
   }
-  double S = total.sum();
+  S = total.sum();
   alignas(64) float l[kL];
   std::memcpy(l, &low, sizeof low);
-  float smin = *std::min_element(l, l + kL);
-  for (; j < V; ++j) S += ex[j], smin = std::min(smin, s[j]);
+  smin = *std::min_element(l, l + kL);
+  for (; j < V; ++j) {
+    s[j] = (v[j] - m) / T;
+    ex[j] = sluice_softmax::expf_u10(s[j]);
+    S += ex[j];
+    smin = std::min(smin, s[j]);
+  }
+}
+
+// Fills w.ids (the kept tokens: `first`, the first max, leads) and w.keep from the scaled row s and its
+// exps ex (torch's bits), or returns false. W: torch's softmax lanes (8 or 16); S, smin: scaled_exps'.
+inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64_t first, float top_p, float min_p,
+                        double S, float smin, Work& w) {
   // torch's S within S +- err (the header comment's bound, split at sigma): a token below sigma changes its
   // lane's sum by at most itself; the N tokens at or above sigma are the first N of the sorted row, so no lane
   // holds more than ceil(N / W) of them, each rounding by at most 2^-24 of a lane's sum (and the lanes' sums
   // add up to S). sigma = log(2^-24 S / W) balances the two. A row shorter than W is one lane, left to right.
   const int lanes = V < W ? 1 : W;
   const float sigma = static_cast<float>(std::log(std::ldexp(S / lanes, -24)));
-  const Vf sv = vset(sigma);
+  // The same pass keeps the tokens the cut can fall among, their values and exps side by side (the rest of this
+  // function reads those few hundred floats, not the row). Every token below floor_s has e < 2 e^floor_s (Sleef's exp is within an ulp), so all of them together
+  // hold under 2 V e^floor_s = (1 - top_p) S / 4 of the mass, and the cut lies above them. floor_s only picks
+  // where the search starts: cut_at checks its result whatever it is.
+  const float floor_s = std::max(smin, static_cast<float>(std::log((1.0 - top_p) * S / (8.0 * V))));
+  const Vf sv = vset(sigma), fv = vset(floor_s);
   Vf small = vzero();
-  int64_t n_big = 0;
-  for (j = 0; j + kL <= V; j += kL) {
-    const uint32_t big = vge(vload(s + j), sv);
+  int64_t n_big = 0, n = 0;
+  w.cid.resize(V + kL);
+  w.cs.resize(V + kL);
+  w.ce.resize(V + kL);
+  float *cs = w.cs.data(), *ce = w.ce.data();
+  uint32_t* cid = w.cid.data();
+  int64_t j = 0;
+  for (; j + kL <= V; j += kL) {
+    const Vf x = vload(s + j), e = vload(ex + j);
+    const uint32_t big = vge(x, sv);
     n_big += __builtin_popcount(big);
-    small = vadd(small, vmask(~big, vload(ex + j)));
+    small = vadd(small, vmask(~big, e));
+    if (const uint32_t keep = vge(x, fv)) n += compress(keep, x, e, j, cs + n, ce + n, cid + n);
   }
   double below_sigma = lanes_sum(small);
-  for (; j < V; ++j)
+  for (; j < V; ++j) {
     if (s[j] >= sigma) ++n_big;
     else below_sigma += ex[j];
+    if (s[j] >= floor_s) cs[n] = s[j], ce[n] = ex[j], cid[n++] = static_cast<uint32_t>(j);
+  }
   // times 1.01 + 2 V 2^-24: the float sums (torch's partial sums, and this pass's) may be off by their own error
   const double slack = 1.01 + std::ldexp(2.0 * V, -24);
   const double err = (below_sigma + std::ldexp(S * static_cast<double>((n_big + lanes - 1) / lanes + std::log2(lanes)), -24)) * slack +
@@ -200,8 +274,8 @@ inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64
 
   // The bracket: mass(>= hi) < top_p S <= mass(>= lo) by the float masses (checked exactly below).
   const double target = static_cast<double>(top_p) * S;
-  float hi = INFINITY, lo = smin;
-  int64_t n_hi = 0, n_lo = V;
+  float hi = INFINITY, lo = floor_s;
+  int64_t n_hi = 0, n_lo = n;
   for (int pass = 0; pass < 6 && n_lo - n_hi > 32; ++pass) {
     const float top = hi == INFINITY ? 0.f : hi;
     if (!(lo < top)) break;
@@ -209,7 +283,7 @@ inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64
     double mass[kProbes];
     int64_t count[kProbes];
     for (int k = 0; k < kProbes; ++k) t[k] = top + (lo - top) * (static_cast<float>(k + 1) / (kProbes + 1));
-    probe(s, ex, V, t, mass, count);
+    probe(cs, ce, n, t, mass, count);
     int k = 0;
     while (k < kProbes && mass[k] < target) ++k;
     if (k < kProbes) lo = t[k], n_lo = count[k];
@@ -221,27 +295,29 @@ inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64
   w.bracket.clear();
   Vd above[2];
   const Vf hv = vset(hi), lv = vset(lo), i0 = vset(inv[0]), i1 = vset(inv[1]);
-  for (j = 0; j + kL <= V; j += kL) {
-    const Vf x = vload(s + j), e = vload(ex + j);
+  for (j = 0; j + kL <= n; j += kL) {
+    const Vf x = vload(cs + j), e = vload(ce + j);
     const uint32_t up = vge(x, hv), in = vge(x, lv) & ~up;
     if (up) {
       above[0].add(vmask(up, vmul(e, i0)));
       above[1].add(vmask(up, vmul(e, i1)));
-      for (uint32_t m = up; m; m &= m - 1) w.above.push_back(static_cast<uint32_t>(j + __builtin_ctz(m)));
+      for (uint32_t m = up; m; m &= m - 1) w.above.push_back(cid[j + __builtin_ctz(m)]);
     }
-    for (uint32_t m = in; m; m &= m - 1) w.bracket.push_back(static_cast<uint32_t>(j + __builtin_ctz(m)));
+    for (uint32_t m = in; m; m &= m - 1) w.bracket.push_back(cid[j + __builtin_ctz(m)]);
   }
   double mass_above[2] = {above[0].sum(), above[1].sum()};
-  for (; j < V; ++j) {
-    if (s[j] >= hi) {
-      for (int q = 0; q < 2; ++q) mass_above[q] += static_cast<double>(ex[j] * inv[q]);
-      w.above.push_back(static_cast<uint32_t>(j));
-    } else if (s[j] >= lo) {
-      w.bracket.push_back(static_cast<uint32_t>(j));
+  for (; j < n; ++j) {
+    if (cs[j] >= hi) {
+      for (int q = 0; q < 2; ++q) mass_above[q] += static_cast<double>(ce[j] * inv[q]);
+      w.above.push_back(cid[j]);
+    } else if (cs[j] >= lo) {
+      w.bracket.push_back(cid[j]);
     }
   }
   const int64_t a = static_cast<int64_t>(w.above.size());
-  sluice_radix::sort_ids_descending(s, w.bracket.data(), static_cast<int64_t>(w.bracket.size()), w.sort_scratch);
+  const int64_t nb = static_cast<int64_t>(w.bracket.size());
+  if (nb <= 64) sluice_radix::sort_few_ids_descending(s, w.bracket.data(), nb);
+  else sluice_radix::sort_ids_descending(s, w.bracket.data(), nb, w.sort_scratch);
   const int64_t K = cut_at(ex, V, w.bracket, a, mass_above[0], inv[0], top_p);
   if (K < 0 || K != cut_at(ex, V, w.bracket, a, mass_above[1], inv[1], top_p)) return false;
 
