@@ -84,13 +84,37 @@ int64_t race(const float* d, int64_t V, uint64_t base, std::vector<Rival>& rival
   rivals.assign(1, rival(lead, bits_of(base, lead)));
   const double reach = rivals[0].key - rivals[0].tol - 1e-3;
   const double need = std::exp(reach) * (1 - 1e-6) * 0x1p-24;  // d_i (2^24 - bits) 2^-24 below e^reach: out
-  for (int64_t i = 0; i < V; ++i) {
-    if (i == lead || !(d[i] > 0)) continue;
+  auto consider = [&](int64_t i) {
+    if (i == lead || !(d[i] > 0)) return;
     const uint32_t bits = bits_of(base, i);
-    if (static_cast<double>(d[i]) < need * static_cast<double>((1u << 24) - bits)) continue;
+    if (static_cast<double>(d[i]) < need * static_cast<double>((1u << 24) - bits)) return;
     const Rival r = rival(i, bits);
     if (r.key + r.tol >= reach) rivals.push_back(r);
+  };
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  // The same test 8 tokens at a time (the noise bits by 64-bit lane multiplies): only the tokens it cannot
+  // pass over go on to the scalar test above, which takes the same decision again, so the same rivals.
+  const __m512i golden = _mm512_set1_epi64(static_cast<long long>(kGolden)), step = _mm512_set1_epi64(static_cast<long long>(8 * kGolden));
+  const __m512i m1 = _mm512_set1_epi64(static_cast<long long>(0xBF58476D1CE4E5B9ull));
+  const __m512i m2 = _mm512_set1_epi64(static_cast<long long>(0x94D049BB133111EBull));
+  const __m512d needv = _mm512_set1_pd(need), top = _mm512_set1_pd(0x1p24), zero = _mm512_setzero_pd();
+  __m512i z0 = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(base)),
+                                _mm512_mullo_epi64(_mm512_setr_epi64(1, 2, 3, 4, 5, 6, 7, 8), golden));
+  for (; i + 8 <= V; i += 8, z0 = _mm512_add_epi64(z0, step)) {
+    __m512i z = _mm512_xor_si512(z0, _mm512_srli_epi64(z0, 30));
+    z = _mm512_mullo_epi64(z, m1);
+    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 27));
+    z = _mm512_mullo_epi64(z, m2);
+    z = _mm512_srli_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 31)), 40);
+    const __m512d dv = _mm512_cvtps_pd(_mm256_loadu_ps(d + i));
+    const __m512d bound = _mm512_mul_pd(needv, _mm512_sub_pd(top, _mm512_cvtepi64_pd(z)));
+    // kept for the scalar test: d > 0 and not d < bound (a NaN d is neither: passed over, as there)
+    const __mmask8 go = _mm512_cmp_pd_mask(dv, zero, _CMP_GT_OQ) & ~_mm512_cmp_pd_mask(dv, bound, _CMP_LT_OQ);
+    for (unsigned m = go; m; m &= m - 1) consider(i + __builtin_ctz(m));
   }
+#endif
+  for (; i < V; ++i) consider(i);
   Rival best = rivals[0];
   for (const Rival& r : rivals)
     if (r.key > best.key || (r.key == best.key && r.id < best.id)) best = r;
