@@ -107,6 +107,61 @@ def test_native_probs_under_torchs_avx2_softmax():
     probe = "from sluice.engine.sample import LANES; assert LANES == 8, LANES"
     assert subprocess.run([sys.executable, "-c", probe], env=env, timeout=300).returncode == 0
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                        "native_probs_are_torch_bits"], env=env, capture_output=True, text=True, timeout=900,
+                        "native_probs_are_torch_bits or bounded_cut or draft_guess"], env=env, capture_output=True, text=True, timeout=900,
                        cwd=Path(__file__).resolve().parents[2])
-    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
+    assert r.returncode == 0 and "3 passed" in r.stdout, r.stdout[-3000:]
+
+
+def test_native_probs_take_the_bounded_cut_and_the_sort():
+    """nucleus_probs' top_p takes top_p_cut.h's bounded cut where it proves torch's (most peaked rows) and
+    the whole sort elsewhere (a mass exactly at the cut): both give filtered_probs' bits."""
+    gen = torch.Generator().manual_seed(5)
+    before = accept_kernel.top_p_rows()
+    for t in range(40):
+        x = _peaked(gen, 2, [0.5, 2.0][t % 2])
+        if t % 4 == 0:  # masses before the first tokens: 0, 0.5, 0.75: top_p 0.75 sits on one
+            x[:, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+            x[:, 4:] = -60
+        params = [SamplingParams(temperature=1.0, top_p=0.75), SamplingParams(temperature=0.8, top_p=0.95)]
+        temperature = torch.tensor([1.0, 0.8])
+        top_p = torch.tensor([0.75, 0.95], dtype=torch.float32)
+        assert torch.equal(accept_kernel.nucleus_probs(x, temperature, top_p), filtered_probs(x, params)), t
+    bounded, sorted_ = (a - b for a, b in zip(accept_kernel.top_p_rows(), before, strict=True))
+    assert bounded > 40 and sorted_ >= 10, (bounded, sorted_)
+
+
+def test_native_draft_guess_is_probs_then_draw():
+    """accept.propose (a draft guess in one call) against RoundProbs without top_p then speculative.draw in
+    torch: the same q bits, the same tokens, the same stream positions; greedy rows and sampled rows left out
+    of the race take their argmax; a non-finite logit gives None and changes nothing."""
+    from sluice.engine.noise import RowStream
+    from sluice.engine.speculative import draw
+
+    gen = torch.Generator().manual_seed(9)
+    for t in range(60):
+        B, width = 4, [V, 7, 40, V + 5][t % 4]
+        x = torch.randn(B, width, generator=gen) * [0.5, 2.0, 4.0][t % 3]
+        if t % 2:
+            x[:, :6] += torch.rand(B, 6, generator=gen) * 12
+        params = [SamplingParams(temperature=[0.8, 0, 1.3, 0.6][(t + b) % 4], top_p=0.95) for b in range(B)]
+        samplers = [Sampler([p], width) for p in params]
+        racing = [b for b in range(B) if params[b].temperature > 0][: 1 + t % 3]
+        rp = RoundProbs()
+        temperature = rp.native_columns(samplers, width, x.device)[0]
+        mine = [RowStream(100 + b) for b in range(B)]
+        q, tokens = accept_kernel.propose(x, temperature, racing, mine)
+        want_q = filtered_probs(x, params, tail_cuts=False)  # what RoundProbs computes for a draft guess
+        saved = accept_kernel.kernel
+        accept_kernel.kernel = lambda: None
+        try:
+            theirs = [RowStream(100 + b) for b in range(B)]
+            want_tokens = draw(want_q, racing, theirs)
+        finally:
+            accept_kernel.kernel = saved
+        assert torch.equal(q, want_q) and torch.equal(tokens, want_tokens), t
+        assert [s.draws for s in mine] == [s.draws for s in theirs], t
+    bad = torch.randn(2, V)
+    bad[1, 5] = float("inf")
+    streams = [RowStream(1), RowStream(2)]
+    assert accept_kernel.propose(bad, torch.tensor([0.8, 0.0]), [0], streams) is None
+    assert [s.draws for s in streams] == [0, 0]

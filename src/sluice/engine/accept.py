@@ -82,3 +82,28 @@ def nucleus_probs(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tenso
     probs, deferred = kern.nucleus_probs(x.contiguous(), temperature, top_p, LANES)
     return None if deferred else probs
 
+
+
+def propose(x: torch.Tensor, temperature: torch.Tensor, rows: list[int], streams: list
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A draft guess in one native call: (q, tokens), q = nucleus_probs(x, temperature, top_p off) and tokens
+    = speculative.draw(q, rows, streams) with the listed rows' streams advanced; or None, having changed
+    nothing (the caller makes the two calls)."""
+    kern = kernel() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and LANES else None
+    if kern is None:
+        return None
+    sampled = torch.zeros(x.shape[0], dtype=torch.bool)
+    sampled[rows] = True
+    q, tokens, deferred = kern.propose(x.contiguous(), temperature, sampled, [s.key for s in streams],
+                                       [s.draws for s in streams], LANES)
+    if deferred:
+        return None
+    for i in rows:
+        streams[i].advance()
+    return q, tokens
+
+
+def top_p_rows() -> tuple[int, int]:
+    """(rows whose top_p cut was proven without a sort, rows sorted) by this process's kernel, for tests."""
+    kern = kernel()
+    return (0, 0) if kern is None else kern.top_p_rows()

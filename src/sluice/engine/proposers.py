@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..model.layers import Transformer
+from . import accept as accept_kernel
 from .batch_forward import BatchForward
 from .paged_cache import BlockPool
 from .plan import Row
@@ -97,9 +98,17 @@ class DraftProposer:
             if greedy:
                 tokens[:, j], broken = argmax_rows(logits.float())
             else:
-                broken = nonfinite_rows(logits)
-                probs = self.probs(logits, samplers, 1, seen, counts, tail_cuts=False)
-                tokens[:, j] = draw(probs, [i for i in sampled if i in alive], streams)
+                racing = [i for i in sampled if i in alive]
+                columns = None if seen is not None or counts is not None else self.probs.native_columns(
+                    samplers, V, logits.device)
+                fused = None if columns is None else accept_kernel.propose(logits.float(), columns[0], racing, streams)
+                if fused is None:
+                    broken = nonfinite_rows(logits)
+                    probs = self.probs(logits, samplers, 1, seen, counts, tail_cuts=False)
+                    tokens[:, j] = draw(probs, racing, streams)
+                else:  # one native call, which takes finite logits only
+                    broken = torch.zeros(B, dtype=torch.bool, device=logits.device)
+                    probs, tokens[:, j] = fused
                 seen, counts = grow(seen, counts, tokens[:, j])
                 q[:, j] = probs
                 # a draft gone non-finite guesses nothing more (its q is no distribution)

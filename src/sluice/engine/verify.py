@@ -116,10 +116,9 @@ def verify(rows: list[Row], logits: list[torch.Tensor], probs: RoundProbs | None
     decided = None  # the rule and each p it reads in one native call, where the kernel filters every row
     if columns is not None:
         decided = accept_kernel.accept(None, q, draft, lengths, sampled, streams, (x.float(), *columns))
-    if decided is not None:
-        n, final = decided
-    else:
-        n, final = _torch_rule(x, draft, q, lengths, sampled, samplers, streams, *stacks(seen, counts, draft), probs)
+    if decided is not None:  # the kernel read positions 0..n of each row and defers on a non-finite one
+        return [g[:k] + [f] for g, k, f in zip(draft.tolist(), decided[0].tolist(), decided[1].tolist(), strict=True)]
+    n, final = _torch_rule(x, draft, q, lengths, sampled, samplers, streams, *stacks(seen, counts, draft), probs)
     # A position whose logits hold NaN or inf ends the row's run with NONFINITE (the engine reports it).
     bad = nonfinite_rows(x)  # (B, K+1)
     first_bad = torch.where(bad.any(-1), bad.long().argmax(-1), K + 1)

@@ -20,9 +20,8 @@
 #include <limits>
 #include <vector>
 
-#include "radix.h"
 #include "simd.h"
-#include "torch_softmax.h"
+#include "spec_rows.h"
 
 // torch rounds u * q(x) before comparing it with p(x); a fused multiply-add here would not.
 #if defined(__clang__)
@@ -85,13 +84,37 @@ int64_t race(const float* d, int64_t V, uint64_t base, std::vector<Rival>& rival
   rivals.assign(1, rival(lead, bits_of(base, lead)));
   const double reach = rivals[0].key - rivals[0].tol - 1e-3;
   const double need = std::exp(reach) * (1 - 1e-6) * 0x1p-24;  // d_i (2^24 - bits) 2^-24 below e^reach: out
-  for (int64_t i = 0; i < V; ++i) {
-    if (i == lead || !(d[i] > 0)) continue;
+  auto consider = [&](int64_t i) {
+    if (i == lead || !(d[i] > 0)) return;
     const uint32_t bits = bits_of(base, i);
-    if (static_cast<double>(d[i]) < need * static_cast<double>((1u << 24) - bits)) continue;
+    if (static_cast<double>(d[i]) < need * static_cast<double>((1u << 24) - bits)) return;
     const Rival r = rival(i, bits);
     if (r.key + r.tol >= reach) rivals.push_back(r);
+  };
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  // The same test 8 tokens at a time (the noise bits by 64-bit lane multiplies): only the tokens it cannot
+  // pass over go on to the scalar test above, which takes the same decision again, so the same rivals.
+  const __m512i golden = _mm512_set1_epi64(static_cast<long long>(kGolden)), step = _mm512_set1_epi64(static_cast<long long>(8 * kGolden));
+  const __m512i m1 = _mm512_set1_epi64(static_cast<long long>(0xBF58476D1CE4E5B9ull));
+  const __m512i m2 = _mm512_set1_epi64(static_cast<long long>(0x94D049BB133111EBull));
+  const __m512d needv = _mm512_set1_pd(need), top = _mm512_set1_pd(0x1p24), zero = _mm512_setzero_pd();
+  __m512i z0 = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(base)),
+                                _mm512_mullo_epi64(_mm512_setr_epi64(1, 2, 3, 4, 5, 6, 7, 8), golden));
+  for (; i + 8 <= V; i += 8, z0 = _mm512_add_epi64(z0, step)) {
+    __m512i z = _mm512_xor_si512(z0, _mm512_srli_epi64(z0, 30));
+    z = _mm512_mullo_epi64(z, m1);
+    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 27));
+    z = _mm512_mullo_epi64(z, m2);
+    z = _mm512_srli_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 31)), 40);
+    const __m512d dv = _mm512_cvtps_pd(_mm256_loadu_ps(d + i));
+    const __m512d bound = _mm512_mul_pd(needv, _mm512_sub_pd(top, _mm512_cvtepi64_pd(z)));
+    // kept for the scalar test: d > 0 and not d < bound (a NaN d is neither: passed over, as there)
+    const __mmask8 go = _mm512_cmp_pd_mask(dv, zero, _CMP_GT_OQ) & ~_mm512_cmp_pd_mask(dv, bound, _CMP_LT_OQ);
+    for (unsigned m = go; m; m &= m - 1) consider(i + __builtin_ctz(m));
   }
+#endif
+  for (; i < V; ++i) consider(i);
   Rival best = rivals[0];
   for (const Rival& r : rivals)
     if (r.key > best.key || (r.key == best.key && r.id < best.id)) best = r;
@@ -104,68 +127,6 @@ bool any_nan(const float* p, int64_t V) {
   bool bad = false;
   for (int64_t i = 0; i < V; ++i) bad |= std::isnan(p[i]);
   return bad;
-}
-
-// torch's reduce_all(+) of e (torch_softmax.h): W lanes, lane l the float sum of e[l], e[l + W], ... in
-// order, then folded; a row shorter than W left to right. order: the positions' ids (nullptr: 0..n-1).
-float lane_sum(const float* e, const uint32_t* order, int64_t n, int W) {
-  float acc[16] = {0.f};
-  if (n < W) {
-    for (int64_t j = 0; j < n; ++j) acc[0] = j ? acc[0] + e[order ? order[j] : j] : e[order ? order[j] : j];
-    return acc[0];
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const float v = e[order ? order[j] : j];
-    acc[j % W] = j < W ? v : acc[j % W] + v;
-  }
-  return sluice_softmax::fold_lanes(acc, W);
-}
-
-struct Nucleus {  // scratch of one thread
-  std::vector<float> s, e;
-  std::vector<uint32_t> ids, sort_scratch;
-};
-
-// RoundProbs' row for a sampled row with temperature T and top_p alone (1: off), no penalties: the scaled
-// logits s = (x - max) / T, filter_logits' top_p cut (its stable descending sort, torch's softmax of the
-// sorted row, the cumulative mass accumulated in double and rounded to float as ATen's cumsum does), then
-// torch's softmax of the kept tokens in vocabulary order. Every step is the float operation torch does, in
-// its order, so the same bits. W: the lanes of torch's softmax sum (8 or 16). False (out unset) on a
-// non-finite logit, where the torch path decides.
-bool nucleus_row(const float* x, int64_t V, float T, float top_p, int W, float* out, Nucleus& w) {
-  float m = x[0];
-  bool finite = true;
-  for (int64_t i = 0; i < V; ++i) {
-    finite &= std::isfinite(x[i]);
-    m = std::max(m, x[i]);
-  }
-  if (!finite) return false;
-  w.s.resize(V);
-  w.e.resize(V);
-  float *s = w.s.data(), *e = w.e.data();
-  for (int64_t i = 0; i < V; ++i) s[i] = (x[i] - m) / T;  // sampling._scaled: the max's s is exactly 0
-  for (int64_t i = 0; i < V; ++i) e[i] = sluice_softmax::expf_u10(s[i]);
-  int64_t kept = V;  // the sorted prefix top_p keeps
-  if (top_p < 1.f) {
-    w.ids.resize(V);
-    for (int64_t i = 0; i < V; ++i) w.ids[i] = static_cast<uint32_t>(i);
-    sluice_radix::sort_ids_descending(s, w.ids.data(), V, w.sort_scratch);
-    const float inv = 1 / lane_sum(e, w.ids.data(), V, W);  // the sorted row's softmax: its max is s = 0 too
-    double mass = 0;
-    for (kept = 0; kept < V; ++kept) {
-      if (kept && !(static_cast<float>(mass) < top_p)) break;
-      mass += static_cast<double>(e[w.ids[kept]] * inv);
-    }
-    if (kept < V) {  // the softmax over the kept tokens alone, in vocabulary order: the rest count 0
-      std::vector<float>& masked = w.s;  // s is no longer needed
-      std::fill(masked.begin(), masked.end(), 0.f);
-      for (int64_t j = 0; j < kept; ++j) masked[w.ids[j]] = e[w.ids[j]];
-      e = masked.data();
-    }
-  }
-  const float inv = 1 / lane_sum(e, nullptr, V, W);
-  for (int64_t i = 0; i < V; ++i) out[i] = e[i] * inv;
-  return true;
 }
 
 }  // namespace
@@ -214,15 +175,16 @@ std::tuple<torch::Tensor, torch::Tensor, bool> accept_rule(torch::Tensor p, torc
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> residual(V), row(lazy ? V : 0);
     std::vector<Rival> rivals;
-    Nucleus scratch;
+    sluice_spec::Nucleus scratch;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lp[b];
       const uint64_t accept_base = base_of(keys[b], kAccept, draws[b]);
       auto p_at = [&](int64_t j) -> const float* {  // the row's p at position j, or nullptr to defer
         const float* at = pp + (b * (K + 1) + j) * V;
         if (!lazy) return at;
-        if (sp[b]) return nucleus_row(at, V, tp[b], topp[b], static_cast<int>(W), row.data(), scratch) ? row.data() : nullptr;
-        if (any_nan(at, V)) return nullptr;
+        if (sp[b]) return sluice_spec::nucleus_row(at, V, tp[b], topp[b], static_cast<int>(W), row.data(), scratch) ? row.data() : nullptr;
+        // a non-finite logit defers (the torch path ends the run there): what this call decides read finite rows
+        if (!std::all_of(at, at + V, [](float v) { return std::isfinite(v); })) return nullptr;
         std::fill(row.begin(), row.end(), 0.f);
         row[first_max(at, V)] = 1.f;
         return row.data();
@@ -280,11 +242,11 @@ std::tuple<torch::Tensor, bool> nucleus_probs(torch::Tensor x, torch::Tensor tem
   auto out = torch::zeros({N, V}, torch::kFloat32);
   const float *xp = x.data_ptr<float>(), *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  Nucleus scratch;
+  sluice_spec::Nucleus scratch;
   bool deferred = false;
   for (int64_t i = 0; i < N && !deferred; ++i) {
     if (tp[i] > 0) {
-      deferred = !nucleus_row(xp + i * V, V, tp[i], pp[i], static_cast<int>(W), op + i * V, scratch);
+      deferred = !sluice_spec::nucleus_row(xp + i * V, V, tp[i], pp[i], static_cast<int>(W), op + i * V, scratch);
     } else {
       deferred = any_nan(xp + i * V, V);
       op[i * V + first_max(xp + i * V, V)] = 1.f;
@@ -325,7 +287,49 @@ std::tuple<torch::Tensor, bool> draw(torch::Tensor probs, torch::Tensor sampled,
   return {tokens, deferred};
 }
 
+// One draft guess for a batch: nucleus_probs of x (B, V) with top_p off, then draw over them, in one call
+// (proposers.py made them two calls a guess). sampled (B,): the rows that race (the others take the first
+// argmax of their row of q, as draw's unlisted rows do). Returns (q (B, V), tokens (B,), deferred); on
+// deferred nothing means anything, and the caller runs the two calls. A non-finite logit anywhere defers,
+// so a guess drawn here comes from finite logits.
+std::tuple<torch::Tensor, torch::Tensor, bool> propose(torch::Tensor x, torch::Tensor temperature, torch::Tensor sampled,
+                                                       std::vector<uint64_t> keys, std::vector<int64_t> draws, int64_t W) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu() &&
+              x.size(1) > 0, "propose: x must be a contiguous (B, V) fp32 CPU tensor");
+  const int64_t B = x.size(0), V = x.size(1);
+  TORCH_CHECK(temperature.sizes() == torch::IntArrayRef({B}) && temperature.scalar_type() == torch::kFloat32 &&
+              sampled.sizes() == torch::IntArrayRef({B}) && sampled.scalar_type() == torch::kBool &&
+              static_cast<int64_t>(keys.size()) == B && static_cast<int64_t>(draws.size()) == B && (W == 8 || W == 16),
+              "propose: temperature (B,) fp32, sampled (B,) bool, one stream a row, W 8 or 16");
+  auto q = torch::zeros({B, V}, torch::kFloat32);
+  auto tokens = torch::empty({B}, torch::kInt64);
+  const float *xp = x.data_ptr<float>(), *tp = temperature.data_ptr<float>();
+  const bool* sp = sampled.data_ptr<bool>();
+  float* qp = q.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  sluice_spec::Nucleus scratch;
+  std::vector<Rival> rivals;
+  bool deferred = false;
+  for (int64_t b = 0; b < B && !deferred; ++b) {
+    const float *row = xp + b * V;
+    float* d = qp + b * V;
+    if (tp[b] > 0) {
+      deferred = !sluice_spec::nucleus_row(row, V, tp[b], 1.f, static_cast<int>(W), d, scratch) || any_nan(d, V);
+    } else {
+      deferred = !std::all_of(row, row + V, [](float v) { return std::isfinite(v); });  // (a sampled row's too)
+      if (!deferred) d[first_max(row, V)] = 1.f;
+    }
+    if (deferred) break;
+    out[b] = sp[b] ? race(d, V, base_of(keys[b], 0, draws[b]), rivals) : first_max(d, V);
+    deferred = out[b] < 0;
+  }
+  return {q, tokens, deferred};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("propose", &propose, "a draft guess for a batch: its probabilities and its draw, or deferred");
+  m.def("top_p_rows", [] { return std::make_tuple(sluice_top_p::bounded.load(), sluice_top_p::sorted.load()); },
+        "rows cut by the bounded top_p cut, and rows sorted");
   m.def("draw", &draw, "speculative decoding's race over probabilities for a batch, or deferred to torch");
   m.def("accept", &accept, "speculative decoding's acceptance rule for a batch, or deferred to the torch rule");
   m.def("accept_logits", &accept_rule, "the acceptance rule with p filtered from logits where it reads it");
