@@ -17,6 +17,7 @@ from torch import nn
 import sluice
 from avx2_build import run_avx2_build
 from ckpt import build
+from greedy_walk import greedy_walks
 from sluice.engine import fast_step, gemv
 from sluice.engine.fast_step import FastStep, unsupported
 from sluice.engine.kv_cache import KVCache
@@ -134,18 +135,10 @@ def test_greedy_tokens_equal_the_dequantized_model(ckpt_dirs, name):
     model = load4(ckpt_dirs[name], 32)
     ref = dequantized(model)
     (cache, ref_cache), pos = prefill_both(model, ref)
-    step = FastStep(model)
-    tokens = {"fast": [], "ref": []}
     with torch.inference_mode():
         first = ref(torch.tensor([PROMPTS[0][-1:], PROMPTS[1][-1:]]), pos[:, None] - 1,
                     KVCache.wrap(ref_cache.k.clone(), ref_cache.v.clone()))[:, 0].argmax(-1)
-        for key in tokens:
-            last = first
-            for i in range(20):
-                p = pos[:, None] + i
-                out = step(last[:, None], p, cache.k, cache.v) if key == "fast" else ref(last[:, None], p, ref_cache)
-                last = out[:, 0].argmax(-1)
-                tokens[key].append(last.tolist())
+    tokens = greedy_walks(FastStep(model), ref, first, pos, cache, ref_cache)
     assert tokens["fast"] == tokens["ref"]
 
 

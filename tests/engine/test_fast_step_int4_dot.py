@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chunking import assert_same_numbers_in_any_chunk_and_batch
-from greedy_walk import greedy_walks
+from greedy_walk import caches_after_prompts, greedy_walks
 from sluice.engine import fast_step, gemv
 from sluice.engine.fast_step import FastStep
 from sluice.engine.kv_cache import KVCache
@@ -57,26 +57,13 @@ def rounded(model: nn.Module) -> nn.Module:
     return ref
 
 
-def caches_after_prompts(model, copies: int, slots: int = 64):
-    """The native step's cache after PROMPTS, one row at a time (5 and 9 rows: 5 take the integer dot), and
-    `copies` copies of it for the references (whose own prefill would round differently: not what is tested)."""
-    cache = KVCache(model.config, len(PROMPTS), slots)
-    step = FastStep(model, int4_dot="int8")
-    for b, p in enumerate(PROMPTS):
-        t, pos = torch.tensor([p]), torch.arange(len(p))[None]
-        with torch.inference_mode():
-            step(t, pos, cache.k[:, b:b + 1], cache.v[:, b:b + 1])
-    copied = [KVCache.wrap(cache.k.clone(), cache.v.clone()) for _ in range(copies)]
-    return [cache, *copied], torch.tensor([len(p) for p in PROMPTS])
-
-
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("T", [1, 3, 17])  # 2, 6 and 34 token rows: tiles of 1-4 rows (and MAX_CHUNK's pieces)
 def test_decode_logits_equal_the_rounded_and_the_dequantized_model(ckpt_dirs, name, T, group):
     model = load4(ckpt_dirs[name], group)
     exact, plain = rounded(model), dequantized(model)
-    (cache, exact_cache, plain_cache), pos = caches_after_prompts(model, 2)
+    (cache, exact_cache, plain_cache), pos = caches_after_prompts(model, PROMPTS, 2, int4_dot="int8")
     tokens = torch.randint(0, model.config.vocab_size, (len(PROMPTS), T), generator=torch.Generator().manual_seed(1))
     positions = pos[:, None] + torch.arange(T)
     with torch.inference_mode():
@@ -97,7 +84,7 @@ def test_decode_logits_equal_the_rounded_and_the_dequantized_model(ckpt_dirs, na
 def test_greedy_tokens_equal_the_dequantized_model(ckpt_dirs, name):
     model = load4(ckpt_dirs[name], 32)
     ref = dequantized(model)
-    (cache, ref_cache), pos = caches_after_prompts(model, 1)
+    (cache, ref_cache), pos = caches_after_prompts(model, PROMPTS, 1, int4_dot="int8")
     step = FastStep(model, int4_dot="int8")
     first = torch.tensor([PROMPTS[0][-1], PROMPTS[1][-1]])
     tokens = greedy_walks(step, ref, first, pos, cache, ref_cache)

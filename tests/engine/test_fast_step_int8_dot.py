@@ -19,7 +19,7 @@ from torch import nn
 
 import sluice
 from avx2_build import run_avx2_build
-from greedy_walk import greedy_walks
+from greedy_walk import caches_after_prompts, greedy_walks
 from chunking import assert_same_numbers_in_any_chunk_and_batch
 from sluice.engine import fast_step, gemv
 from sluice.engine.fast_step import FastStep
@@ -54,24 +54,12 @@ def rounded(model: nn.Module) -> nn.Module:
     return ref
 
 
-def caches_after_prompts(model, copies: int, slots: int = 64):
-    """The native step's cache after PROMPTS, one row at a time, and `copies` copies of it for the references
-    (whose own prefill would round differently: not what is tested)."""
-    cache = KVCache(model.config, len(PROMPTS), slots)
-    step = FastStep(model, int8_dot="int8")
-    for b, p in enumerate(PROMPTS):
-        with torch.inference_mode():
-            step(torch.tensor([p]), torch.arange(len(p))[None], cache.k[:, b:b + 1], cache.v[:, b:b + 1])
-    return [cache, *(KVCache.wrap(cache.k.clone(), cache.v.clone()) for _ in range(copies))], \
-        torch.tensor([len(p) for p in PROMPTS])
-
-
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("T", [1, 3, 17])  # 2, 6 and 34 token rows: tiles of 1-4 rows
 def test_chunk_logits_equal_the_rounded_and_the_dequantized_model(ckpt_dirs, name, T):
     model = sluice.load(ckpt_dirs[name], quantize="int8")
     exact, plain = rounded(model), dequantized(model)
-    (cache, exact_cache, plain_cache), pos = caches_after_prompts(model, 2)
+    (cache, exact_cache, plain_cache), pos = caches_after_prompts(model, PROMPTS, 2, int8_dot="int8")
     tokens = torch.randint(0, model.config.vocab_size, (len(PROMPTS), T), generator=torch.Generator().manual_seed(1))
     positions = pos[:, None] + torch.arange(T)
     with torch.inference_mode():
@@ -104,7 +92,7 @@ def test_greedy_tokens_equal_the_rounded_model(ckpt_dirs, name):
     one row at token 19 of 20.)"""
     model = sluice.load(ckpt_dirs[name], quantize="int8")
     ref = rounded(model)
-    (cache, ref_cache), pos = caches_after_prompts(model, 1)
+    (cache, ref_cache), pos = caches_after_prompts(model, PROMPTS, 1, int8_dot="int8")
     step = FastStep(model, int8_dot="int8")
     first = torch.tensor([PROMPTS[0][-1], PROMPTS[1][-1]])
     tokens = greedy_walks(step, ref, first, pos, cache, ref_cache)

@@ -55,17 +55,6 @@ inline float lane_sum(const float* e, const uint32_t* order, int64_t n, int W) {
   return sluice_softmax::fold_lanes(acc, W);
 }
 
-// e[i] = expf_u10(s[i]) (s <= 0), vector lanes where the build has them: the scalar function's bits.
-inline void exp_row(const float* s, float* e, int64_t V) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= V; i += 16) _mm512_storeu_ps(e + i, sluice_softmax::expf_u10(_mm512_loadu_ps(s + i)));
-#elif defined(__AVX2__) && defined(__FMA__)
-  for (; i + 8 <= V; i += 8) _mm256_storeu_ps(e + i, sluice_softmax::expf_u10(_mm256_loadu_ps(s + i)));
-#endif
-  for (; i < V; ++i) e[i] = sluice_softmax::expf_u10(s[i]);
-}
-
 struct Nucleus {  // scratch of one thread
   std::vector<float> s, e;
   std::vector<uint32_t> ids, sort_scratch;
@@ -90,12 +79,13 @@ inline bool nucleus_row(const float* x, int64_t V, float T, float top_p, int W, 
   w.s.resize(V);
   w.e.resize(V);
   float *s = w.s.data(), *e = w.e.data();
-  for (int64_t i = 0; i < V; ++i) s[i] = (x[i] - m) / T;  // sampling._scaled: the max's s is exactly 0
-  exp_row(s, e, V);
+  double S;  // the exps' sum and the row's least s, both of which the bounded cut reads
+  float smin;
+  sluice_top_p::scaled_exps(x, V, m, T, s, e, S, smin);  // s = sampling._scaled: the max's s is exactly 0
   if (top_p < 1.f) {
     const uint32_t* kept_ids;
     int64_t kept;
-    if (sluice_top_p::bounded_cut(s, e, V, W, first, top_p, 0.f, w.cut)) {
+    if (sluice_top_p::bounded_cut(s, e, V, W, first, top_p, 0.f, S, smin, w.cut)) {
       ++sluice_top_p::bounded;
       kept_ids = w.cut.ids.data();
       kept = static_cast<int64_t>(w.cut.ids.size());
