@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chunking import assert_same_numbers_in_any_chunk_and_batch
-from greedy_walk import caches_after_prompts, greedy_walks
+from greedy_walk import caches_after_prompts, check_chunk, greedy_walks
 from sluice.engine import fast_step, gemv
 from sluice.engine.fast_step import FastStep
 from sluice.engine.kv_cache import KVCache
@@ -63,18 +63,7 @@ def rounded(model: nn.Module) -> nn.Module:
 def test_decode_logits_equal_the_rounded_and_the_dequantized_model(ckpt_dirs, name, T, group):
     model = load4(ckpt_dirs[name], group)
     exact, plain = rounded(model), dequantized(model)
-    (cache, exact_cache, plain_cache), pos = caches_after_prompts(model, PROMPTS, 2, int4_dot="int8")
-    tokens = torch.randint(0, model.config.vocab_size, (len(PROMPTS), T), generator=torch.Generator().manual_seed(1))
-    positions = pos[:, None] + torch.arange(T)
-    with torch.inference_mode():
-        want = exact(tokens, positions, exact_cache)
-        near = plain(tokens, positions, plain_cache)
-        got = FastStep(model, int4_dot="int8")(tokens, positions, cache.k, cache.v)
-    scale = want.abs().max()
-    assert (got - near).abs().max() <= MODEL * scale, f"{(got - near).abs().max() / scale:.2e} off the model"
-    if T <= 3:  # (in longer chunks a tie of the rounding that the summation order upstream flips shows: see above)
-        assert (got - want).abs().max() <= EXACT * scale, f"{(got - want).abs().max() / scale:.2e} off the rounded model"
-        assert torch.allclose(cache.k, exact_cache.k, atol=1e-5) and torch.allclose(cache.v, exact_cache.v, atol=1e-5)
+    cache, tokens, positions, near, scale = check_chunk(model, exact, plain, PROMPTS, T, MODEL, EXACT, int4_dot="int8")
     with torch.inference_mode():  # decode of one row alone (one token row)
         alone = FastStep(model, int4_dot="int8")(tokens[:1, -1:], positions[:1, -1:], cache.k[:, :1], cache.v[:, :1])
     assert (alone - near[:1, -1:]).abs().max() <= MODEL * scale

@@ -19,7 +19,7 @@ from torch import nn
 
 import sluice
 from avx2_build import run_avx2_build
-from greedy_walk import caches_after_prompts, greedy_walks
+from greedy_walk import caches_after_prompts, check_chunk, greedy_walks
 from chunking import assert_same_numbers_in_any_chunk_and_batch
 from sluice.engine import fast_step, gemv
 from sluice.engine.fast_step import FastStep
@@ -59,18 +59,7 @@ def rounded(model: nn.Module) -> nn.Module:
 def test_chunk_logits_equal_the_rounded_and_the_dequantized_model(ckpt_dirs, name, T):
     model = sluice.load(ckpt_dirs[name], quantize="int8")
     exact, plain = rounded(model), dequantized(model)
-    (cache, exact_cache, plain_cache), pos = caches_after_prompts(model, PROMPTS, 2, int8_dot="int8")
-    tokens = torch.randint(0, model.config.vocab_size, (len(PROMPTS), T), generator=torch.Generator().manual_seed(1))
-    positions = pos[:, None] + torch.arange(T)
-    with torch.inference_mode():
-        want = exact(tokens, positions, exact_cache)
-        near = plain(tokens, positions, plain_cache)
-        got = FastStep(model, int8_dot="int8")(tokens, positions, cache.k, cache.v)
-    scale = want.abs().max()
-    assert (got - near).abs().max() <= MODEL * scale, f"{(got - near).abs().max() / scale:.2e} off the model"
-    if T <= 3:  # (in longer chunks a tie of the rounding that the summation order upstream flips shows: see above)
-        assert (got - want).abs().max() <= EXACT * scale, f"{(got - want).abs().max() / scale:.2e} off the rounded model"
-        assert torch.allclose(cache.k, exact_cache.k, atol=1e-5) and torch.allclose(cache.v, exact_cache.v, atol=1e-5)
+    check_chunk(model, exact, plain, PROMPTS, T, MODEL, EXACT, int8_dot="int8")
 
 
 def test_padded_rows_equal_the_rounded_model():
