@@ -203,6 +203,9 @@ inline void q8t_tile(const uint8_t* t, int64_t B, const Q4In& in, int64_t m0, Q8
 // block()'s int8-dot form (in from q8t_input): y[m, n - n0] (+)= x[m] . W[n] + b[n]. SIMD builds: over tiles, every
 // group of kQ8tRows token rows over a tile before the next tile (its bytes stay in L1/L2: a prefill chunk reads
 // the weights once), the first group prefetching the next tile (or `after`, another linear's first rows).
+// The walk is q4t.h's block_q4t's, written out again: one template for both (the tile call and the output as
+// lambdas) decoded int8 15-20% slower here (GCC 12, AMD Zen 4, 2026-12-03, two alternating runs of
+// `sluice bench --quantize int8`), so each format keeps its own loop.
 inline void block_q8(const Linear& L, const Q4In& in, int64_t M, int64_t n0, int64_t n1, float* y, int64_t ldy,
                      bool accumulate, const void* after) {
   const int64_t B = in.nb;
