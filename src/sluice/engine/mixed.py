@@ -45,6 +45,9 @@ from .native import cflags
 # per call), or per native step: FastStep(model, bf16_dot=...). bf16_dot() resolves "auto".
 BF16_DOTS = ("auto", "fp32", "bf16")
 BF16_DOT = os.environ.get("SLUICE_BF16_DOT", "auto")
+# torch.compile's options wherever the engine compiles its forward: inductor keeps a cast to a narrower dtype and back
+# (the bf16 dot mode's rounding of x, Bf16WeightLinear) instead of fusing it away, so compile gives the eager numbers.
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
 class UpcastEmbedding(nn.Embedding):

@@ -23,7 +23,7 @@ import torch
 from ..model.layers import Transformer
 from .fast_step import FastStep, native_check
 from .kv_cache import KVCache
-from .mixed import activation_dtype
+from .mixed import COMPILE_OPTIONS, activation_dtype
 
 SLOT_BUCKET = 64  # cache sizes are rounded up to this, so nearby request sizes share a compiled step
 PREFILL_BYTES = 1 << 30  # activations one prefill forward may hold; more rows/tokens go in another forward
@@ -51,9 +51,7 @@ class Runner:
         self.native_reason: str | None = None if self.native else "not asked for"  # why the torch step runs
         self._fast: FastStep | None = None  # built on the first request that can use it
         self._use_fast = False  # for the current request
-        # emulate_precision_casts: inductor keeps a cast to a narrower dtype and back (the bf16 dot mode's
-        # rounding of x, mixed.Bf16WeightLinear) instead of fusing it away, so compile gives the eager numbers.
-        wrap = ((lambda f: torch.compile(f, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True}))
+        wrap = ((lambda f: torch.compile(f, dynamic=False, fullgraph=True, options=COMPILE_OPTIONS))
                 if compile else (lambda f: f))
         self._step, self._step_hidden = wrap(self._decode), wrap(self._decode_hidden)  # compiled on first use
 
