@@ -27,14 +27,15 @@ def check_result(r: dict, engines: list[str]) -> None:
     assert r["benchmark"] == "speed" and r["versions"]["torch"] and r["torch_threads"] >= 1
     assert isinstance(r["cpu_flags"], list) and "model" in r["cpu"]
     # rotated rounds: a probe after each round of all engines; --sequential: after every engine's round
-    assert len(r["machine"]["read"]) == s["reps"] * (len(engines) if s["sequential"] else 1) and r["read_GB_s"] > 0
+    rounds = s["reps"] * s["passes"]
+    assert len(r["machine"]["read"]) == rounds * (len(engines) if s["sequential"] else 1) and r["read_GB_s"] > 0
     assert r["read_GB_s"] == statistics.median(p["GB_s"] for p in r["machine"]["read"])
     assert [(row["engine"], row["test"]) for row in r["rows"]] == [
         (e, t) for e in engines for t in (f"pp{P}", f"tg{G}")]
     rows = {(row["engine"], row["test"]): row for row in r["rows"]}
     for (engine, test), row in rows.items():
         t = row["tok_s"]
-        assert len(t["samples"]) == s["reps"] and all(x > 0 for x in t["samples"])
+        assert len(t["samples"]) == rounds and all(x > 0 for x in t["samples"])
         assert math.isclose(t["mean"], statistics.fmean(t["samples"]))
         assert math.isclose(t["std"], statistics.stdev(t["samples"]))
         assert math.isclose(row["vs_sluice"], t["mean"] / rows[("sluice", test)]["tok_s"]["mean"])
@@ -306,6 +307,43 @@ def test_sequential_holds_one_engine_at_a_time(tiny_dir, tmp_path, monkeypatch, 
     assert r["settings"]["sequential"] is True
     check_result(r, ["sluice", "transformers"])
     assert r["engines"]["transformers"]["tokens_agree_with_sluice"] == 6  # the same prompts reached both
+
+
+def test_sequential_passes_reverse_the_order_every_other_pass(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--passes 2: sluice's block, the peer's, then the peer's again and sluice's, each loaded anew, with a
+    prompt per round of its pass (the same for both engines) and a probe after every round."""
+    from sluice.benchmarks import speed_engines
+    order, loads = [], []
+    for cls in (speed_engines.SluiceEngine, speed_engines.TransformersEngine):
+        real_init, real_round = cls.__init__, cls.round
+
+        def init(self, *a, _real=real_init, **k):
+            _real(self, *a, **k)
+            loads.append(self.name)
+
+        def round_(self, prompt, gen, _real=real_round):
+            order.append((self.name, tuple(prompt)))
+            return _real(self, prompt, gen)
+        monkeypatch.setattr(cls, "__init__", init)
+        monkeypatch.setattr(cls, "round", round_)
+    out = tmp_path / "passes.json"
+    assert main(["bench", "--model", str(tiny_dir), *TINY, "--vs", "transformers", "--sequential",
+                 "--passes", "2", "--json", str(out)]) == 0
+    reps = TINY[TINY.index("--reps") + 1]
+    r = json.loads(out.read_text())
+    assert r["settings"]["passes"] == 2 and len(r["machine"]["read"]) == 2 * 2 * int(reps)
+    assert loads == ["sluice", "transformers", "transformers", "sluice"]
+    per = 1 + int(reps)  # a warmup round, then the timed ones
+    assert [n for n, _ in order[::per]] == loads
+    prompts = [[p for _, p in order[i * per + 1:(i + 1) * per]] for i in range(4)]
+    assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and not set(prompts[0]) & set(prompts[2])
+    check_result(r, ["sluice", "transformers"])
+    assert "2 passes" in capsys.readouterr().out
+
+
+def test_passes_need_sequential(tiny_dir, capsys):
+    assert main(["bench", "--model", str(tiny_dir), *TINY, "--vs", "transformers", "--passes", "2"]) == 2
+    assert "--passes is for --sequential" in capsys.readouterr().err
 
 
 def test_engines_that_do_not_fit_side_by_side_are_refused(tiny_dir, monkeypatch, capsys):

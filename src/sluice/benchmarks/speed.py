@@ -45,13 +45,15 @@ def settings(args) -> dict:
         raise BenchmarkError(f"--dtype {args.dtype}: choose float32 or bfloat16")
     if args.quantize is not None and args.quantize not in QUANTS:
         raise BenchmarkError(f"--quantize {args.quantize}: choose int8 or int4")
-    for name in ("prompt", "gen", "reps"):
-        if getattr(args, name) < 1:
+    for name in ("prompt", "gen", "reps", "passes"):
+        if getattr(args, name, 1) < 1:
             raise BenchmarkError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.threads is not None and args.threads < 1:
         raise BenchmarkError(f"--threads must be >= 1, got {args.threads}")
     if args.probe_mib < 0:
         raise BenchmarkError(f"--probe-mib must be >= 0, got {args.probe_mib}")
+    if getattr(args, "passes", 1) > 1 and not getattr(args, "sequential", False):
+        raise BenchmarkError("--passes is for --sequential (rotated rounds already alternate the engines)")
     if args.gguf and "llama.cpp" not in vs:
         raise BenchmarkError("--gguf is for --vs llama.cpp, which was not asked for")
     spec = _speculation(getattr(args, "draft_model", None), getattr(args, "prompt_lookup", False),
@@ -60,6 +62,7 @@ def settings(args) -> dict:
             "gen": args.gen, "reps": args.reps, "vs": vs, "threads": args.threads, "compile": args.compile,
             "gguf": args.gguf, "llama_python": args.llama_python, "probe_mib": args.probe_mib,
             "prompt_seed": PROMPT_SEED, "speculation": spec, "sequential": bool(getattr(args, "sequential", False)),
+            "passes": getattr(args, "passes", 1),
             # the bf16-weight products as resolved here (mixed.bf16_dot(): SLUICE_BF16_DOT, "auto" by the CPU and build)
             "bf16_dot": mixed.bf16_dot() if args.dtype == "bfloat16" and args.quantize is None else None}
 
@@ -187,7 +190,7 @@ def run(args) -> dict:
             perf[name].append(out["perf"])
         if out.get("speculation"):
             spec_rounds.append(out["speculation"])
-        print(f"sluice bench: round {r + 1}/{s['reps']} {name}: pp {P / out['pp_s']:.1f} tok/s, "
+        print(f"sluice bench: round {r + 1}/{s['reps'] * s['passes']} {name}: pp {P / out['pp_s']:.1f} tok/s, "
               f"tg {G / out['tg_s']:.2f} tok/s", file=sys.stderr, flush=True)
 
     def probe() -> None:
@@ -203,21 +206,27 @@ def run(args) -> dict:
         if not s["sequential"]:
             for name in names[1:]:
                 limit = min(limit, getattr(load(name), "vocab_limit", limit))
-        prompts = [torch.randint(0, limit, (P,), generator=gen_ids).tolist() for _ in range(s["reps"] + 1)]
+        rounds = s["reps"] * s["passes"]
+        prompts = [torch.randint(0, limit, (P,), generator=gen_ids).tolist() for _ in range(rounds + 1)]
         if s["sequential"]:
-            # One engine in memory at a time: its warmup and all its rounds, then it closes. Drift between
-            # the engines' blocks is not averaged out as rotated rounds do: a probe follows every round.
-            for name in names:
-                e = engines[name] if name in engines else load(name)
-                if getattr(e, "vocab_limit", limit) < limit:
-                    raise BenchmarkError(f"--sequential: {name} knows {e.vocab_limit} token ids, "
-                                         f"sluice {limit}: the prompts would not fit it")
-                warmup(name)
-                for r in range(s["reps"]):
-                    timed(name, r)
-                    probe()
-                e.close()
-                gc.collect()
+            # One engine in memory at a time: its warmup and its rounds, then it closes. A probe follows every
+            # round. Drift between the engines' blocks is not averaged out as rotated rounds do; with several
+            # passes the order reverses every other pass (A B B A ...), which cancels a steady drift. Each pass
+            # has its own prompts, the same for every engine.
+            for p in range(s["passes"]):
+                for name in names if p % 2 == 0 else names[::-1]:
+                    e = engines[name] if name in engines else load(name)
+                    if getattr(e, "vocab_limit", limit) < limit:
+                        raise BenchmarkError(f"--sequential: {name} knows {e.vocab_limit} token ids, "
+                                             f"sluice {limit}: the prompts would not fit it")
+                    warmup(name)
+                    for r in range(p * s["reps"], (p + 1) * s["reps"]):
+                        timed(name, r)
+                        probe()
+                    e.close()
+                    if p + 1 < s["passes"]:
+                        del engines[name]  # the next pass loads it anew (its load time is the last one's)
+                    gc.collect()
         else:
             for name in names:
                 warmup(name)
@@ -231,7 +240,8 @@ def run(args) -> dict:
         mean_context = P + (G + 1) / 2
         read_bw = statistics.median(p["GB_s"] for p in machine["read"]) if machine["read"] else None
         engine_info, rows = {}, []
-        for name, e in engines.items():
+        for name in names:  # (a later pass reloads an engine: engines' own order is the loads')
+            e = engines[name]
             step_bytes = e.weight_bytes + kv_elems_per_token * e.kv_itemsize * mean_context
             engine_info[name] = {"precision": e.precision, "load_s": load_s[name],
                                  "weight_bytes": e.weight_bytes, "kv_itemsize": e.kv_itemsize,
@@ -292,8 +302,9 @@ def print_tables(r: dict) -> None:
     print(f"\nmodel: {r['model']['dir']} ({r['model']['params_read_per_token'] / 1e6:.1f} M parameters read "
           f"per token); CPU: {cpu.get('model', '?')}, {r['torch_threads']} threads; avx512_bf16 "
           f"{cpu.get('avx512_bf16')}, amx_bf16 {cpu.get('amx_bf16')}; torch {r['versions']['torch']}; "
-          f"read bandwidth between rounds (median) {bw}; {s['reps']} rounds"
-          + (", one engine in memory at a time (--sequential)" if s.get("sequential") else ", rotated") + "\n")
+          f"read bandwidth between rounds (median) {bw}; {s['reps'] * s.get('passes', 1)} rounds"
+          + (f", one engine in memory at a time (--sequential, {s.get('passes', 1)} passes)"
+             if s.get("sequential") else ", rotated") + "\n")
     load = r.get("load")
     if load and load["disturbed"]:
         print("DISTURBED RUN (keep these numbers out of the docs): " + "; ".join(load["disturbed_reasons"]) + "\n")
@@ -310,7 +321,7 @@ def print_tables(r: dict) -> None:
         print(f"\nsluice speculates ({sp['mode']}{', draft ' + str(sp['draft_model']) if sp['draft_model'] else ''}, "
               f"k={sp['k']}; tg t/s and GB/s count emitted tokens, not target forwards): acceptance rate {sp['acceptance_rate']:.3f} "
               f"({sp['accepted']}/{sp['proposed']} guesses kept), {sp['tokens_per_forward']:.2f} tokens per "
-              f"target forward ({sp['decode_tokens']} tokens / {sp['target_forwards']} forwards over {s['reps']} rounds)")
+              f"target forward ({sp['decode_tokens']} tokens / {sp['target_forwards']} forwards over {s['reps'] * s.get('passes', 1)} rounds)")
     agree = {n: e["tokens_agree_with_sluice"] for n, e in r["engines"].items() if n != "sluice"}
     if agree:
         print("\nleading greedy tokens equal to sluice's: "

@@ -60,6 +60,10 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequential", action="store_true",
                    help="load one engine at a time (its warmup and rounds, then it closes), for checkpoints "
                         "too big to hold twice in memory; by default engines are loaded together and rounds rotate")
+    p.add_argument("--passes", type=int, default=1,
+                   help="with --sequential: this many passes over the engines, each of --reps rounds per engine, "
+                        "the order reversed every other pass (A B, B A, ...), so slow drift of the machine falls on "
+                        "both engines alike (default 1)")
     # Speculative decoding, for sluice only (the peers decode plainly): tg then counts emitted tokens,
     # and the acceptance rate and tokens per target forward are printed under the table.
     p.add_argument("--draft-model", default=None, metavar="PATH|bundled",
