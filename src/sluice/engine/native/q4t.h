@@ -119,7 +119,7 @@ inline torch::Tensor q4t_pack(Linear& L) {
   if (!kQ4Rows) return {};
   const int64_t R = std::max<int64_t>(kQ4Rows, 1), Kp = 2 * L.ldw, G = Kp / L.group, per = L.group / kQ4Block, seg = R * 4 + per * R * 16;
   const int64_t T = (L.n + R - 1) / R;
-  torch::Tensor out = torch::zeros({T * G * seg + 64}, torch::kUInt8);
+  torch::Tensor out = huge_zeros(T * G * seg + 64);
   uint8_t* const o = out.data_ptr<uint8_t>() + (64 - reinterpret_cast<uintptr_t>(out.data_ptr<uint8_t>()) % 64) % 64;
   const uint8_t* w = static_cast<const uint8_t*>(L.w);
   for (int64_t t = 0; t < T; ++t)

@@ -131,7 +131,7 @@ constexpr int64_t kQ8Rows = 0;  // no tiles: block_q8's scalar loops over the mo
 inline torch::Tensor q8t_pack(Linear& L) {
   if (!kQ8Rows) return {};
   const int64_t R = std::max<int64_t>(kQ8Rows, 1), B = (L.k + kQ4Block - 1) / kQ4Block, T = (L.n + R - 1) / R;
-  torch::Tensor out = torch::empty({T * B * R * kQ4Block + 64}, torch::kUInt8);
+  torch::Tensor out = huge_zeros(T * B * R * kQ4Block + 64);
   uint8_t* const o = out.data_ptr<uint8_t>() + (64 - reinterpret_cast<uintptr_t>(out.data_ptr<uint8_t>()) % 64) % 64;
   const int8_t* w = static_cast<const int8_t*>(L.w);
   uint8_t* p = o;

@@ -36,6 +36,9 @@
 #include <cstring>
 #include <cstdlib>
 #include <new>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 #include <iterator>
 #include <map>
 #include <string>
@@ -394,6 +397,28 @@ inline void widen_row(const W* w, int64_t K, float* out) {
   for (; k < K; ++k) out[k] = widen(w[k]);
 }
 #endif
+
+// n zero bytes in their own anonymous mapping, 2 MiB-aligned and advised MADV_HUGEPAGE before any page is touched,
+// for the step's own copies of the weights (the int4/int8 tiles): a decode step streams them every token, and in
+// 2 MiB pages it takes a TLB miss per 2 MiB instead of per 4 KiB (model/hugepages.py, which moves the module's
+// weights the same way, says what that measured). torch::zeros where SLUICE_HUGE_PAGES is off (as there) or the
+// mapping fails; the kernel zero-fills either way, so the contents are the same.
+inline torch::Tensor huge_zeros(int64_t n) {
+#ifdef __linux__
+  const char* env = std::getenv("SLUICE_HUGE_PAGES");
+  const std::string off = env ? env : "";
+  if (off != "0" && off != "off" && off != "OFF" && off != "false" && off != "no") {
+    const size_t huge = size_t{2} << 20, len = static_cast<size_t>(n) + huge;
+    void* base = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base != MAP_FAILED) {
+      char* p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + huge - 1) & ~(uintptr_t{huge} - 1));
+      madvise(p, static_cast<char*>(base) + len - p, MADV_HUGEPAGE);  // (refused where THP is off: 4 KiB pages)
+      return torch::from_blob(p, {n}, [base, len](void*) { munmap(base, len); }, torch::kUInt8);
+    }
+  }
+#endif
+  return torch::zeros({n}, torch::kUInt8);
+}
 
 #include "q4.h"
 #include "q8t.h"
