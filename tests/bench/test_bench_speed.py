@@ -53,6 +53,8 @@ def check_result(r: dict, engines: list[str]) -> None:
         assert len(info["tokens"]) == min(G + 1, 32) and 0 <= info["tokens_agree_with_sluice"] <= G + 1
     assert rows[("sluice", f"tg{G}")]["vs_sluice"] == 1.0
     assert r["engines"]["sluice"]["tokens_agree_with_sluice"] == G + 1
+    hp = r["engines"]["sluice"]["huge_pages"]  # the tiny model's tensors are under the 2 MiB floor: none moved
+    assert hp["moved_bytes"] == 0 and hp["tensors"] == 0
     # the machine's load: both load averages, and whether anything else competed (disturbance.py)
     load = r["load"]
     assert len(r["loadavg_at_start"]) == len(r["loadavg_at_end"]) == 3 and r["loadavg_at_end"] == load["loadavg_at_end"]

@@ -249,7 +249,9 @@ def run(args) -> dict:
                                  "tokens": tokens[name][:32],
                                  "tokens_agree_with_sluice": _agree(tokens[name], tokens["sluice"]),
                                  **({"info": e.info, "gguf": str(e.gguf), "perf": perf[name]}
-                                    if name == "llama.cpp" else {})}
+                                    if name == "llama.cpp" else {}),
+                                 # sluice: what of its weights sit in 2 MiB pages, or why none (model/hugepages.py)
+                                 **({"huge_pages": e.huge_pages} if name == "sluice" else {})}
             pp = summary([P / t for t in samples[name]["pp_s"]])
             tg = summary([G / t for t in samples[name]["tg_s"]])
             rows.append({"engine": name, "precision": e.precision, "test": f"pp{P}", "tok_s": pp})

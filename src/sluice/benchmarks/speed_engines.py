@@ -79,6 +79,7 @@ class SluiceEngine:
         self.llm, self._params = LLM(model_dir, **kwargs), SamplingParams
         self.precision = quantize or {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
         self.weight_bytes = _weight_bytes(self.llm.model)
+        self.huge_pages = getattr(self.llm.model, "huge_pages", None)
         self.kv_itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
         self.vocab_limit = min(self.llm.model.config.vocab_size, self.llm.tokenizer.vocab_size)
 
