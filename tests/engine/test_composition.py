@@ -18,7 +18,7 @@ import torch
 
 import sluice
 from sluice import SamplingParams
-from sluice.engine import fast_step, mixed
+from sluice.engine import fast_step, gemv, mixed
 
 # The features that must not change a greedy token: the rest (weights, the native step) define the reference.
 OUTPUT_NEUTRAL = ("draft_model", "speculative", "fused_head", "compile")
@@ -72,6 +72,12 @@ def test_cell_greedy_logprobs_penalties_equal_the_plain_path_and_seeds_repeat(ti
     # bf16 weights with fp32 products, where the torch forward and the native step differ by summation order only;
     # the bf16 dot mode ("auto" on a CPU with AVX512_BF16) has its own cells below
     monkeypatch.setattr(mixed, "BF16_DOT", "fp32")
+    if {a, b} & {"compile", "hooks"}:
+        # where the torch forward meets the native step's reference, int8 and int4 weights with fp32 products too:
+        # the integer dots round each input to int8, and fp32 sums in another order (compile's) can put an input
+        # on the other side of a rounding tie (~1e-2 of a logit); that mode has its own cells below
+        monkeypatch.setattr(gemv, "INT8_DOT", "fp32")
+        monkeypatch.setattr(gemv, "INT4_DOT", "fp32")
     kw = _kwargs(tiny_dir, (a, b))
     ref_kw = {k: v for k, v in kw.items() if k not in OUTPUT_NEUTRAL}
     llm, ref = sluice.LLM(str(tiny_dir), **kw), sluice.LLM(str(tiny_dir), fused_head=False, **ref_kw)
@@ -127,3 +133,39 @@ def test_bf16_dot_mode_torch_forward_keeps_the_native_steps_tokens(tiny_dir, fea
         handle.remove()
         if own is not None:
             own.remove()
+
+
+@pytest.mark.skipif(fast_step.kernel() is None, reason="needs sluice's whole-step CPU kernel")
+@pytest.mark.parametrize("feature", ["hooks", pytest.param("compile", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_integer_dot_mode_torch_forward_keeps_the_native_steps_tokens(tiny_dir, quantize, feature, monkeypatch):
+    """The integer dots (gemv.INT8_DOT / INT4_DOT "int8", the default) round each linear's input per block of 32
+    to int8 on both paths (the native step's q8t.h / q4i.h, the torch forward's round_blocks_int8); their fp32 sums
+    upstream differ in order, and compile's more than a hooked forward's, so now and then an input lands on the
+    other side of a rounding tie: one step of x, ~1e-2 of a logit (test_fast_step_int4_dot.py). So: the same greedy
+    tokens under every penalty, logprobs within twice 2e-2 of the largest |logit| of each other, and most of them
+    within 2e-3."""
+    monkeypatch.setattr(gemv, "INT8_DOT", "int8")
+    monkeypatch.setattr(gemv, "INT4_DOT", "int8")
+    native = sluice.LLM(str(tiny_dir), quantize=quantize)
+    llm = sluice.LLM(str(tiny_dir), quantize=quantize, compile=feature == "compile")
+    calls, handle = _hooked(llm, feature == "hooks")
+    try:
+        for params in (GREEDY, PENALIZED):
+            want, got = native.generate(PROMPTS, params), _run(llm, params)
+            assert [o.token_ids for o in got] == [o.token_ids for o in want]
+            if params.logprobs:
+                with torch.inference_mode():
+                    bound = 2 * 2e-2 * native.model(torch.tensor([PROMPTS[2]])).abs().max().item()
+                lp = lambda outs: torch.cat([torch.tensor([x.logprob for x in o.logprobs]) for o in outs])  # noqa: E731
+                diff = (lp(got) - lp(want)).abs()
+                assert diff.max() <= bound, (diff, bound)
+                # a flip is an event (its row differs from there on), not the rule: most logprobs agree to summation
+                # order (a torch forward that did not round as the step rounds differs at nearly every one)
+                assert (diff <= 2e-3).float().mean() >= 0.5, diff
+        ran = native.batch_engine().scheduler.forward, llm.batch_engine().scheduler.forward
+        assert ran[0].use_fast and not ran[1].use_fast  # the native step against the torch forward
+        assert bool(calls) == (feature == "hooks")
+    finally:
+        if handle is not None:
+            handle.remove()
