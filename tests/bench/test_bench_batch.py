@@ -13,6 +13,7 @@ import pytest
 from sluice.benchmarks import batched_bench
 from sluice.benchmarks.batched_bench import command, find_batched_bench, parse_table
 from sluice.cli import main
+from sluice.engine import mixed
 from sluice.errors import BenchmarkError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -53,8 +54,18 @@ def test_quick_sluice_alone(tiny_dir, tmp_path, capsys):
     r = json.loads(out.read_text())
     s = r["settings"]
     assert (s["prompt"], s["gen"], s["batch"], s["reps"]) == (16, 8, [1, 4], 1)
+    assert s["bf16_dot"] is None  # fp32 weights: no bf16 products to name
     check_result(r, ["sluice"])
     assert r["llama.cpp"] is None
+
+
+def test_bf16_records_its_products(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(mixed, "BF16_DOT", "fp32")  # the setting the run resolves (auto would follow the CPU)
+    out = tmp_path / "batch.json"
+    assert main(["bench", "batch", "--model", str(tiny_dir), *QUICK, "--dtype", "bfloat16", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["settings"]["bf16_dot"] == "fp32"
+    check_result(r, ["sluice"])
 
 
 def test_one_step_prefills_every_row(tiny_dir, monkeypatch):
