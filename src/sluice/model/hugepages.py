@@ -121,10 +121,16 @@ def move_to_huge_pages(model: torch.nn.Module) -> dict:
         t = store[name]
         h = _huge_empty(t.nbytes, t.dtype, t.shape)
         h.copy_(t)
-        for store, name in holders:  # every holder at once: the old memory goes as soon as the last one lets go
+        # one new object for each old one (a tied weight stays one Parameter: parameters() lists it once, and
+        # `head.weight is embed.weight` still says tied), every holder at once: the old memory goes as soon as
+        # the last one lets go
+        news: dict[int, torch.Tensor] = {}
+        for store, name in holders:
             old = store[name]
-            store[name] = torch.nn.Parameter(h, requires_grad=old.requires_grad) if isinstance(
-                old, torch.nn.Parameter) else h
+            if id(old) not in news:
+                news[id(old)] = torch.nn.Parameter(h, requires_grad=old.requires_grad) if isinstance(
+                    old, torch.nn.Parameter) else h
+            store[name] = news[id(old)]
         moved, tensors = moved + t.nbytes, tensors + 1
-        del t, old
+        del t, old, news
     return {"moved_bytes": moved, "tensors": tensors, "reason": None}
