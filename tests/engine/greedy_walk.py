@@ -36,11 +36,13 @@ def caches_after_prompts(model, prompts, copies: int, slots: int = 64, **step_kw
     return [cache, *copied], torch.tensor([len(p) for p in prompts])
 
 
-def check_chunk(model, exact, plain, prompts, T: int, model_bound: float, exact_bound: float, **step_kw):
+def check_chunk(model, exact, plain, prompts, T: int, model_bound: float, exact_bound: float, exact_upto: int = 3,
+                **step_kw):
     """A chunk of T tokens a row after `prompts` through FastStep(model, **step_kw) against `plain` (the dequantized
     model: within model_bound of the largest logit) and `exact` (the model that rounds x as the step does: within
-    exact_bound, caches too, on chunks of up to 3 rows, where no rounding tie flips upstream). Returns what a test
-    checks further: the step's cache, the chunk's tokens and positions, plain's logits and the scale."""
+    exact_bound, caches too, on chunks of up to `exact_upto` tokens a row, where no rounding tie flips upstream).
+    Returns what a test checks further: the step's cache, the chunk's tokens and positions, plain's logits and the
+    scale."""
     (cache, exact_cache, plain_cache), pos = caches_after_prompts(model, prompts, 2, **step_kw)
     tokens = torch.randint(0, model.config.vocab_size, (len(prompts), T), generator=torch.Generator().manual_seed(1))
     positions = pos[:, None] + torch.arange(T)
@@ -50,7 +52,7 @@ def check_chunk(model, exact, plain, prompts, T: int, model_bound: float, exact_
         got = FastStep(model, **step_kw)(tokens, positions, cache.k, cache.v)
     scale = want.abs().max()
     assert (got - near).abs().max() <= model_bound * scale, f"{(got - near).abs().max() / scale:.2e} off the model"
-    if T <= 3:
+    if T <= exact_upto:
         assert (got - want).abs().max() <= exact_bound * scale, \
             f"{(got - want).abs().max() / scale:.2e} off the rounded model"
         assert torch.allclose(cache.k, exact_cache.k, atol=1e-5) and torch.allclose(cache.v, exact_cache.v, atol=1e-5)

@@ -4,8 +4,10 @@ a = rint(x / d), as llama.cpp's Q8_0) and code x code sums in integers, times d 
 
 Two references. The exact one: the dequantized model (test_fast_step_int8.py's) whose linears round their input as
 q8t.h does first (gemv.round_blocks_int8, plain torch): what is left is fp32 summation order, so 1e-4 of the largest
-logit, as the fp32 products' bound, checked on chunks of up to 3 rows a prompt (in longer ones, somewhere an input
-lies on a tie of the rounding that the two sides' summation orders upstream break differently: one step of x). The
+logit, as the fp32 products' bound, checked on one-token chunks (in longer ones, somewhere an input can lie on a tie
+of the rounding that the two sides' summation orders upstream break differently: one step of x; on an Intel Xeon
+a 3-token chunk met one). The multi-row tiles are held to it all the same: a token's numbers in any chunk are bit
+for bit its numbers decoded alone. The
 model itself: the rounding of x (up to half a step, max|x| / 254, per input) costs ~1% of the largest logit on these
 random tiny models, so the bound against the dequantized model is 5e-2 of it; greedy tokens equal the rounded
 model's (20 tokens of two rows). A token's numbers never depend on its batch or on how its prompt was cut
@@ -59,7 +61,7 @@ def rounded(model: nn.Module) -> nn.Module:
 def test_chunk_logits_equal_the_rounded_and_the_dequantized_model(ckpt_dirs, name, T):
     model = sluice.load(ckpt_dirs[name], quantize="int8")
     exact, plain = rounded(model), dequantized(model)
-    check_chunk(model, exact, plain, PROMPTS, T, MODEL, EXACT, int8_dot="int8")
+    check_chunk(model, exact, plain, PROMPTS, T, MODEL, EXACT, exact_upto=1, int8_dot="int8")
 
 
 def test_padded_rows_equal_the_rounded_model():
