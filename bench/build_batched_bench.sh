@@ -21,10 +21,11 @@ if [[ -z $SRC || ! -f $SRC/CMakeLists.txt ]]; then
 fi
 BUILD=${2:-.peers/lcpp-tools}
 JOBS=${JOBS:-2}
-# GGML_NATIVE: every instruction set this CPU has, as llama-cpp-python's own build uses. Static
+# GGML_NATIVE: every instruction set this CPU has, as llama-cpp-python's own build uses; on an AMX Xeon,
+# LLAMA_CMAKE_CPU="$(bash bench/llama_cpp_no_amx_flags.sh)" builds without the AMX kernels (that script says why). Static
 # libraries, so the binary runs without the build tree's shared objects on its library path. No
 # tests, no server, no HTTPS (nothing here downloads a model).
-nice -n 10 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+nice -n 10 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release ${LLAMA_CMAKE_CPU:--DGGML_NATIVE=ON} \
   -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
 nice -n 10 cmake --build "$BUILD" --target llama-batched-bench -j "$JOBS"

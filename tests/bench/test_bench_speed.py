@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from sluice.benchmarks import speed_engines
 from sluice.benchmarks.speed_engines import find_llama_python
 from sluice.cli import main
 from sluice.errors import BenchmarkError
@@ -123,6 +124,28 @@ def test_llama_cpp_missing(tiny_dir, tmp_path, capsys):
                  "--llama-python", str(fake)]) == 2
     err = capsys.readouterr().err.strip()
     assert "cannot import llama_cpp" in err and "pip install llama-cpp-python" in err and "\n" not in err
+
+
+def test_llama_cpp_killed_by_a_signal(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A llama.cpp that dies of a signal while loading (as llama.cpp's AMX kernels do on some AMX Xeons) -> exit 2,
+    naming the signal; on a CPU with AMX, also the likely cause and the way out."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import json, os, signal, sys\n"
+                      "print(json.dumps({'ok': True, 'python': sys.executable}), flush=True)\n"
+                      "sys.stdin.readline()\n"
+                      "os.kill(os.getpid(), signal.SIGSEGV)\n")
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {worker}\n")  # ignores the worker it is given: runs ours
+    fake.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    for flags, hinted in (({"avx2"}, False), ({"avx2", "avx512f", "amx_tile"}, True)):
+        monkeypatch.setattr(speed_engines, "cpu_flags", lambda: flags)
+        assert main(["bench", "--model", str(tiny_dir), *TINY, "--vs", "llama.cpp", "--gguf", str(gguf),
+                     "--llama-python", str(fake)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "ended unexpectedly (killed by SIGSEGV" in err and "\n" not in err
+        assert ("AMX" in err) == hinted
 
 
 def test_quantize_int8(tiny_dir, tmp_path):

@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.gemv import cpu_flags
 from ..errors import BenchmarkError
 
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0", "int4": "q4_0"}
@@ -220,9 +222,28 @@ class LlamaCppEngine:
         if not line:
             self._err.seek(0)
             tail = self._err.read().decode(errors="replace").strip().splitlines()[-3:]
-            raise BenchmarkError("--vs llama.cpp: the llama.cpp process ended unexpectedly"
+            raise BenchmarkError("--vs llama.cpp: the llama.cpp process ended unexpectedly" + self._death()
                                  + (f": {' / '.join(tail)}" if tail else ""))
         return json.loads(line)
+
+    def _death(self) -> str:
+        """How the worker ended, when a signal killed it: its name, and on a CPU with AMX the likely cause (the
+        llama.cpp that llama-cpp-python 0.3.36 vendors crashes on its first AMX matmul, docs/benchmarks.md)."""
+        try:
+            rc = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return ""
+        if rc >= 0:
+            return f" (exit status {rc})"
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        hint = ""
+        if name in ("SIGSEGV", "SIGILL", "SIGBUS") and "amx_tile" in cpu_flags():
+            hint = ("; this CPU has AMX, whose llama.cpp kernels (Q8_0, Q4_0, ...) crash in some builds: a llama.cpp "
+                    "built without them (GGML_NATIVE=OFF, GGML_AMX_*=OFF) runs here")
+        return f" (killed by {name}{hint})"
 
     def _ask(self, req: dict) -> dict:
         self.proc.stdin.write(json.dumps(req) + "\n")
