@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from ..engine import fast_step, mixed
+from ..engine import mixed
 from ..engine.gemv import cpu_flags
 from ..errors import BenchmarkError
+from ..model.hugepages import mem_available
 from ..observatory.disturbance import LoadWatch
 from .common import environment, summary
 
@@ -133,15 +134,6 @@ def _check_memory(s: dict, params: int, available: int | None) -> None:
                              f"and {available / 1e9:.1f} GB of memory is available: add --sequential to load "
                              f"one engine at a time")
 
-
-def mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def run(args) -> dict:

@@ -38,25 +38,25 @@ def thp_mode() -> str:
     return text[text.index("[") + 1:text.index("]")] if "[" in text else "absent"
 
 
-def mem_available() -> int | None:
+def _kib_field(path: str, key: str) -> int | None:
+    """The bytes of a "Key:   N kB" line of a /proc file, or None where the file or the line is missing."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def mem_available() -> int | None:
+    """Bytes the kernel could hand out now without swapping (/proc/meminfo's MemAvailable), or None."""
+    return _kib_field("/proc/meminfo", "MemAvailable")
 
 
 def huge_page_bytes() -> int | None:
     """Bytes of this process's anonymous memory in huge pages now (/proc/self/smaps_rollup), or None."""
-    try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _kib_field("/proc/self/smaps_rollup", "AnonHugePages")
 
 
 def _references(model: torch.nn.Module) -> dict[int, list[tuple[dict, str]]]:
