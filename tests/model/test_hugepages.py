@@ -31,7 +31,7 @@ def test_the_moved_model_is_the_same_model(tmp_path, monkeypatch):
     big = {n: t for n, t in moved.state_dict().items() if t.nbytes >= 1024}
     assert moved.huge_pages["reason"] is None and moved.huge_pages["tensors"] == len({t.data_ptr() for t in big.values()})
     assert moved.huge_pages["moved_bytes"] == sum({t.data_ptr(): t.nbytes for t in big.values()}.values())
-    assert moved.embed.weight.data_ptr() == moved.lm_head.weight.data_ptr()  # tied: still one tensor,
+    assert moved.embed.weight.data_ptr() == moved.lm_head.weight.data_ptr()  # tied: still one tensor
     assert moved.lm_head.weight is moved.embed.weight  # one Parameter, as loaded (parameters() lists it once)
     assert [n for n, _ in moved.named_parameters()] == [n for n, _ in base.named_parameters()]
     ref = base.state_dict()

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from ..engine import mixed
 from ..engine.gemv import cpu_flags
 from ..errors import BenchmarkError
 from ..observatory.disturbance import LoadWatch
@@ -34,13 +33,12 @@ PROMPT_SEED = 0
 
 
 def settings(args) -> dict:
-    from .speed import DTYPES, QUANTS
+    from .speed import DTYPES, QUANTS, recorded_bf16_dot
     s = {"model": args.model, "dtype": args.dtype, "quantize": args.quantize, "prompt": args.prompt,
          "gen": args.gen, "reps": args.reps, "batch": args.batch, "threads": args.threads,
          "probe_mib": args.probe_mib, "vs": list(dict.fromkeys(args.vs or [])), "gguf": args.gguf,
          "batched_bench": args.batched_bench, "quick": args.quick, "prompt_seed": PROMPT_SEED,
-         # the bf16-weight products as resolved here, as `sluice bench` records them (docs tables label rows by it)
-         "bf16_dot": mixed.bf16_dot() if args.dtype == "bfloat16" and args.quantize is None else None}
+         "bf16_dot": recorded_bf16_dot(args.dtype, args.quantize)}
     if args.quick:  # the smoke test's sizes, unless a flag was given
         s.update({k: v for k, v in QUICK.items() if getattr(args, k) is None})
     for k, default in (("prompt", 128), ("gen", 128), ("batch", "8"), ("reps", 3), ("probe_mib", 2048)):

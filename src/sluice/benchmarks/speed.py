@@ -63,9 +63,13 @@ def settings(args) -> dict:
             "gen": args.gen, "reps": args.reps, "vs": vs, "threads": args.threads, "compile": args.compile,
             "gguf": args.gguf, "llama_python": args.llama_python, "probe_mib": args.probe_mib,
             "prompt_seed": PROMPT_SEED, "speculation": spec, "sequential": bool(getattr(args, "sequential", False)),
-            "passes": getattr(args, "passes", 1),
-            # the bf16-weight products as resolved here (mixed.bf16_dot(): SLUICE_BF16_DOT, "auto" by the CPU and build)
-            "bf16_dot": mixed.bf16_dot() if args.dtype == "bfloat16" and args.quantize is None else None}
+            "passes": getattr(args, "passes", 1), "bf16_dot": recorded_bf16_dot(args.dtype, args.quantize)}
+
+
+def recorded_bf16_dot(dtype: str, quantize: str | None) -> str | None:
+    """What a results file records as its bf16-weight products (docs tables label rows by it): the mode resolved
+    here (mixed.bf16_dot(): SLUICE_BF16_DOT, "auto" by the CPU and build) for bf16 weights, else None."""
+    return mixed.bf16_dot() if dtype == "bfloat16" and quantize is None else None
 
 
 def _speculation(draft_model, prompt_lookup: bool, tokens) -> dict | None:
@@ -133,7 +137,6 @@ def _check_memory(s: dict, params: int, available: int | None) -> None:
         raise BenchmarkError(f"{1 + len(s['vs'])} engines side by side need about {need / 1e9:.1f} GB of weights, "
                              f"and {available / 1e9:.1f} GB of memory is available: add --sequential to load "
                              f"one engine at a time")
-
 
 
 def run(args) -> dict:

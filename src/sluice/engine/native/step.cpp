@@ -1000,37 +1000,28 @@ class Step {
     }
     I_ = layers_.empty() ? 0 : layers_[0].up.n;
     head_ = make_linear(head, nullptr, scales_.back(), C_, "head");
-    // Weights past kStreamBytes cannot stay in the last-level cache between tokens: every product streams them.
-    auto stored = [](const Linear& Li) { return Li.w ? Li.n * Li.ldw * (Li.kind == kF32 ? 4 : Li.kind == kBf16 ? 2 : 1) : 0; };
-    int64_t bytes = stored(head_);
-    for (const Layer& Ly : layers_)
-      for (const Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) bytes += stored(*Li);
-    const bool far = bytes >= kStreamBytes;
-    int64_t group = 0;  // the int4 linears' one group size: q4_input's sums serve every linear with the same input
-    for (const Layer& Ly : layers_)
-      for (const Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down, static_cast<const Linear*>(&head_)}) {
-        TORCH_CHECK(Li->kind != kInt4 || !group || Li->group == group, "Step: int4 linears of one group size only");
-        if (Li->kind == kInt4) group = Li->group;
-      }
-    const bool idot = opt("int4_dot") != 0.0, idot8 = opt("int8_dot") != 0.0;  // (int8: q8t.h)
-    head_.far = far;
-    head_.idot = head_.kind == kInt8 ? idot8 : idot;
-    for (Layer& Ly : layers_)
-      for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down})
-        Li->far = far, Li->idot = Li->kind == kInt8 ? idot8 : idot;
-    const bool bdot = opt("bf16_dot") != 0.0;
-    TORCH_CHECK(!bdot || has_bf16_dot(), "Step: bf16_dot needs a build with AVX512_BF16 (this CPU lacks it)");
-    head_.bdot = bdot;
-    for (Layer& Ly : layers_)
-      for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) Li->bdot = bdot;
-    // The integer dots' tiles: a copy of each int4 linear's codes, interleaved (q4t.h), and of each int8 one's,
-    // interleaved and biased (q8t.h). Every linear once: the head too, after the layers (packed inside the layers'
-    // loop it was packed once per layer, each copy kept: 4.3 GB more for an int8 Qwen3-0.6B shape).
-    std::vector<Linear*> linears;
+    std::vector<Linear*> linears;  // every linear once: the layers', then the head
     for (Layer& Ly : layers_)
       for (Linear* Li : {&Ly.q, &Ly.k, &Ly.v, &Ly.o, &Ly.gate, &Ly.up, &Ly.down}) linears.push_back(Li);
     linears.push_back(&head_);
+    // Weights past kStreamBytes cannot stay in the last-level cache between tokens: every product streams them.
+    auto stored = [](const Linear& Li) { return Li.w ? Li.n * Li.ldw * (Li.kind == kF32 ? 4 : Li.kind == kBf16 ? 2 : 1) : 0; };
+    int64_t bytes = 0;
+    for (const Linear* Li : linears) bytes += stored(*Li);
+    const bool far = bytes >= kStreamBytes;
+    int64_t group = 0;  // the int4 linears' one group size: q4_input's sums serve every linear with the same input
+    for (const Linear* Li : linears) {
+      TORCH_CHECK(Li->kind != kInt4 || !group || Li->group == group, "Step: int4 linears of one group size only");
+      if (Li->kind == kInt4) group = Li->group;
+    }
+    const bool idot = opt("int4_dot") != 0.0, idot8 = opt("int8_dot") != 0.0;  // (int8: q8t.h)
+    const bool bdot = opt("bf16_dot") != 0.0;
+    TORCH_CHECK(!bdot || has_bf16_dot(), "Step: bf16_dot needs a build with AVX512_BF16 (this CPU lacks it)");
+    // The integer dots' tiles: a copy of each int4 linear's codes, interleaved (q4t.h), and of each int8 one's,
+    // interleaved and biased (q8t.h), each linear's once (the head was once packed per layer, each copy kept:
+    // 4.3 GB more for an int8 Qwen3-0.6B shape).
     for (Linear* Li : linears) {
+      Li->far = far, Li->idot = Li->kind == kInt8 ? idot8 : idot, Li->bdot = bdot;
       if (idot && kQ4Rows && Li->kind == kInt4) tiles_.push_back(q4t_pack(*Li));
       if (idot8 && kQ8Rows && Li->kind == kInt8) tiles_.push_back(q8t_pack(*Li));
     }
