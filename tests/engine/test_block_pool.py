@@ -39,6 +39,24 @@ def test_a_prefix_hit_takes_its_block_off_the_idle_list():
     check_pool(pool, collections.Counter([a, a, b]))
 
 
+def test_drop_cached_forgets_the_idle_prefixes_only():
+    """drop_cached (bench/serve_ceiling.py's cold rounds): an idle keyed block becomes a plain free one, found by no
+    lookup; a block in use keeps its key; nothing is taken or freed by it."""
+    pool = BlockPool(CFG, 4, block_size=2)
+    idle, held = pool.take(), pool.take()
+    k_idle, k_held = pool.key(0, [1, 2]), pool.key(0, [3, 4])
+    pool.register(idle, k_idle)
+    pool.register(held, k_held)
+    pool.release(idle)
+    assert pool.num_free == 3 and pool.stats().cached == 1
+    assert pool.drop_cached() == 1
+    assert pool.num_free == 3 and pool.stats().cached == 0
+    assert pool.lookup(k_idle) is None
+    assert pool.lookup(k_held) == held  # in use: still shared
+    check_pool(pool, collections.Counter([held, held]))
+    assert pool.drop_cached() == 0
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Random take / release / register / lookup against a small pool, with the holders kept aside."""
 
@@ -81,6 +99,11 @@ class PoolMachine(RuleBasedStateMachine):
         assert got == want
         if got is not None:
             self.held.append(got)
+
+    @rule()
+    def drop_cached(self):
+        self.pool.drop_cached()
+        assert not any(self.pool._key_of[b] is not None and self.pool.refs[b] == 0 for b in range(self.pool.num_blocks))
 
     @invariant()
     def consistent(self):

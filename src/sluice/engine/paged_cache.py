@@ -146,6 +146,17 @@ class BlockPool:
     def serial(self, block: int) -> int:
         return self._serial_of[block]
 
+    def drop_cached(self) -> int:
+        """Forget every idle block's prefix (they become plain free blocks), so the next prompts are computed,
+        not found: a benchmark's rounds over the same prompts then each cost a cold prefill. Blocks in use
+        keep their keys. Returns how many were dropped."""
+        idle = list(self._idle)
+        for b in idle:
+            self._forget(b)
+            self._free.append(b)
+        self._idle.clear()
+        return len(idle)
+
     def _forget(self, block: int) -> None:
         key = self._key_of[block]
         if key is not None:

@@ -1,0 +1,205 @@
+"""What the engine alone lets `sluice serve`'s C-clients-over-1 ratio be, on the load bench/serve_load.py sends,
+and what would have to get faster for a target ratio (docs/serve-load.md, "The engine's ceiling").
+
+    flock /tmp/sluice-bench.lock .venv/bin/python bench/serve_ceiling.py --out docs/results/serve-ceiling.json
+
+No server and no clients: the same seeded requests (serve_load.make_specs and fit_prompts, same defaults) go
+straight to one LLM with max_num_seqs = C, the scheduler and native step the server drives. Per round, each
+timed once and the rounds interleaved (the median is kept):
+  batch     llm.generate(every request) at once (C at a time): T_c
+  serial    llm.generate([request]) for each of the first --serial requests: T_1
+  prefill   the same two with max_tokens = 1: P_c (batched) and P_1 (one by one): the prompts' prefill and one
+            sampled token each
+Each part starts with the prefix cache emptied (BlockPool.drop_cached): serve_load's C run sends prompts the
+server has not seen, and its 1-client run finds few of them still cached.
+Decode is the rest, D = T - P. The ratio of output tokens/s, (out_c / T_c) / (out_1 / T_1), is what a server with no
+cost of its own would reach: HTTP, the event loop and the clients only add to both runs, and what they add per
+token is more at C = 1 (one request's overhead spread over fewer steps) than at C.
+
+From the split: the prefill speed-up that alone would bring the ratio to --target (prefill scaled by f in both
+runs: out_c (f P_1 + D_1) = target out_1 (f P_c + D_c)), none when even free prefill would not; the same for the
+C-row decode alone; and the ratio with no prefill at all. Then why prefill costs what it does: the prompts'
+linear-layer FLOPs over P_c (the native step's effective rate, attention and all included) against torch.mm
+(oneDNN/MKL) on the same weight shapes at the step's chunk of 64 rows, the CPU's fp32/bf16 GEMM rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_load import Load, fit_prompts, make_specs, parse_range  # noqa: E402
+from serve_servers import sluice_counter  # noqa: E402
+
+from sluice.benchmarks.common import environment  # noqa: E402
+from sluice.engine.gemv import cpu_flags  # noqa: E402
+from sluice.observatory.disturbance import LoadWatch  # noqa: E402
+
+
+def sampling(spec, max_tokens: int | None = None):
+    from sluice import SamplingParams
+    kw = dict(max_tokens=max_tokens or spec.max_tokens, ignore_eos=True, temperature=spec.temperature)
+    if spec.seed is not None:  # serve_load's sampled requests: temperature 0.8, top_k 40, top_p 0.95, a seed
+        kw.update(seed=spec.seed, top_k=40, top_p=0.95)
+    return SamplingParams(**kw)
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def solve(target: float, out_c: int, out_1: int, p_c: float, d_c: float, p_1: float, d_1: float) -> dict:
+    """The ratio's parts and what it would take to reach `target` (None where one part alone cannot)."""
+    ratio = (out_c / (p_c + d_c)) / (out_1 / (p_1 + d_1))
+    no_prefill = (out_c / d_c) / (out_1 / d_1) if d_c > 0 and d_1 > 0 else None
+    # prefill f times as long in both runs: out_c (f P_1 + D_1) = target out_1 (f P_c + D_c)
+    den = out_c * p_1 - target * out_1 * p_c
+    f = (target * out_1 * d_c - out_c * d_1) / den if den else None
+    prefill_speedup = 1 / f if f is not None and f > 0 else None
+    # the C-row decode g times as long: out_c (P_1 + D_1) = target out_1 (P_c + g D_c)
+    g = (out_c * (p_1 + d_1) / (target * out_1) - p_c) / d_c if d_c > 0 else None
+    decode_speedup = 1 / g if g is not None and g > 0 else None
+    return {"ratio": ratio, "ratio_without_prefill": no_prefill, "prefill_share_c": p_c / (p_c + d_c),
+            "prefill_share_1": p_1 / (p_1 + d_1), "target": target,
+            "prefill_speedup_for_target": prefill_speedup, "decode_c_speedup_for_target": decode_speedup}
+
+
+def linear_shapes(model) -> list[tuple[int, int]]:
+    """(out, in) of each linear of the blocks (the head is left out: a prompt token before the last needs none)."""
+    shapes = []
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and ".layers." in f".{name}" and "norm" not in name:
+            shapes.append(tuple(p.shape))
+    for name, b in model.named_buffers():  # quantized linears keep their codes as buffers
+        if name.endswith("qweight") and ".layers." in f".{name}":
+            shapes.append((b.shape[0], b.shape[1] * (2 if b.dtype == torch.uint8 else 1)))
+    return shapes
+
+
+def gemm_rate(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 64, seconds: float = 0.5) -> float:
+    """GFLOP/s of torch.mm over the shapes, `rows` activation rows each, in the weights' dtype."""
+    ws = [torch.randn(n, k, dtype=dtype) for n, k in shapes]
+    xs = [torch.randn(rows, k, dtype=dtype) for _, k in shapes]
+    flops = sum(2 * rows * n * k for n, k in shapes)
+    for x, w in zip(xs, ws):
+        x @ w.T
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for x, w in zip(xs, ws):
+            x @ w.T
+        n += 1
+    return n * flops / (time.perf_counter() - start) / 1e9
+
+
+def measure(args) -> dict:
+    from sluice import LLM
+    load = Load(args.concurrency, args.requests, args.serial, args.prompt_tokens, args.max_tokens, args.sampled,
+                0.0, args.seed)
+    specs = fit_prompts(make_specs(load.concurrency * load.requests, load.prompt_tokens, load.max_tokens,
+                                   load.sampled, 0.0, load.seed), sluice_counter(args.model), load.seed)
+    serial = specs[: load.serial or len(specs)]
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=load.concurrency)
+    prompts = [s.prompt for s in specs]
+    full, first = [sampling(s) for s in specs], [sampling(s, 1) for s in specs]
+    llm.generate(prompts[:2], full[:2])  # warmup: kernels built, pools sized
+    parts = {"batch": lambda: llm.generate(prompts, full), "prefill_batch": lambda: llm.generate(prompts, first),
+             "serial": lambda: [llm.generate([s.prompt], [q]) for s, q in zip(serial, full)],
+             "prefill_serial": lambda: [llm.generate([s.prompt], [q]) for s, q in zip(serial, first)]}
+    samples: dict[str, list[float]] = {k: [] for k in parts}
+    pool = llm.batch_engine().pool
+    for rnd in range(args.reps):
+        for name, fn in parts.items():
+            pool.drop_cached()  # every part over prompts the engine has not seen, as in serve_load's C run
+            samples[name].append(timed(fn))
+        print(f"serve_ceiling: round {rnd + 1}/{args.reps}: " +
+              ", ".join(f"{k} {v[-1]:.3f} s" for k, v in samples.items()), file=sys.stderr, flush=True)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    out_c, out_1 = sum(s.max_tokens for s in specs), sum(s.max_tokens for s in serial)
+    p_c, p_1 = med["prefill_batch"], med["prefill_serial"]
+    d_c, d_1 = med["batch"] - p_c, med["serial"] - p_1
+    prompt_c = sum(s.prompt_tokens for s in specs)
+    shapes = linear_shapes(llm.model)
+    flops_per_token = sum(2 * n * k for n, k in shapes)
+    wdtype = next(p.dtype for n, p in llm.model.named_parameters() if p.dim() == 2 and ".layers." in f".{n}")
+    mm_dtype = wdtype if wdtype in (torch.float32, torch.bfloat16) else torch.float32
+    return {
+        "workload": {"concurrency": load.concurrency, "requests": len(specs), "serial": len(serial),
+                 "prompt_tokens": list(load.prompt_tokens), "max_tokens": list(load.max_tokens),
+                 "sampled": load.sampled, "seed": load.seed},
+        "model": args.model or "bundled", "dtype": args.dtype, "reps": args.reps, "samples_s": samples,
+        "out_tokens": {"c": out_c, "1": out_1}, "prompt_tokens": {"c": prompt_c, "1": sum(s.prompt_tokens for s in serial)},
+        "seconds": {"prefill_c": p_c, "decode_c": d_c, "prefill_1": p_1, "decode_1": d_1},
+        "tok_s": {"c": out_c / med["batch"], "1": out_1 / med["serial"]},
+        "prefill_tok_s": {"c": prompt_c / p_c, "1": sum(s.prompt_tokens for s in serial) / p_1},
+        "decode_ms_per_token": {"c": 1e3 * d_c / out_c, "1": 1e3 * d_1 / out_1},
+        "ceiling": solve(args.target, out_c, out_1, p_c, d_c, p_1, d_1),
+        "gemm": {"linear_flops_per_prompt_token": flops_per_token,
+                 "native_prefill_gflops": prompt_c * flops_per_token / p_c / 1e9,
+                 "torch_mm_gflops": gemm_rate(shapes, mm_dtype), "torch_mm_dtype": str(mm_dtype).split(".")[-1],
+                 "rows": 64},
+    }
+
+
+def report(r: dict) -> str:
+    c, ce, g = r["workload"]["concurrency"], r["ceiling"], r["gemm"]
+    fmt = lambda x, s="{:.2f}x": "none" if x is None else s.format(x)  # noqa: E731
+    lines = [
+        f"engine alone, {r['workload']['requests']} requests at C={c} and {r['workload']['serial']} one by one "
+        f"({r['model']}, {r['dtype']}): {r['tok_s']['c']:.1f} / {r['tok_s']['1']:.1f} out tok/s = {ce['ratio']:.2f}x",
+        f"  prefill: {r['seconds']['prefill_c']:.3f} s of the C run ({100 * ce['prefill_share_c']:.0f}%), "
+        f"{r['seconds']['prefill_1']:.3f} s of the 1 run ({100 * ce['prefill_share_1']:.0f}%); "
+        f"{r['prefill_tok_s']['c']:.0f} / {r['prefill_tok_s']['1']:.0f} prompt tok/s",
+        f"  decode: {r['decode_ms_per_token']['c']:.3f} ms a token at C, {r['decode_ms_per_token']['1']:.3f} ms alone; "
+        f"ratio without prefill {fmt(ce['ratio_without_prefill'])}",
+        f"  for {ce['target']:.1f}x: prefill {fmt(ce['prefill_speedup_for_target'])} faster (alone), or the C-row decode "
+        f"{fmt(ce['decode_c_speedup_for_target'])} faster (alone)",
+        f"  prefill's linears: {g['native_prefill_gflops']:.0f} GFLOP/s effective (attention and all) vs torch.mm "
+        f"{g['torch_mm_gflops']:.0f} GFLOP/s ({g['torch_mm_dtype']}, {g['rows']} rows, same shapes)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("-c", "--concurrency", type=int, default=8)
+    ap.add_argument("-r", "--requests", type=int, default=12, help="requests per client (serve_load's -r)")
+    ap.add_argument("--serial", type=int, default=48, help="requests in the 1-at-a-time run (0: all)")
+    ap.add_argument("--prompt-tokens", type=parse_range, default=(16, 256), metavar="LO:HI")
+    ap.add_argument("--max-tokens", type=parse_range, default=(16, 128), metavar="LO:HI")
+    ap.add_argument("--sampled", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--target", type=float, default=4.0, help="the C-over-1 ratio to solve for")
+    ap.add_argument("--out", type=Path, default=None, help="JSON results")
+    args = ap.parse_args(argv)
+    if args.concurrency < 2 or args.requests < 1 or args.reps < 1 or args.target <= 1:
+        ap.error("need --concurrency >= 2, --requests >= 1, --reps >= 1 and --target > 1")
+    args.serial = args.serial or None
+    watch = LoadWatch()
+    result = {"benchmark": "serve_ceiling", **environment(), "cpu_flags": sorted(cpu_flags()),
+              "argv": sys.argv[1:] if argv is None else list(argv), **measure(args)}
+    load = watch.result()
+    result.update(loadavg_at_end=load["loadavg_at_end"], disturbed=load["disturbed"], load=load)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    print(report(result))
+    print(f"\n{result['cpu']['model']}, {result['torch_threads']} threads, flags {' '.join(result['cpu_flags'])}")
+    if result["disturbed"]:
+        print("DISTURBED: " + "; ".join(load["disturbed_reasons"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
