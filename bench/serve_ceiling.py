@@ -195,7 +195,8 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
     print(report(result))
-    print(f"\n{result['cpu']['model']}, {result['torch_threads']} threads, flags {' '.join(result['cpu_flags'])}")
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in result["cpu_flags"]]
+    print(f"\n{result['cpu']['model']}, {result['torch_threads']} threads, {' '.join(simd)}")
     if result["disturbed"]:
         print("DISTURBED: " + "; ".join(load["disturbed_reasons"]))
     return 0
