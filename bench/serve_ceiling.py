@@ -100,6 +100,28 @@ def gemm_rate(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: int = 64,
     return n * flops / (time.perf_counter() - start) / 1e9
 
 
+def last_level_cache() -> int | None:
+    """Bytes of the largest CPU cache sysfs lists for cpu0 (None where it lists none)."""
+    sizes = []
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (d / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes) if sizes else None
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads of the linears' weights and the head (the embedding's lookup is one row)."""
+    def size(module, keep=lambda name: True) -> int:
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        return sum(t.numel() * t.element_size() for name, t in tensors if t.dim() == 2 and keep(name))
+    # the head on its own: a tied head's weight is the embedding's, which named_parameters() lists once, as that
+    return size(model.layers, lambda name: "norm" not in name) + size(model.lm_head)
+
+
 def measure(args) -> dict:
     from sluice import LLM
     load = Load(args.concurrency, args.requests, args.serial, args.prompt_tokens, args.max_tokens, args.sampled,
@@ -129,6 +151,8 @@ def measure(args) -> dict:
     prompt_c = sum(s.prompt_tokens for s in specs)
     shapes = linear_shapes(llm.model)
     flops_per_token = sum(2 * n * k for n, k in shapes)
+    head_flops = 2 * llm.model.config.vocab_size * llm.model.config.hidden_size
+    wbytes = weight_bytes(llm.model)
     wdtype = next(p.dtype for n, p in llm.model.named_parameters() if p.dim() == 2 and ".layers." in f".{n}")
     mm_dtype = wdtype if wdtype in (torch.float32, torch.bfloat16) else torch.float32
     return {
@@ -142,6 +166,10 @@ def measure(args) -> dict:
         "prefill_tok_s": {"c": prompt_c / p_c, "1": sum(s.prompt_tokens for s in serial) / p_1},
         "decode_ms_per_token": {"c": 1e3 * d_c / out_c, "1": 1e3 * d_1 / out_1},
         "ceiling": solve(args.target, out_c, out_1, p_c, d_c, p_1, d_1),
+        "decode": {"weight_bytes_per_step": wbytes, "last_level_cache_bytes": last_level_cache(),
+                   "weights_GB_s_1": wbytes * out_1 / d_1 / 1e9 if d_1 > 0 else None,
+                   "flops_per_token": head_flops + flops_per_token,
+                   "GFLOP_s_c": (head_flops + flops_per_token) * out_c / d_c / 1e9 if d_c > 0 else None},
         "gemm": {"linear_flops_per_prompt_token": flops_per_token,
                  "native_prefill_gflops": prompt_c * flops_per_token / p_c / 1e9,
                  "torch_mm_gflops": gemm_rate(shapes, mm_dtype), "torch_mm_dtype": str(mm_dtype).split(".")[-1],
@@ -162,6 +190,10 @@ def report(r: dict) -> str:
         f"ratio without prefill {fmt(ce['ratio_without_prefill'])}",
         f"  for {ce['target']:.1f}x: prefill {fmt(ce['prefill_speedup_for_target'])} faster (alone), or the C-row decode "
         f"{fmt(ce['decode_c_speedup_for_target'])} faster (alone)",
+        f"  decode reads {r['decode']['weight_bytes_per_step'] / 1e6:.1f} MB of weights a step: "
+        f"{fmt(r['decode']['weights_GB_s_1'], '{:.1f}')} GB/s at 1 row (last-level cache "
+        f"{fmt(r['decode']['last_level_cache_bytes'] and r['decode']['last_level_cache_bytes'] / 2**20, '{:.0f} MiB')}); "
+        f"{fmt(r['decode']['GFLOP_s_c'], '{:.0f}')} GFLOP/s at C rows",
         f"  prefill's linears: {g['native_prefill_gflops']:.0f} GFLOP/s effective (attention and all) vs torch.mm "
         f"{g['torch_mm_gflops']:.0f} GFLOP/s ({g['torch_mm_dtype']}, {g['rows']} rows, same shapes)",
     ]

@@ -70,6 +70,11 @@ def test_a_tiny_run_has_consistent_numbers(sc, tmp_path, capsys):
     assert 4 * 3 <= r["out_tokens"]["c"] <= 4 * 6 and 3 * 3 <= r["out_tokens"]["1"] <= 3 * 6
     assert r["tok_s"]["c"] == pytest.approx(r["out_tokens"]["c"] / med["batch"])
     assert r["ceiling"]["ratio"] == pytest.approx(r["tok_s"]["c"] / r["tok_s"]["1"])
+    d, params = r["decode"], 6 * (256 * (256 + 128 + 128 + 256) + 3 * 256 * 768) + 8192 * 256  # blocks + tied head
+    assert d["weight_bytes_per_step"] == 4 * params and d["flops_per_token"] == 2 * params
+    if r["seconds"]["decode_1"] > 0:
+        assert d["weights_GB_s_1"] == pytest.approx(4 * params * r["out_tokens"]["1"] / r["seconds"]["decode_1"] / 1e9)
+    assert d["last_level_cache_bytes"] is None or d["last_level_cache_bytes"] > 0
     g = r["gemm"]
     assert g["linear_flops_per_prompt_token"] == 2 * 6 * 256 * (256 + 128 + 128 + 256 + 3 * 768)  # the bundled model
     assert g["torch_mm_gflops"] > 0 and g["torch_mm_dtype"] == "float32"
