@@ -39,6 +39,7 @@ from serve_load import Load, fit_prompts, make_specs, parse_range  # noqa: E402
 from serve_servers import sluice_counter  # noqa: E402
 
 from sluice.benchmarks.common import environment  # noqa: E402
+from sluice.benchmarks.speed import read_bandwidth  # noqa: E402
 from sluice.engine.gemv import cpu_flags  # noqa: E402
 from sluice.observatory.disturbance import LoadWatch  # noqa: E402
 
@@ -152,7 +153,8 @@ def measure(args) -> dict:
     shapes = linear_shapes(llm.model)
     flops_per_token = sum(2 * n * k for n, k in shapes)
     head_flops = 2 * llm.model.config.vocab_size * llm.model.config.hidden_size
-    wbytes = weight_bytes(llm.model)
+    wbytes, llc = weight_bytes(llm.model), last_level_cache()
+    probe = max(4 * (llc or 0), 2 << 30) if args.probe_mib is None else args.probe_mib << 20
     wdtype = next(p.dtype for n, p in llm.model.named_parameters() if p.dim() == 2 and ".layers." in f".{n}")
     mm_dtype = wdtype if wdtype in (torch.float32, torch.bfloat16) else torch.float32
     return {
@@ -166,7 +168,8 @@ def measure(args) -> dict:
         "prefill_tok_s": {"c": prompt_c / p_c, "1": sum(s.prompt_tokens for s in serial) / p_1},
         "decode_ms_per_token": {"c": 1e3 * d_c / out_c, "1": 1e3 * d_1 / out_1},
         "ceiling": solve(args.target, out_c, out_1, p_c, d_c, p_1, d_1),
-        "decode": {"weight_bytes_per_step": wbytes, "last_level_cache_bytes": last_level_cache(),
+        "decode": {"weight_bytes_per_step": wbytes, "last_level_cache_bytes": llc,
+                   "dram_read_GB_s": read_bandwidth(probe)["GB_s"] if probe else None, "probe_bytes": probe,
                    "weights_GB_s_1": wbytes * out_1 / d_1 / 1e9 if d_1 > 0 else None,
                    "flops_per_token": head_flops + flops_per_token,
                    "GFLOP_s_c": (head_flops + flops_per_token) * out_c / d_c / 1e9 if d_c > 0 else None},
@@ -191,7 +194,8 @@ def report(r: dict) -> str:
         f"  for {ce['target']:.1f}x: prefill {fmt(ce['prefill_speedup_for_target'])} faster (alone), or the C-row decode "
         f"{fmt(ce['decode_c_speedup_for_target'])} faster (alone)",
         f"  decode reads {r['decode']['weight_bytes_per_step'] / 1e6:.1f} MB of weights a step: "
-        f"{fmt(r['decode']['weights_GB_s_1'], '{:.1f}')} GB/s at 1 row (last-level cache "
+        f"{fmt(r['decode']['weights_GB_s_1'], '{:.1f}')} GB/s at 1 row (DRAM reads: "
+        f"{fmt(r['decode']['dram_read_GB_s'], '{:.1f} GB/s').replace('none', 'not probed')}; last-level cache "
         f"{fmt(r['decode']['last_level_cache_bytes'] and r['decode']['last_level_cache_bytes'] / 2**20, '{:.0f} MiB')}); "
         f"{fmt(r['decode']['GFLOP_s_c'], '{:.0f}')} GFLOP/s at C rows",
         f"  prefill's linears: {g['native_prefill_gflops']:.0f} GFLOP/s effective (attention and all) vs torch.mm "
@@ -213,10 +217,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--target", type=float, default=4.0, help="the C-over-1 ratio to solve for")
+    ap.add_argument("--probe-mib", type=int, default=None,
+                    help="the DRAM read probe's array (default: 4x the last-level cache, at least 2 GiB; 0: none)")
     ap.add_argument("--out", type=Path, default=None, help="JSON results")
     args = ap.parse_args(argv)
-    if args.concurrency < 2 or args.requests < 1 or args.reps < 1 or args.target <= 1:
-        ap.error("need --concurrency >= 2, --requests >= 1, --reps >= 1 and --target > 1")
+    if args.concurrency < 2 or args.requests < 1 or args.reps < 1 or args.target <= 1 or (args.probe_mib or 0) < 0:
+        ap.error("need --concurrency >= 2, --requests >= 1, --reps >= 1, --target > 1 and --probe-mib >= 0")
     args.serial = args.serial or None
     watch = LoadWatch()
     result = {"benchmark": "serve_ceiling", **environment(), "cpu_flags": sorted(cpu_flags()),

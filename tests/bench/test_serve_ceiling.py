@@ -56,7 +56,7 @@ def test_a_target_out_of_reach_says_none(sc):
 def test_a_tiny_run_has_consistent_numbers(sc, tmp_path, capsys):
     out = tmp_path / "ceiling.json"
     assert sc.main(["-c", "2", "-r", "2", "--serial", "3", "--reps", "2", "--prompt-tokens", "8:24",
-                    "--max-tokens", "3:6", "--seed", "3", "--out", str(out)]) == 0
+                    "--max-tokens", "3:6", "--seed", "3", "--probe-mib", "16", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["benchmark"] == "serve_ceiling" and isinstance(r["disturbed"], bool) and r["cpu_flags"]
     w = r["workload"]
@@ -74,7 +74,8 @@ def test_a_tiny_run_has_consistent_numbers(sc, tmp_path, capsys):
     assert d["weight_bytes_per_step"] == 4 * params and d["flops_per_token"] == 2 * params
     if r["seconds"]["decode_1"] > 0:
         assert d["weights_GB_s_1"] == pytest.approx(4 * params * r["out_tokens"]["1"] / r["seconds"]["decode_1"] / 1e9)
-    assert d["last_level_cache_bytes"] is None or d["last_level_cache_bytes"] > 0
+    assert (d["last_level_cache_bytes"] is None or d["last_level_cache_bytes"] > 0) and d["dram_read_GB_s"] > 0
+    assert d["probe_bytes"] == 16 << 20
     g = r["gemm"]
     assert g["linear_flops_per_prompt_token"] == 2 * 6 * 256 * (256 + 128 + 128 + 256 + 3 * 768)  # the bundled model
     assert g["torch_mm_gflops"] > 0 and g["torch_mm_dtype"] == "float32"
