@@ -32,10 +32,15 @@ def commit_date(commit: str) -> str:
 
 # --- sluice bench (bench/speed.py, bench/batch_decode.py): the newest result per machine kind and setting
 
-def machine_kind(cpu: dict, threads: int | None = None) -> str:
+def machine_kind(cpu: dict, threads: int | None = None, isa_env: dict | None = None) -> str:
     flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if cpu.get(f)] or ["no AVX2"]
     n = cpu.get("logical_cpus") or cpu.get("cores")
-    return f"{cpu.get('model', '?')}, {n} logical CPUs, {' '.join(flags)}" + (f"; torch {threads} thread{'s' if threads > 1 else ''}" if threads else "")
+    # a run whose kernels were built below the CPU's instruction sets (sluice's AVX2 build on an AVX-512 CPU) is a
+    # machine kind of its own: its rows must not stand for what this CPU does with its own builds
+    narrowed = "-mno-avx512f" in (isa_env or {}).get("SLUICE_KERNEL_FLAGS", "").split()
+    return (f"{cpu.get('model', '?')}, {n} logical CPUs, {' '.join(flags)}"
+            + (f"; torch {threads} thread{'s' if threads > 1 else ''}" if threads else "")
+            + ("; AVX2 builds (sluice and llama.cpp built as for an AVX2-only CPU)" if narrowed else ""))
 
 
 # (layers, hidden, vocabulary) of the random checkpoints bench/random_checkpoint.py builds -> (name, key)
@@ -81,7 +86,7 @@ def speed_current() -> dict[str, dict[str, dict]]:
             r["file"] = path.name
             # one row set per prompt length too: a pp512 run does not hide the tg128-after-128 one
             prompt = f"|{r['settings'].get('prompt')}" if not suffix else ""
-            _newest(best.setdefault(machine_kind(r["cpu"], r["torch_threads"]), {}), speed_setting(r) + suffix + prompt, r)
+            _newest(best.setdefault(machine_kind(r["cpu"], r["torch_threads"], r.get("isa_env")), {}), speed_setting(r) + suffix + prompt, r)
     return best
 
 
@@ -122,6 +127,8 @@ def speed_values() -> dict[str, str]:
     v = {"speed.table": speed_table(), "speed.files": str(len(list(RESULTS.glob("bench-speed-*.json"))))}
     for kind, settings in speed_current().items():
         tag = "avx512" if "avx512f" in kind else "avx2"
+        if "AVX2 builds" in kind:
+            continue  # (the table shows it; prose numbers come from each CPU's own builds)
         for key, r in settings.items():
             if r.get("benchmark") == "batch_decode":
                 continue  # in the table only

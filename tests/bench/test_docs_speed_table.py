@@ -27,8 +27,10 @@ def dr(tmp_path, monkeypatch):
 Q06 = {"dir": "/tmp/q06", "params_read_per_token": 596e6, "layers": 28, "hidden": 1024, "vocab": 151936}
 
 
-def _speed(path: Path, date: str, commit: str, tg: float, disturbed=None, cpu=CPU, prompt=512, model=Q06) -> None:
+def _speed(path: Path, date: str, commit: str, tg: float, disturbed=None, cpu=CPU, prompt=512, model=Q06,
+           isa_env=None) -> None:
     r = {"benchmark": "speed", "cpu": cpu, "torch_threads": 2, "date": date, "code": {"commit": commit},
+         **({"isa_env": isa_env} if isa_env else {}),
          "settings": {"dtype": "bfloat16", "quantize": None, "compile": False, "prompt": prompt},
          "model": model,
          "rows": [{"engine": e, "test": t, "tok_s": {"mean": v}}
@@ -106,3 +108,20 @@ def test_shapes_are_named_and_kept_apart(dr, tmp_path):
     assert "| random checkpoint (7,505 M), bf16 | tg128 | 50.0 |" in table
     values = dr.speed_values()
     assert values["speed.avx2.q06.bf16.tg"] == "12" and values["speed.avx2.llama3-8b.bf16.tg"] == "1"
+
+
+def test_a_run_with_narrowed_builds_is_a_machine_kind_of_its_own(dr, tmp_path):
+    """sluice's AVX2 build on an AVX-512 CPU (SLUICE_KERNEL_FLAGS=-mno-avx512f): a newer such run must not stand
+    for the CPU's own builds in its rows, nor in the prose values."""
+    xeon = {"model": "Intel Xeon", "logical_cpus": 2, "avx2": True, "avx512f": True}
+    _speed(tmp_path / "bench-speed-a.json", "2026-12-01", "aaa", 20.0, cpu=xeon)
+    _speed(tmp_path / "bench-speed-b.json", "2026-12-03", "bbb", 12.0, cpu=xeon,
+           isa_env={"SLUICE_KERNEL_FLAGS": "-mno-avx512f -mno-avxvnni", "ATEN_CPU_CAPABILITY": "avx2"})
+    kinds = dr.speed_current()
+    assert len(kinds) == 2
+    own = [k for k in kinds if "AVX2 builds" not in k]
+    assert len(own) == 1 and next(iter(kinds[own[0]].values()))["code"]["commit"] == "aaa"
+    v = dr.speed_values()
+    assert [x for k, x in v.items() if k.endswith(".tg")] == ["20"]
+    table = dr.speed_table()
+    assert "AVX2 builds (sluice and llama.cpp built as for an AVX2-only CPU)" in table and "bbb" in table

@@ -22,6 +22,9 @@ from ..engine.gemv import cpu_flags
 os.environ.setdefault("SLUICE_KERNEL_BUILD", "wait")
 
 
+ISA_ENV = ("SLUICE_KERNEL_FLAGS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
 def cpu_info() -> dict:
     """What decides the bf16 story: AVX-512 / AMX have bf16 dot-product instructions, AVX2 has not."""
     try:
@@ -64,6 +67,9 @@ def environment() -> dict:
             # glibc's allocator settings decide whether a big tensor comes back from the OS (page
             # faults on every call) or from the heap; LD_PRELOAD may swap in another allocator.
             "allocator_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"},
+            # what narrows the instruction sets below the CPU's: sluice's kernel build flags (-mno-avx512f: the AVX2
+            # paths), ATen's and oneDNN's dispatch caps; docs tables put such runs under a machine kind of their own
+            "isa_env": {k: os.environ[k] for k in ISA_ENV if os.environ.get(k)},
             "code": code_version(), "loadavg_at_start": list(os.getloadavg()), "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
 
 
