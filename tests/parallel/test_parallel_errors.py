@@ -119,6 +119,32 @@ def test_ranks_that_disagree_on_the_checkpoint_are_refused(tmp_path, llama_dirs)
         assert "disagree on the checkpoint" in message and llama_dirs[0] in message and llama_dirs[1] in message
 
 
+def _huge(ranks, d):
+    """load_rank twice on this rank: file-backed (SLUICE_HUGE_PAGES=off), then moved with the size floor lowered so
+    a tiny model's slices move; what moved, whether each moved tensor starts on a 2 MiB boundary, and whether the
+    two give the same logits (the forward's collectives run on both)."""
+    from sluice import parallel as P
+    from sluice.model import hugepages
+    os.environ["SLUICE_HUGE_PAGES"] = "off"
+    base = P.load_rank(d, ranks)
+    del os.environ["SLUICE_HUGE_PAGES"]
+    hugepages.MIN_BYTES, hugepages.thp_mode = 1024, lambda: "madvise"
+    moved = P.load_rank(d, ranks)
+    big = {n: t for n, t in moved.state_dict().items() if t.nbytes >= 1024}
+    prompt = torch.tensor([[3, 17, 42, 5]])
+    return dict(base=base.huge_pages, moved=moved.huge_pages, big=len({t.data_ptr() for t in big.values()}),
+                aligned=all(t.data_ptr() % hugepages.HUGE == 0 for t in big.values()),
+                same=torch.equal(moved(prompt), base(prompt)))
+
+
+def test_each_rank_moves_its_slices_into_huge_pages(tmp_path, llama_dirs):
+    for kind, r in run_ranks(tmp_path, 2, _huge, llama_dirs[0], timeout_s=30):
+        assert kind == "ok", r
+        assert r["base"] == {"moved_bytes": 0, "tensors": 0, "reason": "SLUICE_HUGE_PAGES=off"}
+        assert r["moved"]["reason"] is None and r["moved"]["tensors"] == r["big"] > 0 and r["moved"]["moved_bytes"] > 0
+        assert r["aligned"] and r["same"]
+
+
 def _dies(ranks, d, how, flags):
     from test_parallel_spawn import raised, stay_silent
 

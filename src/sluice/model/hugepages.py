@@ -62,7 +62,10 @@ def huge_page_bytes() -> int | None:
 def _references(model: torch.nn.Module) -> dict[int, list[tuple[dict, str]]]:
     """The CPU tensors worth moving, by storage address: every (module's _parameters or _buffers, name) that holds
     one (tied weights: one address, two holders). An address some holder sees with another shape, dtype or
-    offset is left out: it is not one plain tensor."""
+    offset is left out: it is not one plain tensor. A contiguous tensor that is part of a larger storage moves
+    too (a tensor-parallel rank's rows, read from the file as a view of the whole tensor's mapped bytes; a piece
+    of a fused q|k|v): the copy holds its own bytes only, and the rest of the storage goes when nothing else
+    holds it."""
     refs: dict[int, list[tuple[dict, str]]] = {}
     for mod in model.modules():
         for store in (mod._parameters, mod._buffers):
@@ -73,9 +76,8 @@ def _references(model: torch.nn.Module) -> dict[int, list[tuple[dict, str]]]:
     for ptr, holders in refs.items():
         ts = [store[name] for store, name in holders]
         t = ts[0]
-        if (t.nbytes >= MIN_BYTES and all(u.is_contiguous() and u.storage_offset() == 0 and u.shape == t.shape
-                                          and u.dtype == t.dtype and u.untyped_storage().nbytes() == t.nbytes
-                                          for u in ts)):
+        if (t.nbytes >= MIN_BYTES and all(u.is_contiguous() and u.storage_offset() == t.storage_offset()
+                                          and u.shape == t.shape and u.dtype == t.dtype for u in ts)):
             out[ptr] = holders
     return out
 

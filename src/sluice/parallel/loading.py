@@ -18,6 +18,7 @@ import torch
 
 from ..model.config import ModelConfig
 from ..model.hub import resolve_model_dir
+from ..model.hugepages import move_to_huge_pages
 from ..model.layers import Transformer
 from ..model.loading import parse_device, parse_dtype
 from ..model.weights import load_weights, plan_checkpoint
@@ -71,7 +72,12 @@ def load_rank(path_or_repo_id: str | Path, ranks: group.Ranks, dtype="float32", 
     model.tie_weights()
     model.reset_rope(dev)
     model.model_dir = model_dir
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    # This rank's slices into huge pages, as model/loading.load does for a whole model (model.huge_pages says what
+    # moved, or why nothing did); each rank judges against the memory available when it gets there.
+    model.huge_pages = move_to_huge_pages(model) if dev.type == "cpu" else {
+        "moved_bytes": 0, "tensors": 0, "reason": f"device {dev.type}"}
+    return model
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
