@@ -40,7 +40,7 @@ def _rank(model: str, dtype: str, rank: int, world: int, store: str, q) -> None:
     try:
         before = rss_bytes()
         m = P.load_rank(model, ranks, dtype=dtype)
-        q.put((rank, P.resident_bytes(m), rss_bytes() - before))
+        q.put((rank, P.resident_bytes(m), rss_bytes() - before, m.huge_pages))
     finally:
         P.shutdown()
 
@@ -51,7 +51,7 @@ def whole(model: str, dtype: str, q) -> None:
     from sluice.parallel import resident_bytes
     before = rss_bytes()
     m = load(model, dtype=dtype)
-    q.put((resident_bytes(m), rss_bytes() - before))
+    q.put((resident_bytes(m), rss_bytes() - before, m.huge_pages))
 
 
 def main() -> None:
@@ -65,11 +65,12 @@ def main() -> None:
     q = ctx.Queue()
     p = ctx.Process(target=whole, args=(a.model, a.dtype, q))
     p.start()
-    w_bytes, w_rss = q.get()
+    w_bytes, w_rss, w_huge = q.get()
     p.join()
     out = {"benchmark": "tp_memory", **environment(), "model": a.model, "dtype": a.dtype,
-           "whole": {"param_bytes": w_bytes, "rss_anon_growth": w_rss}, "ranks": {}}
-    print(f"one process: parameters {w_bytes / 2**20:.1f} MiB, RssAnon growth {w_rss / 2**20:.1f} MiB")
+           "whole": {"param_bytes": w_bytes, "rss_anon_growth": w_rss, "huge_pages": w_huge}, "ranks": {}}
+    print(f"one process: parameters {w_bytes / 2**20:.1f} MiB, RssAnon growth {w_rss / 2**20:.1f} MiB, "
+          f"huge pages {w_huge['moved_bytes'] / 2**20:.1f} MiB ({w_huge['reason'] or 'moved'})")
     for n in (int(x) for x in a.ranks.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             store = f"file://{tmp}/store"
@@ -79,12 +80,14 @@ def main() -> None:
             got = sorted(q.get() for _ in range(n))
             for pr in procs:
                 pr.join()
-        rows = [{"rank": r, "param_bytes": b, "rss_anon_growth": g, "param_share": b / w_bytes} for r, b, g in got]
+        rows = [{"rank": r, "param_bytes": b, "rss_anon_growth": g, "param_share": b / w_bytes, "huge_pages": h}
+                for r, b, g, h in got]
         out["ranks"][str(n)] = rows
         for row in rows:
             print(f"N={n} rank {row['rank']}: parameters {row['param_bytes'] / 2**20:.1f} MiB "
                   f"({row['param_share']:.3f} of the whole, 1/N = {1 / n:.3f}), "
-                  f"RssAnon growth {row['rss_anon_growth'] / 2**20:.1f} MiB")
+                  f"RssAnon growth {row['rss_anon_growth'] / 2**20:.1f} MiB, "
+                  f"huge pages {row['huge_pages']['moved_bytes'] / 2**20:.1f} MiB ({row['huge_pages']['reason'] or 'moved'})")
     if a.json:
         a.json.write_text(json.dumps(out, indent=1) + "\n")
 

@@ -79,6 +79,20 @@ def test_what_keeps_the_weights_in_place(tmp_path, monkeypatch):
     assert all(t.data_ptr() % hugepages.HUGE for t in m.state_dict().values() if t.nbytes >= 1024)
 
 
+def test_what_other_processes_move_counts_against_the_memory(tmp_path, monkeypatch):
+    """why_not(also_moving): weights that fit alone stay where they are when, with what others move at the same
+    time (tensor-parallel ranks on one machine), they would not."""
+    monkeypatch.setattr(hugepages, "MIN_BYTES", 1024)
+    monkeypatch.setattr(hugepages, "thp_mode", lambda: "madvise")
+    m = load(_tied_dir(tmp_path), "bfloat16")
+    need = hugepages.movable_bytes(m)
+    assert need == m.huge_pages["moved_bytes"] > 0
+    monkeypatch.setattr(hugepages, "mem_available", lambda: int(2 * need / hugepages.FIT_FRACTION))
+    assert hugepages.why_not(m) is None and hugepages.why_not(m, need) is None
+    reason = hugepages.why_not(m, 2 * need)
+    assert "other ranks here move" in reason and "of the memory available" in reason
+
+
 def test_thp_mode_reads_the_bracketed_choice(tmp_path, monkeypatch):
     f = tmp_path / "enabled"
     f.write_text("always [madvise] never\n")

@@ -132,7 +132,10 @@ def _huge(ranks, d):
     moved = P.load_rank(d, ranks)
     big = {n: t for n, t in moved.state_dict().items() if t.nbytes >= 1024}
     prompt = torch.tensor([[3, 17, 42, 5]])
-    return dict(base=base.huge_pages, moved=moved.huge_pages, big=len({t.data_ptr() for t in big.values()}),
+    # memory for this rank's slices alone but not for both ranks' (they share this machine): nothing moves
+    hugepages.mem_available = lambda: int(1.5 * moved.huge_pages["moved_bytes"] / hugepages.FIT_FRACTION)
+    tight = P.load_rank(d, ranks).huge_pages
+    return dict(tight=tight, base=base.huge_pages, moved=moved.huge_pages, big=len({t.data_ptr() for t in big.values()}),
                 aligned=all(t.data_ptr() % hugepages.HUGE == 0 for t in big.values()),
                 same=torch.equal(moved(prompt), base(prompt)))
 
@@ -143,6 +146,7 @@ def test_each_rank_moves_its_slices_into_huge_pages(tmp_path, llama_dirs):
         assert r["base"] == {"moved_bytes": 0, "tensors": 0, "reason": "SLUICE_HUGE_PAGES=off"}
         assert r["moved"]["reason"] is None and r["moved"]["tensors"] == r["big"] > 0 and r["moved"]["moved_bytes"] > 0
         assert r["aligned"] and r["same"]
+        assert r["tight"]["tensors"] == 0 and "the other ranks here move" in r["tight"]["reason"], r["tight"]
 
 
 def _dies(ranks, d, how, flags):

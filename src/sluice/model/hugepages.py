@@ -82,19 +82,26 @@ def _references(model: torch.nn.Module) -> dict[int, list[tuple[dict, str]]]:
     return out
 
 
-def why_not(model: torch.nn.Module) -> str | None:
-    """Why the model's weights stay where they are, or None when they move."""
+def movable_bytes(model: torch.nn.Module) -> int:
+    """Bytes move_to_huge_pages would copy (each storage address once)."""
+    return sum(store[name].nbytes for (store, name), *_ in _references(model).values())
+
+
+def why_not(model: torch.nn.Module, also_moving: int = 0) -> str | None:
+    """Why the model's weights stay where they are, or None when they move. also_moving: bytes other processes on
+    this machine are moving at the same time (the other tensor-parallel ranks), which must fit beside these."""
     if os.environ.get("SLUICE_HUGE_PAGES", "").lower() in ("0", "off", "false", "no"):
         return "SLUICE_HUGE_PAGES=off"
     mode = thp_mode()
     if mode not in ("always", "madvise"):
         return f"the kernel's transparent huge pages are {mode}"
-    need = sum(store[name].nbytes for (store, name), *_ in _references(model).values())
+    need = movable_bytes(model)
     avail = mem_available()
     if avail is None:
         return "MemAvailable is unknown"
-    if need > FIT_FRACTION * avail:
-        return (f"the weights ({need / 1e9:.1f} GB) are more than {FIT_FRACTION:.0%} of the memory available "
+    if need + also_moving > FIT_FRACTION * avail:
+        also = f" with {also_moving / 1e9:.1f} GB the other ranks here move" if also_moving else ""
+        return (f"the weights ({need / 1e9:.1f} GB{also}) are more than {FIT_FRACTION:.0%} of the memory available "
                 f"({avail / 1e9:.1f} GB): they stay in the file's pages, which the kernel can drop and read again")
     return None
 
@@ -110,11 +117,11 @@ def _huge_empty(nbytes: int, dtype: torch.dtype, shape: torch.Size) -> torch.Ten
     return raw[off:off + nbytes].view(dtype).view(shape)
 
 
-def move_to_huge_pages(model: torch.nn.Module) -> dict:
+def move_to_huge_pages(model: torch.nn.Module, also_moving: int = 0) -> dict:
     """Move the model's large CPU weights into huge-page-backed memory (see the module's text), one tensor at a
     time, so at most one tensor exists twice. Returns {"moved_bytes", "tensors", "reason"}: reason is None when
-    they moved, else why not (why_not)."""
-    reason = why_not(model)
+    they moved, else why not (why_not; also_moving as there)."""
+    reason = why_not(model, also_moving)
     if reason is not None:
         return {"moved_bytes": 0, "tensors": 0, "reason": reason}
     moved = tensors = 0

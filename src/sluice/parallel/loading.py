@@ -11,6 +11,7 @@ gathering them.
 
 from __future__ import annotations
 
+import socket
 from functools import partial
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from ..model.config import ModelConfig
 from ..model.hub import resolve_model_dir
-from ..model.hugepages import move_to_huge_pages
+from ..model.hugepages import movable_bytes, move_to_huge_pages
 from ..model.layers import Transformer
 from ..model.loading import parse_device, parse_dtype
 from ..model.weights import load_weights, plan_checkpoint
@@ -74,8 +75,12 @@ def load_rank(path_or_repo_id: str | Path, ranks: group.Ranks, dtype="float32", 
     model.model_dir = model_dir
     model.eval().requires_grad_(False)
     # This rank's slices into huge pages, as model/loading.load does for a whole model (model.huge_pages says what
-    # moved, or why nothing did); each rank judges against the memory available when it gets there.
-    model.huge_pages = move_to_huge_pages(model) if dev.type == "cpu" else {
+    # moved, or why nothing did). The ranks on one machine move at the same time, so each checks the memory
+    # available against all of theirs (every rank takes part in the gather, whatever its device).
+    mine = movable_bytes(model) if dev.type == "cpu" else 0
+    host = socket.gethostname()
+    others = sum(b for h, b in group.all_gather_object((host, mine)) if h == host) - mine
+    model.huge_pages = move_to_huge_pages(model, others) if dev.type == "cpu" else {
         "moved_bytes": 0, "tensors": 0, "reason": f"device {dev.type}"}
     return model
 
