@@ -241,6 +241,10 @@ def tp_values() -> dict[str, str]:
         v[f"tp.mem.{n}.params"] = mib(max(x["param_bytes"] for x in ranks))
         v[f"tp.mem.{n}.share"] = f"{max(x['param_share'] for x in ranks):.3f}"
         v[f"tp.mem.{n}.anon"] = f"{max(x['rss_anon_growth'] for x in ranks) / 2**20:.0f} MiB"
+        if all("huge_pages" in x for x in ranks):  # (recorded since 2026-12-03)
+            v[f"tp.mem.{n}.huge"] = mib(min(x["huge_pages"]["moved_bytes"] for x in ranks))
+    if "huge_pages" in mem["whole"]:
+        v["tp.mem.whole_huge"] = mib(mem["whole"]["huge_pages"]["moved_bytes"])
     return v
 
 
