@@ -93,6 +93,12 @@ def test_what_other_processes_move_counts_against_the_memory(tmp_path, monkeypat
     assert "other ranks here move" in reason and "of the memory available" in reason
 
 
+def test_a_model_off_the_cpu_moves_nothing_and_says_where_it_is():
+    """One check for every loader (load(), parallel.load_rank): weights on another device stay where they are."""
+    lin = torch.nn.Linear(1024, 1024, device="meta")
+    assert hugepages.move_to_huge_pages(lin) == {"moved_bytes": 0, "tensors": 0, "reason": "device meta"}
+
+
 def test_thp_mode_reads_the_bracketed_choice(tmp_path, monkeypatch):
     f = tmp_path / "enabled"
     f.write_text("always [madvise] never\n")

@@ -90,6 +90,9 @@ def movable_bytes(model: torch.nn.Module) -> int:
 def why_not(model: torch.nn.Module, also_moving: int = 0) -> str | None:
     """Why the model's weights stay where they are, or None when they move. also_moving: bytes other processes on
     this machine are moving at the same time (the other tensor-parallel ranks), which must fit beside these."""
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    if device.type != "cpu":
+        return f"device {device.type}"
     if os.environ.get("SLUICE_HUGE_PAGES", "").lower() in ("0", "off", "false", "no"):
         return "SLUICE_HUGE_PAGES=off"
     mode = thp_mode()

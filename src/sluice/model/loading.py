@@ -101,6 +101,5 @@ def load(path_or_repo_id: str | Path | None = None, dtype: str | torch.dtype = "
         model = quantize_(model, quantize)
     # The weights from the file's 4 KiB pages into huge pages where the kernel allows (model/hugepages.py):
     # the same tensors, read faster by every decode step. model.huge_pages says what moved, or why nothing did.
-    model.huge_pages = move_to_huge_pages(model) if dev.type == "cpu" else {
-        "moved_bytes": 0, "tensors": 0, "reason": f"device {dev.type}"}
+    model.huge_pages = move_to_huge_pages(model)
     return model

@@ -76,12 +76,11 @@ def load_rank(path_or_repo_id: str | Path, ranks: group.Ranks, dtype="float32", 
     model.eval().requires_grad_(False)
     # This rank's slices into huge pages, as model/loading.load does for a whole model (model.huge_pages says what
     # moved, or why nothing did). The ranks on one machine move at the same time, so each checks the memory
-    # available against all of theirs (every rank takes part in the gather, whatever its device).
-    mine = movable_bytes(model) if dev.type == "cpu" else 0
+    # available against all of theirs (every rank takes part in the gather; a rank off the CPU has nothing to move).
+    mine = movable_bytes(model)
     host = socket.gethostname()
     others = sum(b for h, b in group.all_gather_object((host, mine)) if h == host) - mine
-    model.huge_pages = move_to_huge_pages(model, others) if dev.type == "cpu" else {
-        "moved_bytes": 0, "tensors": 0, "reason": f"device {dev.type}"}
+    model.huge_pages = move_to_huge_pages(model, others)
     return model
 
 
