@@ -22,6 +22,7 @@ import sluice  # noqa: E402
 from ckpt import build, build_with_tokenizer  # noqa: E402
 from sluice.model import gguf_export  # noqa: E402
 from sluice.model.gguf_export import ExportError, export_gguf, rope_deinterleave, rope_interleave  # noqa: E402
+from sluice.engine.gemv import cpu_flags  # noqa: E402
 from sluice.model.layers import apply_rope, rope_tables  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -330,7 +331,12 @@ def test_same_file_as_llama_cpp_converter(case, tmp_path):
         assert ka[k] == (pytest.approx(v) if isinstance(v, float) else v), k
 
 
-LCPP_PYTHON = ROOT / ".peers" / "lcpp-venv" / "bin" / "python"
+# On a CPU with AMX, the llama.cpp that llama-cpp-python 0.3.36 vendors dies on its first AMX Q4_0/Q8_0 matmul
+# (bench/llama_cpp_no_amx_flags.sh says why): there the peer is its build without AMX, where one was made
+# (bench/build_llama_cpp_no_amx.sh), as `sluice bench` uses it.
+_NO_AMX_PYTHON = ROOT / ".peers" / "lcpp-noamx-venv" / "bin" / "python"
+LCPP_PYTHON = (_NO_AMX_PYTHON if "amx_tile" in cpu_flags() and _NO_AMX_PYTHON.is_file()
+               else ROOT / ".peers" / "lcpp-venv" / "bin" / "python")
 # Runs in llama-cpp-python's own venv: token ids in, llama.cpp's logits at every position out.
 _LCPP_LOGITS = """
 import json, sys
