@@ -32,6 +32,9 @@ def commit_date(commit: str) -> str:
 
 # --- sluice bench (bench/speed.py, bench/batch_decode.py): the newest result per machine kind and setting
 
+NARROWED = "; AVX2 builds (sluice and llama.cpp built as for an AVX2-only CPU)"  # a machine kind's suffix
+
+
 def machine_kind(cpu: dict, threads: int | None = None, isa_env: dict | None = None) -> str:
     flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if cpu.get(f)] or ["no AVX2"]
     n = cpu.get("logical_cpus") or cpu.get("cores")
@@ -40,7 +43,7 @@ def machine_kind(cpu: dict, threads: int | None = None, isa_env: dict | None = N
     narrowed = "-mno-avx512f" in (isa_env or {}).get("SLUICE_KERNEL_FLAGS", "").split()
     return (f"{cpu.get('model', '?')}, {n} logical CPUs, {' '.join(flags)}"
             + (f"; torch {threads} thread{'s' if threads > 1 else ''}" if threads else "")
-            + ("; AVX2 builds (sluice and llama.cpp built as for an AVX2-only CPU)" if narrowed else ""))
+            + (NARROWED if narrowed else ""))
 
 
 # (layers, hidden, vocabulary) of the random checkpoints bench/random_checkpoint.py builds -> (name, key)
@@ -127,7 +130,7 @@ def speed_values() -> dict[str, str]:
     v = {"speed.table": speed_table(), "speed.files": str(len(list(RESULTS.glob("bench-speed-*.json"))))}
     for kind, settings in speed_current().items():
         tag = "avx512" if "avx512f" in kind else "avx2"
-        if "AVX2 builds" in kind:
+        if kind.endswith(NARROWED):
             continue  # (the table shows it; prose numbers come from each CPU's own builds)
         for key, r in settings.items():
             if r.get("benchmark") == "batch_decode":

@@ -39,7 +39,7 @@ from serve_load import Load, fit_prompts, make_specs, parse_range  # noqa: E402
 from serve_servers import sluice_counter  # noqa: E402
 
 from sluice.benchmarks.common import environment  # noqa: E402
-from sluice.benchmarks.speed import read_bandwidth  # noqa: E402
+from sluice.benchmarks.speed import params_read_per_token, read_bandwidth  # noqa: E402
 from sluice.engine.gemv import cpu_flags  # noqa: E402
 from sluice.observatory.disturbance import LoadWatch  # noqa: E402
 
@@ -75,14 +75,12 @@ def solve(target: float, out_c: int, out_1: int, p_c: float, d_c: float, p_1: fl
 
 
 def linear_shapes(model) -> list[tuple[int, int]]:
-    """(out, in) of each linear of the blocks (the head is left out: a prompt token before the last needs none)."""
+    """(out, in) of each linear of the blocks (the head is left out: a prompt token before the last needs none).
+    The weights are fp32 or bf16 (the script takes no --quantize)."""
     shapes = []
     for name, p in model.named_parameters():
         if p.dim() == 2 and ".layers." in f".{name}" and "norm" not in name:
             shapes.append(tuple(p.shape))
-    for name, b in model.named_buffers():  # quantized linears keep their codes as buffers
-        if name.endswith("qweight") and ".layers." in f".{name}":
-            shapes.append((b.shape[0], b.shape[1] * (2 if b.dtype == torch.uint8 else 1)))
     return shapes
 
 
@@ -112,15 +110,6 @@ def last_level_cache() -> int | None:
         unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         sizes.append(int(text.rstrip("KMG")) * unit)
     return max(sizes) if sizes else None
-
-
-def weight_bytes(model) -> int:
-    """Bytes a decode step reads of the linears' weights and the head (the embedding's lookup is one row)."""
-    def size(module, keep=lambda name: True) -> int:
-        tensors = [*module.named_parameters(), *module.named_buffers()]
-        return sum(t.numel() * t.element_size() for name, t in tensors if t.dim() == 2 and keep(name))
-    # the head on its own: a tied head's weight is the embedding's, which named_parameters() lists once, as that
-    return size(model.layers, lambda name: "norm" not in name) + size(model.lm_head)
 
 
 def measure(args) -> dict:
@@ -153,9 +142,10 @@ def measure(args) -> dict:
     shapes = linear_shapes(llm.model)
     flops_per_token = sum(2 * n * k for n, k in shapes)
     head_flops = 2 * llm.model.config.vocab_size * llm.model.config.hidden_size
-    wbytes, llc = weight_bytes(llm.model), last_level_cache()
-    probe = max(4 * (llc or 0), 2 << 30) if args.probe_mib is None else args.probe_mib << 20
     wdtype = next(p.dtype for n, p in llm.model.named_parameters() if p.dim() == 2 and ".layers." in f".{n}")
+    # what `sluice bench` counts as a decode step's weight reads (every matrix, the embedding's one row)
+    wbytes, llc = params_read_per_token(Path(llm.model.model_dir)) * wdtype.itemsize, last_level_cache()
+    probe = max(4 * (llc or 0), 2 << 30) if args.probe_mib is None else args.probe_mib << 20
     mm_dtype = wdtype if wdtype in (torch.float32, torch.bfloat16) else torch.float32
     return {
         "workload": {"concurrency": load.concurrency, "requests": len(specs), "serial": len(serial),

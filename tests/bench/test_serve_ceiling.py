@@ -71,9 +71,10 @@ def test_a_tiny_run_has_consistent_numbers(sc, tmp_path, capsys):
     assert r["tok_s"]["c"] == pytest.approx(r["out_tokens"]["c"] / med["batch"])
     assert r["ceiling"]["ratio"] == pytest.approx(r["tok_s"]["c"] / r["tok_s"]["1"])
     d, params = r["decode"], 6 * (256 * (256 + 128 + 128 + 256) + 3 * 256 * 768) + 8192 * 256  # blocks + tied head
-    assert d["weight_bytes_per_step"] == 4 * params and d["flops_per_token"] == 2 * params
+    read = params + 6 * (2 * 256 + 2 * 64) + 256 + 256  # + the norms (qk-norms too) and the embedding's one row
+    assert d["weight_bytes_per_step"] == 4 * read and d["flops_per_token"] == 2 * params
     if r["seconds"]["decode_1"] > 0:
-        assert d["weights_GB_s_1"] == pytest.approx(4 * params * r["out_tokens"]["1"] / r["seconds"]["decode_1"] / 1e9)
+        assert d["weights_GB_s_1"] == pytest.approx(4 * read * r["out_tokens"]["1"] / r["seconds"]["decode_1"] / 1e9)
     assert (d["last_level_cache_bytes"] is None or d["last_level_cache_bytes"] > 0) and d["dram_read_GB_s"] > 0
     assert d["probe_bytes"] == 16 << 20
     g = r["gemm"]
