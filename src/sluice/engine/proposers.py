@@ -13,8 +13,10 @@ import torch
 from ..model.layers import Transformer
 from . import accept as accept_kernel
 from .batch_forward import BatchForward
-from .paged_cache import BlockPool
+from .fast_step import FastStep
+from .paged_cache import BlockPool, PagedView
 from .plan import Row
+from .sample import LANES
 from .sampling import argmax_rows, nonfinite_rows
 from .spec_probs import RoundProbs
 from .speculative import draw
@@ -51,6 +53,8 @@ class DraftProposer:
         if not rows:
             return
         starts = [min(r.seq.spec.draft_valid, len(r.seq.ids) - 2) for r in rows]
+        if self._native_round(rows, starts):
+            return
         logits = [None] * len(rows)
         pairs = [i for i, (r, s) in enumerate(zip(rows, starts, strict=True)) if len(r.seq.ids) - s == 2]
         if pairs:  # the usual round: every row reads two tokens
@@ -62,6 +66,48 @@ class DraftProposer:
             if logits[i] is None:  # more to catch up on (a draft state that fell behind): alone
                 logits[i] = self.forward.feed([r], [r.seq.ids[s:]], [s], "last")[0]
         self._guess(rows, torch.stack(logits))
+
+    def _native_round(self, rows: list[Row], starts: list[int]) -> bool:
+        """The usual round (every row reads its last two tokens), every forward and guess of it in one native
+        call (step.cpp's guess: the loop of _guess, the same forwards and draws, so the same guesses), where the
+        draft runs on the native step and every row is plain greedy or takes the native filter (no penalties,
+        no top_k or min_p); True when it made the guesses. False changed nothing that _guess does not make
+        again with the same values (the draft's cache slots for these positions)."""
+        fast = self.forward.fast if self.forward.use_fast else None
+        if not isinstance(fast, FastStep) or not LANES or any(len(r.seq.ids) - s != 2 for r, s in zip(rows, starts)):
+            return False
+        samplers = [r.seq.sampler for r in rows]
+        greedy = all(s.plain_greedy for s in samplers)
+        B = len(rows)
+        if greedy:
+            temperature = torch.zeros(B)
+        else:
+            if any(s.uses_penalty or s.counts is not None for s in samplers):  # penalty_state would not be None
+                return False
+            columns = self.probs.native_columns(samplers, self.model.config.vocab_size, self.forward.device)
+            if columns is None:
+                return False
+            temperature = columns[0]
+        sampled = [i for i, s in enumerate(samplers) if not greedy and s.params[0].temperature > 0]
+        mask = torch.zeros(B, dtype=torch.bool)
+        mask[sampled] = True
+        streams = [s.streams[0] for s in samplers]
+        caps = [r.cap for r in rows]
+        table = PagedView(self.pool, [r.seq.blocks for r in rows], self.forward.device).table
+        both = torch.tensor([[r.seq.ids[-2] for r in rows], [r.seq.ids[-1] for r in rows], starts, caps])
+        tokens, q, deferred = fast.guess(both[:2].T.contiguous(), both[2], self.pool.k, self.pool.v, table, both[3],
+                                         temperature, mask, [s.key for s in streams], [s.draws for s in streams],
+                                         not greedy, LANES)
+        if deferred:
+            return False
+        for i in sampled:
+            streams[i].draws += caps[i]  # a draw per guess, as _guess advances them
+        host = tokens.tolist()
+        for i, r in enumerate(rows):
+            r.guesses = host[i][:caps[i]]
+            r.q = None if greedy else q[i, :caps[i]]
+            r.seq.spec.draft_valid = len(r.seq.ids) + caps[i] - 1  # the draft read every guess but the last
+        return True
 
     def _guess(self, rows: list[Row], logits: torch.Tensor) -> None:
         """Draw each row's guesses from the draft, one forward per guess after the first. A sampled row

@@ -1291,6 +1291,92 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
 
 }  // namespace
 
+// A draft model's guesses for a speculative round in one call: the loop of proposers.DraftProposer (its
+// usual round, every row reading its last two tokens), with no Python between the guesses. Included here,
+// after the step's code, so draw.h's fp-contract setting (the race's and the filters' float order) reaches
+// only what follows.
+#include "draw.h"
+
+namespace {
+
+// Step.guess: rows reading `first` (B, 2) at positions start, start + 1 (B,) then one guess at a time, row b
+// making caps[b] >= 1 guesses (a row stops reading once it has its own), each drawn by draw.h's propose_row
+// (the row's temperature, 0 on a greedy row; sampled rows race with their stream at keys[b], draws[b] + j
+// for guess j). Every forward is the one proposers.py runs for the same rows (the same tokens, positions,
+// block table rows, batch), so the same logits, the same cache writes, the same guesses. Returns (tokens
+// (B, K) int64, q (B, K, V) fp32: each guess's distribution (empty with want_q false), deferred): on
+// deferred (a non-finite logit, a race the bound cannot settle) nothing is returned but the cache writes,
+// which the caller's own loop makes again with the same values.
+std::tuple<torch::Tensor, torch::Tensor, bool> guess(Step& step, torch::Tensor first, torch::Tensor start,
+                                                     torch::Tensor kc, torch::Tensor vc, torch::Tensor block_table,
+                                                     torch::Tensor caps, torch::Tensor temperature,
+                                                     torch::Tensor sampled, std::vector<uint64_t> keys,
+                                                     std::vector<int64_t> draws, bool want_q, int64_t W) {
+  TORCH_CHECK(first.dim() == 2 && first.size(1) == 2 && first.scalar_type() == torch::kLong,
+              "guess: first must be (B, 2) int64");
+  const int64_t B = first.size(0);
+  TORCH_CHECK(start.sizes() == torch::IntArrayRef({B}) && start.scalar_type() == torch::kLong &&
+                  caps.sizes() == torch::IntArrayRef({B}) && caps.scalar_type() == torch::kLong &&
+                  temperature.sizes() == torch::IntArrayRef({B}) && temperature.scalar_type() == torch::kFloat32 &&
+                  sampled.sizes() == torch::IntArrayRef({B}) && sampled.scalar_type() == torch::kBool,
+              "guess: start and caps (B,) int64, temperature (B,) fp32, sampled (B,) bool");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == B && static_cast<int64_t>(draws.size()) == B && (W == 8 || W == 16),
+              "guess: one stream a row, W 8 or 16");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B, "guess: block_table (B, blocks per row)");
+  auto st = start.contiguous(), cp = caps.contiguous(), tc = temperature.contiguous(), sc = sampled.contiguous();
+  const int64_t *sp = st.data_ptr<int64_t>(), *capp = cp.data_ptr<int64_t>();
+  const float* tp = tc.data_ptr<float>();
+  const bool* smp = sc.data_ptr<bool>();
+  int64_t K = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(capp[b] >= 1, "guess: every row makes at least one guess");
+    K = std::max(K, capp[b]);
+  }
+  auto tokens = torch::zeros({B, K}, torch::kInt64);
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  torch::Tensor logits = step.run(first, torch::stack({st, st + 1}, 1), kc, vc, false, block_table, c10::nullopt);
+  const int64_t V = logits.size(2);
+  auto q = want_q ? torch::zeros({B, K, V}, torch::kFloat32) : torch::empty({0}, torch::kFloat32);
+  std::vector<float> one_q(want_q ? 0 : V);  // a greedy batch's q is not kept: one row of scratch
+  sluice_spec::Nucleus scratch;
+  std::vector<sluice_draw::Rival> rivals;
+  std::vector<int64_t> alive(B);
+  for (int64_t b = 0; b < B; ++b) alive[b] = b;
+  const float* x = logits.data_ptr<float>() + V;  // row a of the alive rows at x + a * stride
+  int64_t stride = 2 * V;
+  for (int64_t j = 0; j < K; ++j) {
+    if (j) {
+      std::vector<int64_t> next;
+      for (int64_t b : alive)
+        if (capp[b] > j) next.push_back(b);
+      if (next.empty()) break;
+      const int64_t A = next.size();
+      auto t = torch::empty({A, 1}, torch::kInt64), p = torch::empty({A, 1}, torch::kInt64);
+      for (int64_t a = 0; a < A; ++a) {
+        t.data_ptr<int64_t>()[a] = tok[next[a] * K + j - 1];
+        p.data_ptr<int64_t>()[a] = sp[next[a]] + 1 + j;
+      }
+      torch::Tensor table = block_table;
+      if (A < B) table = block_table.index_select(0, torch::tensor(next, torch::kInt64));
+      logits = step.run(t, p, kc, vc, false, table, c10::nullopt);
+      x = logits.data_ptr<float>(), stride = V;
+      alive.swap(next);
+    }
+    for (size_t a = 0; a < alive.size(); ++a) {
+      const int64_t b = alive[a];
+      float* d = want_q ? q.data_ptr<float>() + (b * K + j) * V : one_q.data();
+      if (!want_q) std::fill(one_q.begin(), one_q.end(), 0.f);
+      const int64_t t = sluice_draw::propose_row(x + a * stride, V, tp[b], smp[b], keys[b], draws[b] + j,
+                                                 static_cast<int>(W), d, scratch, rivals);
+      if (t < 0) return {tokens, q, true};
+      tok[b * K + j] = t;
+    }
+  }
+  return {tokens, q, false};
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &has_avx2, "whether this build has the AVX2 + FMA paths");
   m.def("has_avx512", &has_avx512, "whether this build's products run on the AVX-512 tiles");
@@ -1306,5 +1392,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("tokens"), pybind11::arg("positions"), pybind11::arg("k"), pybind11::arg("v"),
            pybind11::arg("hidden"), pybind11::arg("block_table") = pybind11::none(),
            pybind11::arg("counters") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("guess", &guess,
+           "a draft's guesses for a speculative round: first (B, 2), start (B,), k, v pool, block_table, caps (B,), "
+           "temperature (B,), sampled (B,), keys, draws, want_q, W -> (tokens (B, K), q (B, K, V) or empty, deferred)",
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("tile_bytes", &Step::tile_bytes, "bytes of the integer dots' tiles: the step's own copy of int4/int8 codes");
 }
