@@ -1,7 +1,8 @@
 """Where a speculative round's time goes on the bundled model (batch 1, the code prompts of
 bench/speculative.py), against plain decoding's per-token cost: the scheduler's step split into the
-target forward, the draft's forwards, the draft's probabilities and draws, the verify (acceptance and
-the target's probabilities), and the rest (planning, output, Python glue), each in ms per step and per
+target forward, the draft's round in one native call (its forwards, probabilities and draws: step.cpp's
+guess), the draft's forwards, probabilities and draws where the Python loop runs them, the verify (acceptance
+and the target's probabilities), and the rest (planning, output, Python glue), each in ms per step and per
 generated token. Timers wrap the engine's own objects, so the split costs a few microseconds a call.
 
     bash /work/.prof/quiet.sh .venv/bin/python bench/spec_profile.py --json /tmp/spec-profile.json
@@ -24,6 +25,7 @@ import torch  # noqa: E402
 from sluice import LLM, SamplingParams  # noqa: E402
 from sluice.benchmarks.common import environment  # noqa: E402
 from sluice.engine import proposers as proposers_mod  # noqa: E402
+from sluice.engine.fast_step import FastStep  # noqa: E402
 
 
 class Timer:
@@ -50,6 +52,7 @@ class Timer:
 def profile(llm: LLM, k, temp: float, new: int, reps: int) -> dict:
     sched = llm.batch_engine().scheduler
     timer = Timer()
+    guess = FastStep.guess
     timer.wrap(sched, "step", "step")
     timer.wrap(sched, "forward", "target_forward")
     timer.wrap(sched, "draw", "verify_or_sample")
@@ -57,12 +60,22 @@ def profile(llm: LLM, k, temp: float, new: int, reps: int) -> dict:
         sched.speculation.set_k(k)
         prop = sched.speculation.proposer
         timer.wrap(prop, "propose", "draft_total")
-        timer.wrap(prop, "prefill", "draft_prefill")
         timer.wrap(prop.forward, "feed", "draft_forwards")
+        inner_prefill = prop.prefill
+
+        def prefill(rows):  # the prompt's feeds: counted as draft_prefill, not as a round's draft_forwards
+            before, t = timer.seconds.get("draft_forwards", 0.0), time.perf_counter()
+            try:
+                return inner_prefill(rows)
+            finally:
+                timer.seconds["draft_prefill"] = timer.seconds.get("draft_prefill", 0.0) + time.perf_counter() - t
+                timer.seconds["draft_forwards"] = before
+        prop.prefill = prefill
         timer.wrap(prop, "probs", "draft_probs")
         timer.wrap(proposers_mod, "draw", "draft_draws")
         timer.wrap(proposers_mod.accept_kernel, "propose", "draft_probs")  # q and its draw in one call
         timer.wrap(proposers_mod.accept_kernel, "accept", "verify_rule")  # inside verify_or_sample
+        timer.wrap(FastStep, "guess", "draft_round")  # the usual round's forwards, q and draws in one call
     tokens = steps = 0
     for rep in range(reps + 1):
         if rep == 1:  # the first round warms up
@@ -73,15 +86,19 @@ def profile(llm: LLM, k, temp: float, new: int, reps: int) -> dict:
             out = llm.generate([p], SamplingParams(max_tokens=new, temperature=temp, seed=SEED + i, ignore_eos=True))
             tokens += len(out[0].token_ids) - 1
             steps += sched.steps - s0 - 1  # the prefill step made the first token
+    if sched.speculation is not None:
+        FastStep.guess = guess  # the class's own method again (the next profile wraps it anew)
     ms = {name: 1e3 * s for name, s in timer.seconds.items()}
     spec = sched.speculation is not None
     parts = {"target_forward": ms["target_forward"], "verify_or_sample": ms["verify_or_sample"]}
     if spec:
         parts["draft_prefill"] = ms.get("draft_prefill", 0.0)
-        parts["draft_forwards"] = ms["draft_forwards"] - parts["draft_prefill"]  # feed() serves both
+        parts["draft_forwards"] = ms.get("draft_forwards", 0.0)  # the Python loop's (the native round has its own)
         parts["draft_probs"] = ms.get("draft_probs", 0.0)
         parts["draft_draws"] = ms.get("draft_draws", 0.0)
-        parts["draft_glue"] = ms["draft_total"] - parts["draft_forwards"] - parts["draft_probs"] - parts["draft_draws"]
+        parts["draft_round"] = ms.get("draft_round", 0.0)
+        parts["draft_glue"] = (ms["draft_total"] - parts["draft_forwards"] - parts["draft_probs"] - parts["draft_draws"]
+                               - parts["draft_round"])
     parts["other"] = ms["step"] - sum(parts.values())
     if spec:  # a part of verify_or_sample, not added to the total
         parts["verify_rule"] = ms.get("verify_rule", 0.0)

@@ -15,6 +15,7 @@ from sluice import SamplingParams
 from sluice.engine import proposers
 from sluice.engine.sample import LANES
 
+from avx2_build import run_avx2_build
 from test_speculative import noisy_copy
 
 pytestmark = pytest.mark.skipif(not LANES, reason="the native filters need torch's AVX2 or AVX-512 kernels")
@@ -122,3 +123,10 @@ def test_a_non_finite_draft_defers_to_the_loop_and_stays_lossless(tiny_dir, tmp_
     got = run(llm, PROMPTS[:2], params)
     assert checked.rounds[False] > 3 and checked.rounds[True] == 0
     assert got[0] == run(sluice.LLM(str(tiny_dir)), PROMPTS[:1], params[:1])[0]
+
+
+@pytest.mark.slow
+def test_the_avx2_build_takes_the_same_rounds():
+    """The tests above against step.cpp and accept.cpp built as an AVX2-only CPU builds them (a subprocess,
+    a few minutes to build)."""
+    run_avx2_build("fast_step", __file__, "not avx2")

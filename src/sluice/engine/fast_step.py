@@ -350,13 +350,12 @@ class FastStep:
         return torch.cat([self._step.run(tokens[:, t0:t0 + MAX_CHUNK], positions[:, t0:t0 + MAX_CHUNK], k, v,
                                          hidden, block_table, counters) for t0 in range(0, T, MAX_CHUNK)], 1)
 
-    def guess(self, first: torch.Tensor, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              block_table: torch.Tensor, caps: torch.Tensor, temperature: torch.Tensor, sampled: torch.Tensor,
-              keys: list[int], draws: list[int], want_q: bool, lanes: int):
+    def guess(self, last_two: list[int], start: list[int], k: torch.Tensor, v: torch.Tensor, tables: list[list[int]],
+              caps: list[int], temperature: list[float], sampled: list[bool], keys: list[int], draws: list[int],
+              want_q: bool, lanes: int):
         """A draft's round of guesses in one native call (step.cpp's guess; proposers.DraftProposer says what it
-        computes): (tokens (B, K), q (B, K, V) or empty, deferred)."""
-        return self._step.guess(first, start, k, v, block_table, caps, temperature, sampled, keys, draws, want_q,
-                                lanes)
+        computes): (each row's guesses, q (B, K, V) or empty, deferred)."""
+        return self._step.guess(last_two, start, k, v, tables, caps, temperature, sampled, keys, draws, want_q, lanes)
 
     @staticmethod
     def counters() -> torch.Tensor:

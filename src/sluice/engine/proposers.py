@@ -14,7 +14,7 @@ from ..model.layers import Transformer
 from . import accept as accept_kernel
 from .batch_forward import BatchForward
 from .fast_step import FastStep
-from .paged_cache import BlockPool, PagedView
+from .paged_cache import BlockPool
 from .plan import Row
 from .sample import LANES
 from .sampling import argmax_rows, nonfinite_rows
@@ -78,33 +78,27 @@ class DraftProposer:
             return False
         samplers = [r.seq.sampler for r in rows]
         greedy = all(s.plain_greedy for s in samplers)
-        B = len(rows)
         if greedy:
-            temperature = torch.zeros(B)
+            temperature = [0.0] * len(rows)
         else:
             if any(s.uses_penalty or s.counts is not None for s in samplers):  # penalty_state would not be None
                 return False
             columns = self.probs.native_columns(samplers, self.model.config.vocab_size, self.forward.device)
             if columns is None:
                 return False
-            temperature = columns[0]
-        sampled = [i for i, s in enumerate(samplers) if not greedy and s.params[0].temperature > 0]
-        mask = torch.zeros(B, dtype=torch.bool)
-        mask[sampled] = True
+            temperature = columns[0].tolist()  # 0 on a greedy row
+        sampled = [not greedy and s.params[0].temperature > 0 for s in samplers]
         streams = [s.streams[0] for s in samplers]
         caps = [r.cap for r in rows]
-        table = PagedView(self.pool, [r.seq.blocks for r in rows], self.forward.device).table
-        both = torch.tensor([[r.seq.ids[-2] for r in rows], [r.seq.ids[-1] for r in rows], starts, caps])
-        tokens, q, deferred = fast.guess(both[:2].T.contiguous(), both[2], self.pool.k, self.pool.v, table, both[3],
-                                         temperature, mask, [s.key for s in streams], [s.draws for s in streams],
-                                         not greedy, LANES)
+        guesses, q, deferred = fast.guess([t for r in rows for t in r.seq.ids[-2:]], starts, self.pool.k, self.pool.v,
+                                          [r.seq.blocks for r in rows], caps, temperature, sampled,
+                                          [s.key for s in streams], [s.draws for s in streams], not greedy, LANES)
         if deferred:
             return False
-        for i in sampled:
-            streams[i].draws += caps[i]  # a draw per guess, as _guess advances them
-        host = tokens.tolist()
         for i, r in enumerate(rows):
-            r.guesses = host[i][:caps[i]]
+            if sampled[i]:
+                streams[i].draws += caps[i]  # a draw per guess, as _guess advances them
+            r.guesses = guesses[i]
             r.q = None if greedy else q[i, :caps[i]]
             r.seq.spec.draft_valid = len(r.seq.ids) + caps[i] - 1  # the draft read every guess but the last
         return True

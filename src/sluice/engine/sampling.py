@@ -178,9 +178,13 @@ class Sampler:
 
     def add_generated(self, row: int, token_ids) -> None:
         """Record tokens that were generated without passing through __call__ (a speculative round's
-        accepted guesses): marked seen and, where counts are kept, counted."""
+        accepted guesses): marked seen where a repetition penalty reads it (as __call__ keeps it) and, where
+        counts are kept, counted."""
+        if not self._use_penalty and self.counts is None:
+            return
         ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device).reshape(-1)
-        self.seen[row, ids] = True
+        if self._use_penalty:
+            self.seen[row, ids] = True
         if self.counts is not None:
             self.counts[row].index_add_(0, ids, torch.ones(ids.shape, device=self.device))
 

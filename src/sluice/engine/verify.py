@@ -181,7 +181,7 @@ def _greedy_runs(rows: list[Row], logits: list[torch.Tensor]) -> list[list[int]]
     """verify() when every row is plain greedy: a guess is kept while it is the target's argmax (the
     rule at temperature 0, as accept_greedy), decided on the host from one argmax over every row's
     positions: a few small lists, where the tensor rule costs a dozen small ops a round."""
-    top, bad = argmax_rows(torch.cat(logits).float())  # rows of different lengths need no padding
+    top, bad = argmax_rows((logits[0] if len(logits) == 1 else torch.cat(logits)).float())  # no padding needed
     top, bad = top.tolist(), bad.tolist()
     runs, at = [], 0
     for r in rows:

@@ -1299,39 +1299,45 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
 
 namespace {
 
-// Step.guess: rows reading `first` (B, 2) at positions start, start + 1 (B,) then one guess at a time, row b
-// making caps[b] >= 1 guesses (a row stops reading once it has its own), each drawn by draw.h's propose_row
-// (the row's temperature, 0 on a greedy row; sampled rows race with their stream at keys[b], draws[b] + j
-// for guess j). Every forward is the one proposers.py runs for the same rows (the same tokens, positions,
-// block table rows, batch), so the same logits, the same cache writes, the same guesses. Returns (tokens
-// (B, K) int64, q (B, K, V) fp32: each guess's distribution (empty with want_q false), deferred): on
-// deferred (a non-finite logit, a race the bound cannot settle) nothing is returned but the cache writes,
-// which the caller's own loop makes again with the same values.
-std::tuple<torch::Tensor, torch::Tensor, bool> guess(Step& step, torch::Tensor first, torch::Tensor start,
-                                                     torch::Tensor kc, torch::Tensor vc, torch::Tensor block_table,
-                                                     torch::Tensor caps, torch::Tensor temperature,
-                                                     torch::Tensor sampled, std::vector<uint64_t> keys,
-                                                     std::vector<int64_t> draws, bool want_q, int64_t W) {
-  TORCH_CHECK(first.dim() == 2 && first.size(1) == 2 && first.scalar_type() == torch::kLong,
-              "guess: first must be (B, 2) int64");
-  const int64_t B = first.size(0);
-  TORCH_CHECK(start.sizes() == torch::IntArrayRef({B}) && start.scalar_type() == torch::kLong &&
-                  caps.sizes() == torch::IntArrayRef({B}) && caps.scalar_type() == torch::kLong &&
-                  temperature.sizes() == torch::IntArrayRef({B}) && temperature.scalar_type() == torch::kFloat32 &&
-                  sampled.sizes() == torch::IntArrayRef({B}) && sampled.scalar_type() == torch::kBool,
-              "guess: start and caps (B,) int64, temperature (B,) fp32, sampled (B,) bool");
-  TORCH_CHECK(static_cast<int64_t>(keys.size()) == B && static_cast<int64_t>(draws.size()) == B && (W == 8 || W == 16),
-              "guess: one stream a row, W 8 or 16");
-  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B, "guess: block_table (B, blocks per row)");
-  auto st = start.contiguous(), cp = caps.contiguous(), tc = temperature.contiguous(), sc = sampled.contiguous();
-  const int64_t *sp = st.data_ptr<int64_t>(), *capp = cp.data_ptr<int64_t>();
-  const float* tp = tc.data_ptr<float>();
-  const bool* smp = sc.data_ptr<bool>();
-  int64_t K = 0;
+// Step.guess: rows reading their last two tokens, last_two[2b], last_two[2b + 1], at positions start[b],
+// start[b] + 1, then one guess at a time, row b making caps[b] >= 1 guesses (a row stops reading once it has
+// its own), each drawn by draw.h's propose_row (the row's temperature, 0 on a greedy row; a sampled row races
+// with its stream at keys[b], draws[b] + j for guess j). tables[b]: the row's block ids (padded as PagedView
+// pads them). Every forward is the one proposers.py runs for the same rows (the same tokens, positions, block
+// table rows, batch), so the same logits, the same cache writes, the same guesses. Plain lists in and out: a
+// round's Python is a few list builds, no tensors. Returns (each row's guesses, q (B, K, V) fp32: each guess's
+// distribution (empty with want_q false), deferred): on deferred (a non-finite logit, a race the bound cannot
+// settle) nothing is returned but the cache writes, which the caller's own loop makes again with the same values.
+std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor, bool> guess(
+    Step& step, const std::vector<int64_t>& last_two, const std::vector<int64_t>& start, torch::Tensor kc,
+    torch::Tensor vc, const std::vector<std::vector<int64_t>>& tables, const std::vector<int64_t>& caps,
+    const std::vector<float>& temperature, const std::vector<bool>& sampled, const std::vector<uint64_t>& keys,
+    const std::vector<int64_t>& draws, bool want_q, int64_t W) {
+  const int64_t B = start.size();
+  TORCH_CHECK(B > 0 && static_cast<int64_t>(last_two.size()) == 2 * B && static_cast<int64_t>(tables.size()) == B &&
+                  static_cast<int64_t>(caps.size()) == B && static_cast<int64_t>(temperature.size()) == B &&
+                  static_cast<int64_t>(sampled.size()) == B && static_cast<int64_t>(keys.size()) == B &&
+                  static_cast<int64_t>(draws.size()) == B && (W == 8 || W == 16),
+              "guess: two tokens, a start, a block table, a cap, a temperature, a sampled flag and a stream a row; "
+              "W 8 or 16");
+  int64_t K = 0, nb = 0;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(capp[b] >= 1, "guess: every row makes at least one guess");
-    K = std::max(K, capp[b]);
+    TORCH_CHECK(caps[b] >= 1, "guess: every row makes at least one guess");
+    TORCH_CHECK(!tables[b].empty(), "guess: every row has a block");
+    K = std::max(K, caps[b]);
+    nb = std::max(nb, static_cast<int64_t>(tables[b].size()));
   }
+  auto block_table = torch::empty({B, nb}, torch::kInt64);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t* row = block_table.data_ptr<int64_t>() + b * nb;
+    std::copy(tables[b].begin(), tables[b].end(), row);
+    std::fill(row + tables[b].size(), row + nb, tables[b][0]);
+  }
+  const int64_t* sp = start.data();
+  const int64_t* capp = caps.data();
+  const float* tp = temperature.data();
+  auto first = torch::from_blob(const_cast<int64_t*>(last_two.data()), {B, 2}, torch::kInt64);
+  auto st = torch::from_blob(const_cast<int64_t*>(start.data()), {B}, torch::kInt64);
   auto tokens = torch::zeros({B, K}, torch::kInt64);
   int64_t* tok = tokens.data_ptr<int64_t>();
   torch::Tensor logits = step.run(first, torch::stack({st, st + 1}, 1), kc, vc, false, block_table, c10::nullopt);
@@ -1366,13 +1372,15 @@ std::tuple<torch::Tensor, torch::Tensor, bool> guess(Step& step, torch::Tensor f
       const int64_t b = alive[a];
       float* d = want_q ? q.data_ptr<float>() + (b * K + j) * V : one_q.data();
       if (!want_q) std::fill(one_q.begin(), one_q.end(), 0.f);
-      const int64_t t = sluice_draw::propose_row(x + a * stride, V, tp[b], smp[b], keys[b], draws[b] + j,
+      const int64_t t = sluice_draw::propose_row(x + a * stride, V, tp[b], sampled[b], keys[b], draws[b] + j,
                                                  static_cast<int>(W), d, scratch, rivals);
-      if (t < 0) return {tokens, q, true};
+      if (t < 0) return {{}, q, true};
       tok[b * K + j] = t;
     }
   }
-  return {tokens, q, false};
+  std::vector<std::vector<int64_t>> out(B);
+  for (int64_t b = 0; b < B; ++b) out[b].assign(tok + b * K, tok + b * K + capp[b]);
+  return {out, q, false};
 }
 
 }  // namespace
@@ -1393,8 +1401,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("hidden"), pybind11::arg("block_table") = pybind11::none(),
            pybind11::arg("counters") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("guess", &guess,
-           "a draft's guesses for a speculative round: first (B, 2), start (B,), k, v pool, block_table, caps (B,), "
-           "temperature (B,), sampled (B,), keys, draws, want_q, W -> (tokens (B, K), q (B, K, V) or empty, deferred)",
+           "a draft's guesses for a speculative round: last_two (2B), start (B), k, v pool, block tables, caps (B), "
+           "temperature (B), sampled (B), keys, draws, want_q, W -> (guesses per row, q (B, K, V) or empty, deferred)",
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("tile_bytes", &Step::tile_bytes, "bytes of the integer dots' tiles: the step's own copy of int4/int8 codes");
 }
