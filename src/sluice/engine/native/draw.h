@@ -8,21 +8,11 @@
 // torch picks it (as sample.cpp does); else the caller defers to the torch rule.
 #pragma once
 
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
 #include <limits>
-#include <vector>
 
+// (after spec_rows.h, which turns float contraction off for everything that follows it: the race's bounds and
+// the filters are the float operations torch does, not fused ones)
 #include "spec_rows.h"
-
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
 
 namespace sluice_draw {
 
