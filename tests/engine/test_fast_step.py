@@ -96,6 +96,13 @@ def test_chunk_logits_and_cache_equal_the_torch_path(ckpt_dirs, name, T):
     check_chunk(load(ckpt_dirs[name]), T)
 
 
+@pytest.mark.parametrize("head_dim", [20, 40, 64])
+def test_chunk_logits_at_other_head_widths(head_dim):
+    """Attention at head widths below, across and at whole register blocks (the AVX2 path's value pass takes 32
+    channels, the AVX-512 one's 64; the scores 8 or 16 slots at a time, a short last group), against torch."""
+    check_chunk(random_model(seed=7, head_dim=head_dim), 3)
+
+
 @pytest.mark.parametrize("name", ["qwen3", "mistral-window"])
 def test_a_chunk_past_max_chunk_runs_in_pieces_bit_for_bit(ckpt_dirs, name):
     """A prefill-sized chunk (> MAX_CHUNK, the kernel's piece) equals the torch path, and any cut of it

@@ -147,10 +147,12 @@ def test_surgery_on_a_soft_cap_or_a_norm_rebuilds_the_step(ckpt_dirs):
     assert not fast.current()
     why, fresh = native_check(model, fast)
     assert why is None and fresh is not fast and fresh.current()
-    check_chunk(model, 2)
+    # keys up to ~24 here, where differently ordered sums (the AVX2 build's 8-lane products) land 1-2e-6 of the
+    # scale apart (measured 2.1e-5 and 3.0e-5 absolute): the prefill test's bound, relative to the cache's scale
+    check_chunk(model, 2, cache_atol=max(1e-5, 5e-6 * scale_of_cache(model)))
     model.final_norm = None
     assert native_check(model, fresh)[1] is not fresh
-    check_chunk(model, 2)
+    check_chunk(model, 2, cache_atol=max(1e-5, 5e-6 * scale_of_cache(model)))
 
 
 def test_what_stays_outside_is_refused_by_name():

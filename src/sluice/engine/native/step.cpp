@@ -232,6 +232,43 @@ inline __m512 tanh16(__m512 x) {
 }
 #endif
 
+#if defined(SLUICE_AVX2) && !defined(SLUICE_AVX512)
+// exp16's arithmetic in 8 lanes, for a CPU without AVX-512: the same clamp, rounding and polynomial, and 2^n as
+// two exact powers of two (n / 2 and the rest, each a normal float), so the one rounding of a result that
+// underflows is scalef's: the same bits as exp16 for every input.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-103.f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 q = _mm256_set1_ps(1.9875691500e-4f);
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.3981999507e-3f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(8.3334519073e-3f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(4.1665795894e-2f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.6666665459e-1f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(5.0000001201e-1f));
+  q = _mm256_fmadd_ps(_mm256_mul_ps(q, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1), rest = _mm256_sub_epi32(ni, half);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(q, p1), p2);
+}
+// Lanes [0, n) on (all of them for n >= 8): a mask for maskload / maskstore.
+inline __m256i first_lanes8(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+// The 8 horizontal sums of v[0..7] in one vector, lane i = the sum of v[i] (pairs, then quads, then halves).
+inline __m256 reduce8(const __m256 v[8]) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
 // out[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u for i < n, as F.silu(gate) * up.
 inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
   int64_t i = 0;
@@ -241,6 +278,13 @@ inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
                                             _mm512_loadu_ps(u + i)));
+  }
+#elif defined(SLUICE_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                            _mm256_loadu_ps(u + i)));
   }
 #endif
   for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
@@ -810,6 +854,63 @@ inline void softmax(float* s, int64_t n) {
     _mm512_mask_storeu_ps(s + i, k, _mm512_div_ps(_mm512_maskz_loadu_ps(k, s + i), total));
   }
 }
+#elif defined(SLUICE_AVX2)
+// The AVX-512 pair above in 8 lanes. weighted_values8: o[h] += sum over slots t of w[h][t] * v_t for NH (<= 3)
+// query heads at once, channels d0 .. d0 + 32 (four registers) per pass; Tail: the pass reaches past D (masked).
+template <int NH, bool Tail>
+inline void weighted_values8(const float* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
+                             int64_t D, int64_t d0, int64_t lo, int64_t p, const float* w, int64_t ldw, float* o,
+                             int64_t ldo) {
+  __m256 a[NH][4];
+  __m256i k[4];
+  for (int c = 0; c < 4; ++c) {
+    k[c] = first_lanes8(std::max<int64_t>(0, D - d0 - 8 * c));
+    for (int h = 0; h < NH; ++h) a[h][c] = _mm256_setzero_ps();
+  }
+  for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t t, const float* vs) {
+    for (int c = 0; c < 4; ++c) {
+      const __m256 v = Tail ? _mm256_maskload_ps(vs + d0 + 8 * c, k[c]) : _mm256_loadu_ps(vs + d0 + 8 * c);
+      for (int h = 0; h < NH; ++h) a[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[h * ldw + t]), v, a[h][c]);
+    }
+  });
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < 4; ++c) {
+      if (Tail)
+        _mm256_maskstore_ps(o + h * ldo + d0 + 8 * c, k[c], a[h][c]);
+      else
+        _mm256_storeu_ps(o + h * ldo + d0 + 8 * c, a[h][c]);
+    }
+}
+template <int NH>
+inline void weighted_values(const float* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
+                            int64_t D, int64_t lo, int64_t p, const float* w, int64_t ldw, float* o, int64_t ldo) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) weighted_values8<NH, false>(vh, blocks, bs, sBlock, sS, D, d0, lo, p, w, ldw, o, ldo);
+  if (d0 < D) weighted_values8<NH, true>(vh, blocks, bs, sBlock, sS, D, d0, lo, p, w, ldw, o, ldo);
+}
+
+// s[0:n] = softmax(s[0:n]) in place.
+inline void softmax(float* s, int64_t n) {
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + i));
+  float top = -INFINITY;
+  for (int l = 0; l < 8; ++l) top = std::max(top, mx[l]);
+  for (; i < n; ++i) top = std::max(top, s[i]);
+  const __m256 topv = _mm256_set1_ps(top);
+  __m256 sum = _mm256_setzero_ps();
+  for (i = 0; i < n; i += 8) {
+    const __m256i k = first_lanes8(n - i);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + i, k), topv)), _mm256_castsi256_ps(k));
+    _mm256_maskstore_ps(s + i, k, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  const __m256 total = _mm256_set1_ps(sluice_simd::hsum(sum));
+  for (i = 0; i < n; i += 8) {
+    const __m256i k = first_lanes8(n - i);
+    _mm256_maskstore_ps(s + i, k, _mm256_div_ps(_mm256_maskload_ps(s + i, k), total));
+  }
+}
 #endif
 
 // The G query heads q[h] = qh + h * D that share one KV head (kh, vh: for_slots's `head`), over its slots
@@ -856,6 +957,49 @@ inline void attend(const float* qh, int64_t G, const float* kh, const float* vh,
       case 2: weighted_values<2>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
       case 3: weighted_values<3>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
       default: weighted_values<4>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D);
+    }
+  }
+#elif defined(SLUICE_AVX2)
+  // The AVX-512 path's shape in 8 lanes: scores 8 slots at a time (8 dot products share each load of q, one
+  // reduce8 sums them), the softmax in vector lanes, the values for up to 3 heads a pass.
+  const float* ks[8];
+  int cnt = 0;
+  int64_t first = lo;
+  const int64_t full = D / 8 * 8;
+  const __m256i tail = first_lanes8(D - full);
+  auto scores8 = [&]() {
+    for (int j = cnt; j < 8; ++j) ks[j] = ks[0];  // a short last group: lanes past cnt are dropped
+    for (int64_t h = 0; h < G; ++h) {
+      __m256 a[8];
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < full; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qh + h * D + d);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[j] + d), qv, a[j]);
+      }
+      if (full < D) {
+        const __m256 qv = _mm256_maskload_ps(qh + h * D + full, tail);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(_mm256_maskload_ps(ks[j] + full, tail), qv, a[j]);
+      }
+      _mm256_maskstore_ps(sc + h * span + first, first_lanes8(cnt), _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
+    }
+    first += cnt;
+    cnt = 0;
+  };
+  for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t, const float* slot) {
+    ks[cnt++] = slot;
+    if (cnt == 8) scores8();
+  });
+  if (cnt) scores8();
+  if (cap > 0.f)
+    for (int64_t h = 0; h < G; ++h)
+      soft_cap_n(sc + h * span + lo, p + 1 - lo, cap);
+  for (int64_t h = 0; h < G; ++h) softmax(sc + h * span + lo, p + 1 - lo);
+  for (int64_t h0 = 0; h0 < G; h0 += 3) {
+    const float* w = sc + h0 * span;
+    switch (std::min<int64_t>(3, G - h0)) {
+      case 1: weighted_values<1>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
+      case 2: weighted_values<2>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
+      default: weighted_values<3>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D);
     }
   }
 #else
