@@ -932,6 +932,51 @@ inline void softmax(float* s, int64_t n) {
 }
 #endif
 
+#ifdef SLUICE_AVX2
+// for_slots over the keys lo..p, N slots at a time: scores(ks, cnt, first) for each group of cnt <= N slot pointers
+// (the last group may be short: its pointers past cnt repeat the first, and their lanes are dropped), whose
+// slots are first .. first + cnt - 1.
+template <int N, typename F>
+inline void key_groups(const float* kh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS, int64_t D,
+                       int64_t lo, int64_t p, F&& scores) {
+  const float* ks[N];
+  int cnt = 0;
+  int64_t first = lo;
+  auto flush = [&]() {
+    for (int j = cnt; j < N; ++j) ks[j] = ks[0];
+    scores(ks, cnt, first);
+    first += cnt;
+    cnt = 0;
+  };
+  for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t, const float* slot) {
+    ks[cnt++] = slot;
+    if (cnt == N) flush();
+  });
+  if (cnt) flush();
+}
+
+// attend()'s vector paths once the scores sc (G rows of `span`, slots lo..p) are in: the soft-cap, each head's
+// softmax, then o[h] = the weighted sum of the values, up to MaxHeads heads a pass over them (4 with AVX-512's
+// 32 registers, 3 with AVX2's 16).
+template <int MaxHeads>
+inline void weigh_values(const float* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS, int64_t D,
+                         int64_t lo, int64_t p, int64_t G, float cap, float* sc, int64_t span, float* o) {
+  if (cap > 0.f)
+    for (int64_t h = 0; h < G; ++h)
+      soft_cap_n(sc + h * span + lo, p + 1 - lo, cap);
+  for (int64_t h = 0; h < G; ++h) softmax(sc + h * span + lo, p + 1 - lo);
+  for (int64_t h0 = 0; h0 < G; h0 += MaxHeads) {
+    const float* w = sc + h0 * span;
+    switch (std::min<int64_t>(MaxHeads, G - h0)) {
+      case 1: weighted_values<1>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
+      case 2: weighted_values<2>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
+      case 3: weighted_values<3>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
+      default: weighted_values<MaxHeads>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D);
+    }
+  }
+}
+#endif
+
 // The G query heads q[h] = qh + h * D that share one KV head (kh, vh: for_slots's `head`), over its slots
 // lo..p: softmax of the scaled scores q.k, soft-capped if cap > 0 (sc: scratch, G rows of `span` floats indexed by slot), then
 // o[h] = o + h * D (D floats) = the weighted sum of the values. One pass over the keys and values serves
@@ -942,11 +987,7 @@ inline void attend(const float* qh, int64_t G, const float* kh, const float* vh,
 #ifdef SLUICE_AVX512
   // Scores 16 slots at a time: 16 dot products share each load of q, and one reduce16 sums them; the
   // group's 16 keys stay in L1 for its other heads.
-  const float* ks[16];
-  int cnt = 0;
-  int64_t first = lo;
-  auto scores16 = [&]() {
-    for (int j = cnt; j < 16; ++j) ks[j] = ks[0];  // a short last group: lanes past cnt are dropped
+  key_groups<16>(kh, blocks, bs, sBlock, sS, D, lo, p, [&](const float* const* ks, int cnt, int64_t first) {
     for (int64_t h = 0; h < G; ++h) {
       __m512 a[16];
       for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
@@ -957,37 +998,14 @@ inline void attend(const float* qh, int64_t G, const float* kh, const float* vh,
       }
       _mm512_mask_storeu_ps(sc + h * span + first, first_lanes(cnt), _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
     }
-    first += cnt;
-    cnt = 0;
-  };
-  for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t, const float* slot) {
-    ks[cnt++] = slot;
-    if (cnt == 16) scores16();
   });
-  if (cnt) scores16();
-  if (cap > 0.f)
-    for (int64_t h = 0; h < G; ++h)
-      soft_cap_n(sc + h * span + lo, p + 1 - lo, cap);
-  for (int64_t h = 0; h < G; ++h) softmax(sc + h * span + lo, p + 1 - lo);
-  for (int64_t h0 = 0; h0 < G; h0 += 4) {
-    const float* w = sc + h0 * span;
-    switch (std::min<int64_t>(4, G - h0)) {
-      case 1: weighted_values<1>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
-      case 2: weighted_values<2>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
-      case 3: weighted_values<3>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
-      default: weighted_values<4>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D);
-    }
-  }
+  weigh_values<4>(vh, blocks, bs, sBlock, sS, D, lo, p, G, cap, sc, span, o);
 #elif defined(SLUICE_AVX2)
   // The AVX-512 path's shape in 8 lanes: scores 8 slots at a time (8 dot products share each load of q, one
   // reduce8 sums them), the softmax in vector lanes, the values for up to 3 heads a pass.
-  const float* ks[8];
-  int cnt = 0;
-  int64_t first = lo;
   const int64_t full = D / 8 * 8;
   const __m256i tail = first_lanes8(D - full);
-  auto scores8 = [&]() {
-    for (int j = cnt; j < 8; ++j) ks[j] = ks[0];  // a short last group: lanes past cnt are dropped
+  key_groups<8>(kh, blocks, bs, sBlock, sS, D, lo, p, [&](const float* const* ks, int cnt, int64_t first) {
     for (int64_t h = 0; h < G; ++h) {
       __m256 a[8];
       for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
@@ -1001,26 +1019,8 @@ inline void attend(const float* qh, int64_t G, const float* kh, const float* vh,
       }
       _mm256_maskstore_ps(sc + h * span + first, first_lanes8(cnt), _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
     }
-    first += cnt;
-    cnt = 0;
-  };
-  for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t, const float* slot) {
-    ks[cnt++] = slot;
-    if (cnt == 8) scores8();
   });
-  if (cnt) scores8();
-  if (cap > 0.f)
-    for (int64_t h = 0; h < G; ++h)
-      soft_cap_n(sc + h * span + lo, p + 1 - lo, cap);
-  for (int64_t h = 0; h < G; ++h) softmax(sc + h * span + lo, p + 1 - lo);
-  for (int64_t h0 = 0; h0 < G; h0 += 3) {
-    const float* w = sc + h0 * span;
-    switch (std::min<int64_t>(3, G - h0)) {
-      case 1: weighted_values<1>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
-      case 2: weighted_values<2>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
-      default: weighted_values<3>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D);
-    }
-  }
+  weigh_values<3>(vh, blocks, bs, sBlock, sS, D, lo, p, G, cap, sc, span, o);
 #else
   for (int64_t h = 0; h < G; ++h, qh += D, sc += span, o += D) {
     float mx = -INFINITY;
