@@ -81,13 +81,14 @@ class DraftProposer:
         if greedy:
             temperature = [0.0] * len(rows)
         else:
-            if any(s.uses_penalty or s.counts is not None for s in samplers):  # penalty_state would not be None
+            seen, counts = penalty_state(rows)
+            if seen is not None or counts is not None:  # the penalties' state: _guess filters those rows
                 return False
             columns = self.probs.native_columns(samplers, self.model.config.vocab_size, self.forward.device)
             if columns is None:
                 return False
             temperature = columns[0].tolist()  # 0 on a greedy row
-        sampled = [not greedy and s.params[0].temperature > 0 for s in samplers]
+        sampled = [s.params[0].temperature > 0 for s in samplers]  # (none in a plain greedy batch)
         streams = [s.streams[0] for s in samplers]
         caps = [r.cap for r in rows]
         guesses, q, deferred = fast.guess([t for r in rows for t in r.seq.ids[-2:]], starts, self.pool.k, self.pool.v,

@@ -22,7 +22,6 @@
 
 #include "simd.h"
 #include "draw.h"
-#include "spec_rows.h"
 
 // torch rounds u * q(x) before comparing it with p(x); a fused multiply-add here would not.
 #if defined(__clang__)
@@ -32,6 +31,8 @@
 #endif
 
 using namespace sluice_draw;
+
+constexpr uint64_t kAccept = 0x5BD1E9955BD1E995ull;  // noise.ACCEPT, the acceptance uniforms' domain
 
 // speculative.accept for a batch: p (B, K+1, V) and q (B, K, V) fp32 (q empty: a point mass on each
 // guess), draft (B, K) and lengths (B,) int64, sampled (B,) bool (the other rows decide by argmax), keys

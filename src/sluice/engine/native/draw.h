@@ -17,7 +17,6 @@
 namespace sluice_draw {
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
-constexpr uint64_t kAccept = 0x5BD1E9955BD1E995ull;  // noise.ACCEPT, the acceptance uniforms' domain
 constexpr double kLogErr = 0x1p-21;  // torch's float log (Sleef, 1 ulp claimed): 4 ulp allowed
 constexpr double kUlp = 0x1p-23;
 
@@ -112,7 +111,6 @@ inline bool any_nan(const float* p, int64_t V) {
   for (int64_t i = 0; i < V; ++i) bad |= std::isnan(p[i]);
   return bad;
 }
-
 
 // A draft's guess for one row (accept.cpp's propose, a row of it): d (V,), zeroed by the caller, gets the
 // row's q (RoundProbs' nucleus_row of the logits x with temperature T and top_p off; a one-hot first argmax

@@ -1501,8 +1501,7 @@ std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor, bool> guess(
   const float* tp = temperature.data();
   auto first = torch::from_blob(const_cast<int64_t*>(last_two.data()), {B, 2}, torch::kInt64);
   auto st = torch::from_blob(const_cast<int64_t*>(start.data()), {B}, torch::kInt64);
-  auto tokens = torch::zeros({B, K}, torch::kInt64);
-  int64_t* tok = tokens.data_ptr<int64_t>();
+  std::vector<int64_t> tok(B * K, 0);  // tok[b * K + j]: row b's guess j
   torch::Tensor logits = step.run(first, torch::stack({st, st + 1}, 1), kc, vc, false, block_table, c10::nullopt);
   const int64_t V = logits.size(2);
   auto q = want_q ? torch::zeros({B, K, V}, torch::kFloat32) : torch::empty({0}, torch::kFloat32);
@@ -1542,7 +1541,7 @@ std::tuple<std::vector<std::vector<int64_t>>, torch::Tensor, bool> guess(
     }
   }
   std::vector<std::vector<int64_t>> out(B);
-  for (int64_t b = 0; b < B; ++b) out[b].assign(tok + b * K, tok + b * K + capp[b]);
+  for (int64_t b = 0; b < B; ++b) out[b].assign(tok.begin() + b * K, tok.begin() + b * K + capp[b]);
   return {out, q, false};
 }
 
