@@ -112,6 +112,48 @@ def last_level_cache() -> int | None:
     return max(sizes) if sizes else None
 
 
+def step_profile(llm, prompts: list[str], params: list) -> dict:
+    """One more, untimed-for-the-ratio run of `prompts`, with the native step's phase counters on every one-token
+    call (the decode rows of a step: batch_forward runs them as one call, prompt chunks as calls of their own): per
+    such call, the rows, the seconds of each phase (fast_step.PHASES) and the key/value slots its attention reads
+    (a row at position p reads p + 1; sliding windows are not discounted, so this is an upper bound there). The rest
+    of the run's wall time is the prompt chunks' native calls and everything outside the native step (scheduler,
+    sampler, detokenizer, Python). Empty where the engine does not run the native step."""
+    from sluice.engine import fast_step
+    counters = fast_step.FastStep.counters()
+    acc = {"calls": 0, "rows": 0, "kv_slots": 0, "decode_s": 0.0, "chunk_s": 0.0}
+    plain = fast_step.FastStep.__call__
+
+    def counted(self, tokens, positions, k, v, hidden=False, block_table=None, counters_=None):
+        one = tokens.shape[-1] == 1
+        t = time.perf_counter()
+        out = plain(self, tokens, positions, k, v, hidden, block_table, counters if one else counters_)
+        acc["decode_s" if one else "chunk_s"] += time.perf_counter() - t
+        if one:
+            acc["calls"] += 1
+            acc["rows"] += tokens.shape[0]
+            acc["kv_slots"] += int(positions.sum()) + tokens.shape[0]
+        return out
+
+    llm.batch_engine().pool.drop_cached()
+    fast_step.FastStep.__call__ = counted
+    try:
+        wall = timed(lambda: llm.generate(prompts, params))
+    finally:
+        fast_step.FastStep.__call__ = plain
+    if not acc["calls"]:
+        return {}
+    cfg, n = llm.model.config, acc["calls"]
+    kv_slot_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * llm.batch_engine().pool.k.element_size()
+    return {"wall_s": wall, "decode_calls": n, "rows_per_call": acc["rows"] / n,
+            "decode_call_s": acc["decode_s"], "chunk_call_s": acc["chunk_s"],
+            "outside_native_s": wall - acc["decode_s"] - acc["chunk_s"],
+            "us_per_call": 1e6 * acc["decode_s"] / n,
+            "phases_us_per_call": {k: 1e6 * s / n for k, s in zip(fast_step.PHASES, counters.tolist())},
+            "kv_slot_bytes": kv_slot_bytes, "kv_slots": acc["kv_slots"],
+            "kv_bytes_per_call": kv_slot_bytes * acc["kv_slots"] / n}
+
+
 def measure(args) -> dict:
     from sluice import LLM
     load = Load(args.concurrency, args.requests, args.serial, args.prompt_tokens, args.max_tokens, args.sampled,
@@ -135,6 +177,20 @@ def measure(args) -> dict:
         print(f"serve_ceiling: round {rnd + 1}/{args.reps}: " +
               ", ".join(f"{k} {v[-1]:.3f} s" for k, v in samples.items()), file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in samples.items()}
+    # where a decode step's time goes, at C rows and alone (the serial requests one by one)
+    profile = {"c": step_profile(llm, prompts, full), "1": {}}
+    parts1 = [step_profile(llm, [s.prompt], [q]) for s, q in zip(serial, full)]
+    if all(parts1):
+        n = sum(p["decode_calls"] for p in parts1)
+        profile["1"] = {"wall_s": sum(p["wall_s"] for p in parts1), "decode_calls": n,
+                        "rows_per_call": sum(p["rows_per_call"] * p["decode_calls"] for p in parts1) / n,
+                        **{k: sum(p[k] for p in parts1) for k in ("decode_call_s", "chunk_call_s", "outside_native_s",
+                                                                 "kv_slots")},
+                        "us_per_call": 1e6 * sum(p["decode_call_s"] for p in parts1) / n,
+                        "phases_us_per_call": {k: sum(p["phases_us_per_call"][k] * p["decode_calls"] for p in parts1) / n
+                                               for k in parts1[0]["phases_us_per_call"]},
+                        "kv_slot_bytes": parts1[0]["kv_slot_bytes"]}
+        profile["1"]["kv_bytes_per_call"] = profile["1"]["kv_slot_bytes"] * profile["1"]["kv_slots"] / n
     out_c, out_1 = sum(s.max_tokens for s in specs), sum(s.max_tokens for s in serial)
     p_c, p_1 = med["prefill_batch"], med["prefill_serial"]
     d_c, d_1 = med["batch"] - p_c, med["serial"] - p_1
@@ -167,6 +223,7 @@ def measure(args) -> dict:
                  "native_prefill_gflops": prompt_c * flops_per_token / p_c / 1e9,
                  "torch_mm_gflops": gemm_rate(shapes, mm_dtype), "torch_mm_dtype": str(mm_dtype).split(".")[-1],
                  "rows": 64},
+        "step_profile": profile,
     }
 
 
@@ -191,6 +248,25 @@ def report(r: dict) -> str:
         f"  prefill's linears: {g['native_prefill_gflops']:.0f} GFLOP/s effective (attention and all) vs torch.mm "
         f"{g['torch_mm_gflops']:.0f} GFLOP/s ({g['torch_mm_dtype']}, {g['rows']} rows, same shapes)",
     ]
+    prof, wbytes = r.get("step_profile") or {}, r["decode"]["weight_bytes_per_step"]
+    if prof.get("c") and prof.get("1"):
+        def phases(p):
+            big = ("qkv_proj", "attention", "o_proj", "mlp", "lm_head")
+            ph = p["phases_us_per_call"]
+            rest = sum(v for k, v in ph.items() if k not in big)
+            return ", ".join(f"{k} {ph[k]:.0f}" for k in big) + f", other {rest:.0f}"
+        pc, p1 = prof["c"], prof["1"]
+        rate = lambda p: (wbytes + p["kv_bytes_per_call"]) / p["us_per_call"] / 1e3  # noqa: E731
+        lines += [
+            f"  a decode call of the native step, us: at C ({pc['rows_per_call']:.1f} rows) {pc['us_per_call']:.0f} = "
+            f"{phases(pc)}; alone {p1['us_per_call']:.0f} = {phases(p1)}",
+            f"  it reads {wbytes / 1e6:.1f} MB of weights and {pc['kv_bytes_per_call'] / 1e6:.2f} MB of keys and values "
+            f"at C ({p1['kv_bytes_per_call'] / 1e6:.2f} MB alone): {rate(pc):.1f} / {rate(p1):.1f} GB/s while it runs",
+            f"  outside the native step (scheduler, sampler, detokenizer): {pc['outside_native_s']:.2f} s of the C run's "
+            f"{pc['wall_s']:.2f} s ({100 * pc['outside_native_s'] / pc['wall_s']:.0f}%), "
+            f"{p1['outside_native_s']:.2f} s of {p1['wall_s']:.2f} s alone "
+            f"({100 * p1['outside_native_s'] / p1['wall_s']:.0f}%)",
+        ]
     return "\n".join(lines)
 
 

@@ -80,7 +80,25 @@ def test_a_tiny_run_has_consistent_numbers(sc, tmp_path, capsys):
     g = r["gemm"]
     assert g["linear_flops_per_prompt_token"] == 2 * 6 * 256 * (256 + 128 + 128 + 256 + 3 * 768)  # the bundled model
     assert g["torch_mm_gflops"] > 0 and g["torch_mm_dtype"] == "float32"
-    assert "out tok/s" in capsys.readouterr().out
+    # the step profile: one native call per decode step, every decode row of the run counted once, the attention
+    # reading exactly the slots up to each row's position (a request's first token comes from its prefill)
+    specs = sc.fit_prompts(sc.make_specs(4, (8, 24), (3, 6), 0.5, 0.0, 3), sc.sluice_counter(None), 3)
+    slot = 2 * 6 * 2 * 64 * 4  # k and v, 6 layers, 2 KV heads of 64, fp32
+    pc, p1 = r["step_profile"]["c"], r["step_profile"]["1"]
+    for prof, ss in ((pc, specs), (p1, specs[:3])):
+        rows = sum(s.max_tokens - 1 for s in ss)
+        slots = sum(s.prompt_tokens + j + 1 for s in ss for j in range(s.max_tokens - 1))
+        assert prof["rows_per_call"] * prof["decode_calls"] == pytest.approx(rows)
+        assert prof["kv_slot_bytes"] == slot and prof["kv_slots"] == slots
+        assert prof["kv_bytes_per_call"] == pytest.approx(slot * slots / prof["decode_calls"])
+        assert prof["outside_native_s"] == pytest.approx(prof["wall_s"] - prof["decode_call_s"] - prof["chunk_call_s"])
+        assert prof["us_per_call"] == pytest.approx(1e6 * prof["decode_call_s"] / prof["decode_calls"])
+        assert set(prof["phases_us_per_call"]) == {"embedding", "norms", "qkv_proj", "attention", "o_proj", "mlp",
+                                                   "final_norm", "lm_head"}
+        assert 0 < sum(prof["phases_us_per_call"].values()) <= prof["us_per_call"]
+    assert p1["rows_per_call"] == 1 and p1["decode_calls"] == sum(s.max_tokens - 1 for s in specs[:3])
+    text = capsys.readouterr().out
+    assert "out tok/s" in text and "a decode call of the native step" in text
 
 
 def test_bad_arguments_are_refused(sc, capsys):
