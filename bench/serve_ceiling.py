@@ -203,6 +203,9 @@ def measure(args) -> dict:
     wbytes, llc = params_read_per_token(Path(llm.model.model_dir)) * wdtype.itemsize, last_level_cache()
     probe = max(4 * (llc or 0), 2 << 30) if args.probe_mib is None else args.probe_mib << 20
     mm_dtype = wdtype if wdtype in (torch.float32, torch.bfloat16) else torch.float32
+    for prof in profile.values():  # the rate a one-token call reads its weights and keys/values at while it runs
+        if prof:
+            prof["read_GB_s"] = (wbytes + prof["kv_bytes_per_call"]) / prof["us_per_call"] / 1e3
     return {
         "workload": {"concurrency": load.concurrency, "requests": len(specs), "serial": len(serial),
                  "prompt_tokens": list(load.prompt_tokens), "max_tokens": list(load.max_tokens),
@@ -256,12 +259,11 @@ def report(r: dict) -> str:
             rest = sum(v for k, v in ph.items() if k not in big)
             return ", ".join(f"{k} {ph[k]:.0f}" for k in big) + f", other {rest:.0f}"
         pc, p1 = prof["c"], prof["1"]
-        rate = lambda p: (wbytes + p["kv_bytes_per_call"]) / p["us_per_call"] / 1e3  # noqa: E731
         lines += [
             f"  a decode call of the native step, us: at C ({pc['rows_per_call']:.1f} rows) {pc['us_per_call']:.0f} = "
             f"{phases(pc)}; alone {p1['us_per_call']:.0f} = {phases(p1)}",
             f"  it reads {wbytes / 1e6:.1f} MB of weights and {pc['kv_bytes_per_call'] / 1e6:.2f} MB of keys and values "
-            f"at C ({p1['kv_bytes_per_call'] / 1e6:.2f} MB alone): {rate(pc):.1f} / {rate(p1):.1f} GB/s while it runs",
+            f"at C ({p1['kv_bytes_per_call'] / 1e6:.2f} MB alone): {pc['read_GB_s']:.1f} / {p1['read_GB_s']:.1f} GB/s while it runs",
             f"  outside the native step (scheduler, sampler, detokenizer): {pc['outside_native_s']:.2f} s of the C run's "
             f"{pc['wall_s']:.2f} s ({100 * pc['outside_native_s'] / pc['wall_s']:.0f}%), "
             f"{p1['outside_native_s']:.2f} s of {p1['wall_s']:.2f} s alone "

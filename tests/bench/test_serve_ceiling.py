@@ -96,6 +96,7 @@ def test_a_tiny_run_has_consistent_numbers(sc, tmp_path, capsys):
         assert set(prof["phases_us_per_call"]) == {"embedding", "norms", "qkv_proj", "attention", "o_proj", "mlp",
                                                    "final_norm", "lm_head"}
         assert 0 < sum(prof["phases_us_per_call"].values()) <= prof["us_per_call"]
+        assert prof["read_GB_s"] == pytest.approx((4 * read + prof["kv_bytes_per_call"]) / prof["us_per_call"] / 1e3)
     assert p1["rows_per_call"] == 1 and p1["decode_calls"] == sum(s.max_tokens - 1 for s in specs[:3])
     text = capsys.readouterr().out
     assert "out tok/s" in text and "a decode call of the native step" in text
