@@ -16,6 +16,7 @@ import pytest
 from sluice.benchmarks import speed_engines
 from sluice.benchmarks.speed_engines import find_llama_python
 from sluice.cli import main
+from sluice.engine.gemv import cpu_flags
 from sluice.errors import BenchmarkError
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "speed.py"
@@ -214,6 +215,13 @@ def test_int4_vs_llama_cpp_q4_0(tiny_dir, tmp_path, monkeypatch):
     python = _llama_python()
     if python is None:
         pytest.skip("llama-cpp-python is not installed (see ../shared/peers/README.md)")
+    if "amx_tile" in cpu_flags():
+        # llama.cpp as vendored by llama-cpp-python dies on its first AMX Q4_0/Q8_0 product (docs/benchmarks.md):
+        # on such a CPU the peer is the build without AMX (bench/build_llama_cpp_no_amx.sh), as the benchmarks use
+        python = str(Path(__file__).resolve().parents[2] / ".peers" / "lcpp-noamx-venv" / "bin" / "python")
+        if not Path(python).is_file():
+            pytest.skip("this CPU has AMX, whose llama.cpp Q4_0 kernels crash; bench/build_llama_cpp_no_amx.sh "
+                        "builds the peer without them")
     pytest.importorskip("sluice.model.gguf_export")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     out = tmp_path / "speed.json"
