@@ -22,7 +22,7 @@ from ..model.layers import Transformer
 from ..model.quant import Int4Linear
 from .fast_step import FastStep, native_check
 from .paged_cache import BlockPool, PagedView
-from .mixed import COMPILE_OPTIONS
+from .mixed import compile_forward
 from .plan import Row, StepPlan
 from .prompt_logprobs import span
 
@@ -35,7 +35,7 @@ class BatchForward:
             "compile=True (the torch forward is compiled)" if compile else "not asked for")
         self.fast: FastStep | None = None  # built at the first busy period that can use it
         self.use_fast = False  # for the current busy period
-        self._compiled = torch.compile(self._torch, dynamic=True, options=COMPILE_OPTIONS) if compile else None
+        self._compiled = compile_forward(self._torch, dynamic=True) if compile else None
 
     def refresh(self) -> None:
         """Decide the path for a new busy period: the native step, or (native_reason says why) torch's."""

@@ -50,6 +50,24 @@ BF16_DOT = os.environ.get("SLUICE_BF16_DOT", "auto")
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
+def compile_forward(fn, **kwargs):
+    """torch.compile(fn, options=COMPILE_OPTIONS, **kwargs), with inductor's cache kept apart per capped ISA.
+
+    Inductor's FX graph cache keys neither ATEN_CPU_CAPABILITY nor the vector width it generated for: a graph
+    compiled with AVX-512's 16 lanes and served from the cache under ATEN_CPU_CAPABILITY=avx2 (the AVX2 builds
+    of docs/benchmarks.md) is rebuilt with 8-lane vectors and steps 16, and its logits come out NaN. So where
+    the ISA is capped and the cache is inductor's default one, this process's inductor cache moves to a
+    directory of that ISA's own. (Importing torch._dynamo already writes the default into
+    TORCHINDUCTOR_CACHE_DIR; inductor reads it again at each lookup.)"""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY")
+    if cap:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        default = os.path.abspath(default_cache_dir())
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}_{cap.lower()}"
+    return torch.compile(fn, options=COMPILE_OPTIONS, **kwargs)
+
+
 class UpcastEmbedding(nn.Embedding):
     """An embedding table stored in bf16 whose rows come out in fp32."""
 

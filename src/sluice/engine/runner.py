@@ -23,7 +23,7 @@ import torch
 from ..model.layers import Transformer
 from .fast_step import FastStep, native_check
 from .kv_cache import KVCache
-from .mixed import COMPILE_OPTIONS, activation_dtype
+from .mixed import activation_dtype, compile_forward
 
 SLOT_BUCKET = 64  # cache sizes are rounded up to this, so nearby request sizes share a compiled step
 PREFILL_BYTES = 1 << 30  # activations one prefill forward may hold; more rows/tokens go in another forward
@@ -51,7 +51,7 @@ class Runner:
         self.native_reason: str | None = None if self.native else "not asked for"  # why the torch step runs
         self._fast: FastStep | None = None  # built on the first request that can use it
         self._use_fast = False  # for the current request
-        wrap = ((lambda f: torch.compile(f, dynamic=False, fullgraph=True, options=COMPILE_OPTIONS))
+        wrap = ((lambda f: compile_forward(f, dynamic=False, fullgraph=True))
                 if compile else (lambda f: f))
         self._step, self._step_hidden = wrap(self._decode), wrap(self._decode_hidden)  # compiled on first use
 
