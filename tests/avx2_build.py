@@ -8,7 +8,16 @@ AVX2-only CPU the tests themselves already run that path, so the check skips.
 
 -mno-avxvnni too: an Intel Xeon with AMX also has AVX-VNNI (the 256-bit VEX form of vpdpbusd), which
 -march=native turns on and -mno-avx512f leaves on, so its "AVX2" build summed int4 and int8 codes with VNNI
-(q4t.h, q8t.h) and the maddubs path of an AVX2-only AMD EPYC (Zen 2/3: no AVX-VNNI) went untested there."""
+(q4t.h, q8t.h) and the maddubs path of an AVX2-only AMD EPYC (Zen 2/3: no AVX-VNNI) went untested there.
+
+These subprocesses keep torch's own kernels at the CPU's width (16 lanes). What only an AVX2 CPU's torch does (its
+softmax sums in 8 lanes, inductor's 8-lane code) shows only in a whole run with torch capped as well. One such run
+(2026-12-04) found a failure an AVX2-only host's CI would have had (a top_p test whose cut fell inside the 8-lane
+bracket) and one of the capping itself (inductor's cache serving 16-lane code to the capped run; engine/mixed.py's
+compile_forward). About 11 minutes here; worth a run before a kernel or sampler change lands:
+    SLUICE_KERNEL_FLAGS="-mno-avx512f -mno-avxvnni" ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+    TORCH_EXTENSIONS_DIR=<a directory of its own> .venv/bin/python -m pytest -m "slow or not slow"
+"""
 
 from __future__ import annotations
 
