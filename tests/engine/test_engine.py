@@ -4,6 +4,8 @@ import getpass
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 import sluice
 from sluice import RequestError, SamplingParams
 from sluice.engine import Runner, Stats
+from sluice.engine.gemv import cpu_flags
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -51,42 +54,22 @@ def test_compiled_decode_step_matches_eager(tmp_path):
         assert (a - b).abs().max().item() <= 1e-4
 
 
-_COMPILED_STEP = """
-import sys, torch, sluice
-sys.path.insert(0, sys.argv[2])
-from ckpt import build
-from sluice.engine import Runner
-build(sys.argv[1], "qwen3", num_hidden_layers=1)
-model = sluice.load(sys.argv[1])
-eager, compiled = Runner(model), Runner(model, compile=True)
-a, b = eager.prefill([[3, 4, 5]], 64), compiled.prefill([[3, 4, 5]], 64)
-for _ in range(3):
-    tok = a.argmax(-1)
-    a, b = eager.step(tok), compiled.step(tok)
-    assert (a - b).abs().max().item() <= 1e-4, (a - b).abs().max().item()
-"""
-
-
 @pytest.mark.slow
 def test_a_capped_isa_does_not_reuse_the_native_isas_compiled_step(tmp_path):
     """Inductor's graph cache ignores ATEN_CPU_CAPABILITY: the step compiled for AVX-512 (16-lane vectors) and
-    then served under ATEN_CPU_CAPABILITY=avx2 gave NaN logits. Both runs here share a temp dir (inductor's
-    default cache), as two runs on one machine do; the capped one must compile its own and match eager."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from sluice.engine.gemv import cpu_flags
+    then served under ATEN_CPU_CAPABILITY=avx2 gave NaN logits. The test above runs twice here, in processes
+    sharing one temp dir (inductor's default cache), as two runs on one machine do: first at the CPU's own
+    width, then capped, where it must compile its own step and match eager."""
     if "avx512f" not in cpu_flags():
         pytest.skip("no AVX-512 here: capping at AVX2 changes nothing inductor generates")
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
     env["TMPDIR"] = str(tmp_path)
-    tests = str(Path(__file__).resolve().parents[1])
+    test = f"{__file__}::test_compiled_decode_step_matches_eager"
     for cap in (None, "avx2"):
         run_env = env if cap is None else {**env, "ATEN_CPU_CAPABILITY": cap}
-        r = subprocess.run([sys.executable, "-c", _COMPILED_STEP, str(tmp_path / "ckpt"), tests], env=run_env,
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=run_env,
                            capture_output=True, text=True, timeout=900)  # a hang guard, not a speed limit
-        assert r.returncode == 0, (cap, r.stderr[-3000:])
+        assert r.returncode == 0, (cap, r.stdout[-3000:])
     assert (tmp_path / f"torchinductor_{getpass.getuser()}_avx2").is_dir()
 
 
