@@ -40,7 +40,7 @@ class LLM:
                  speculative: str | None = None, draft_model: str | Path | None = None,
                  num_speculative_tokens: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, batching: bool = True,
-                 tensor_parallel: int = 1, *, config: EngineConfig | None = None):
+                 tensor_parallel: int = 1, kv_cache_dtype: str = "auto", *, config: EngineConfig | None = None):
         """The options, all checked (engine/config.py) before anything loads; pass them as keywords or
         as one EngineConfig (config=), not both.
 
@@ -48,6 +48,9 @@ class LLM:
         size such as "4GiB"; None = half of the memory available then. The continuous-batching engine
         sizes its block pool by it (and, speculating with a draft model, the draft's pool) at its first
         request. A request that cannot fit is refused before any compute, with its numbers.
+        kv_cache_dtype: what that pool stores, "auto" (the activations' dtype: fp32 wherever the native step
+        runs), "float32" or "bfloat16": keys and values rounded to bf16 as they are written, so the pool takes
+        half the memory and attention reads half the bytes per token, for that rounding (docs/kv-cache.md).
         compute: for bf16 weights, "bfloat16" runs the plain bf16 forward; "float32" keeps the linear
         weights in bf16 and computes the rest in fp32 (engine/mixed.py: faster on a CPU without bf16
         instructions); "auto" picks "float32" wherever the native step (fast_step.py) runs the model, and on
@@ -75,7 +78,8 @@ class LLM:
                      device=device, quantize=quantize, kernels=kernels, kv_cache_memory=kv_cache_memory,
                      compute=compute, speculative=speculative, draft_model=draft_model,
                      num_speculative_tokens=num_speculative_tokens, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max_num_batched_tokens, batching=batching, tensor_parallel=tensor_parallel)
+                     max_num_batched_tokens=max_num_batched_tokens, batching=batching, tensor_parallel=tensor_parallel,
+                     kv_cache_dtype=kv_cache_dtype)
         if config is None:
             config = EngineConfig(**given)
         elif not isinstance(config, EngineConfig):
@@ -233,7 +237,8 @@ class LLM:
                                           fused_head=self.fused_head, speculative=self.speculative,
                                           draft=self.draft_model, num_speculative_tokens=self.num_speculative_tokens,
                                           plans=self.tp and self.tp.plan_channel(),
-                                          guides=Guides(self.tokenizer, self.config.vocab_size, self.eos_token_ids))
+                                          guides=Guides(self.tokenizer, self.config.vocab_size, self.eos_token_ids),
+                                          kv_dtype=self.engine_config.kv_cache_dtype)
             return self._batch
 
     def _swap_kernels(self, rows: int) -> None:

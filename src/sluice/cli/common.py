@@ -32,6 +32,10 @@ def model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
                    help="most memory a request's KV cache and sampling buffers may take, e.g. 2GiB or "
                         "512MB; a request over it is refused with the numbers (default: half of the "
                         "memory free at the time)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="what the KV cache stores: auto (the activations' dtype, fp32 on the CPU's native "
+                        "step) or bfloat16 (half the memory and half the bytes read per token; keys and "
+                        "values rounded to bf16: docs/kv-cache.md)")
     p.add_argument("--quantize", default=None, metavar="{int8,int4}",
                    help="weight-only quantization at load time, on the CPU: int8 per channel, int4 per "
                         "group of 32 (docs/quantization.md)")
@@ -194,7 +198,8 @@ def flag_naming():
     """How the engine's option checks (engine/config.py) name an option given on the command line."""
     from ..engine.config import Naming
     return Naming(flags={
-        "kv_cache_memory": "--kv-cache-memory", "num_speculative_tokens": "--speculative-tokens",
+        "kv_cache_memory": "--kv-cache-memory", "kv_cache_dtype": "--kv-cache-dtype",
+        "num_speculative_tokens": "--speculative-tokens",
         "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
         "max_model_len": "--max-model-len", "compile": "--compile", "quantize": "--quantize",
         "compute": {"float32": "--compute float32"}, "tensor_parallel": "--tp",
@@ -220,7 +225,8 @@ def engine_config(args):
                         compute=args.compute, speculative=speculative, draft_model=draft, num_speculative_tokens=k,
                         max_num_seqs=getattr(args, "max_num_seqs", DEFAULT_MAX_NUM_SEQS),
                         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", DEFAULT_MAX_BATCHED_TOKENS),
-                        tensor_parallel=getattr(args, "tp", None) or 1, naming=flag_naming())
+                        tensor_parallel=getattr(args, "tp", None) or 1, kv_cache_dtype=args.kv_cache_dtype,
+                        naming=flag_naming())
 
 
 def load_llm(args, config=None):

@@ -21,7 +21,7 @@ from typing import Callable
 
 from ..errors import RequestError
 from ..model.layers import Transformer
-from .kv_cache import STEP_BYTES_PER_LOGIT, fmt_bytes
+from .kv_cache import STEP_BYTES_PER_LOGIT, fmt_bytes, kv_cache_dtype
 from .mixed import activation_dtype
 from .outputs import RequestOutput, Stats
 from .paged_cache import DEFAULT_BLOCK_SIZE, BlockPool
@@ -36,11 +36,12 @@ DEFAULT_MAX_BATCHED_TOKENS = 256  # per step: a long prompt's chunk; decodes wai
 
 
 def pool_blocks(model: Transformer, max_model_len: int, max_num_seqs: int, block_size: int,
-                budget: int | None, given: bool, draft: Transformer | None = None) -> int:
+                budget: int | None, given: bool, draft: Transformer | None = None, kv_dtype: str = "auto") -> int:
     """How many blocks the pool gets (see the module docstring); refuses a budget below one block.
     With a draft model each block id also names a block of the draft's pool (proposers.DraftProposer)."""
     cfg = model.config
-    per_block = sum(BlockPool.block_bytes(m.config, block_size, activation_dtype(m)) for m in (model, draft) if m)
+    per_block = sum(BlockPool.block_bytes(m.config, block_size, kv_cache_dtype(kv_dtype, activation_dtype(m)))
+                    for m in (model, draft) if m)
     useful = max_num_seqs * -(-max_model_len // block_size)
     if budget is None:
         return useful
@@ -59,14 +60,17 @@ class BatchEngine:
                  max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
                  native: bool = True, nonfinite_origin=None, head=None, compile: bool = False,
                  fused_head: bool | str = False, speculative: str = "off", draft: Transformer | None = None,
-                 num_speculative_tokens: int | str = 0, plans=None, guides=None):
+                 num_speculative_tokens: int | str = 0, plans=None, guides=None, kv_dtype: str = "auto"):
         """speculative: "off", "draft" (draft: the draft model) or "prompt-lookup" (verify.py).
-        guides: guide.Guides, for constrained requests (None refuses them)."""
-        blocks = pool_blocks(model, max_model_len, max_num_seqs, block_size, budget, budget_given, draft)
-        self.pool = BlockPool(model.config, blocks, block_size, activation_dtype(model), model.embed.weight.device)
+        guides: guide.Guides, for constrained requests (None refuses them). kv_dtype: kv_cache.KV_CACHE_DTYPES,
+        the pools' (the target's and the draft's)."""
+        blocks = pool_blocks(model, max_model_len, max_num_seqs, block_size, budget, budget_given, draft, kv_dtype)
+        self.pool = BlockPool(model.config, blocks, block_size, kv_cache_dtype(kv_dtype, activation_dtype(model)),
+                              model.embed.weight.device)
         speculation = None
         if speculative == "draft":
-            draft_pool = BlockPool(draft.config, blocks, block_size, activation_dtype(draft), draft.embed.weight.device)
+            draft_pool = BlockPool(draft.config, blocks, block_size, kv_cache_dtype(kv_dtype, activation_dtype(draft)),
+                                   draft.embed.weight.device)
             speculation = Speculation("draft", DraftProposer(draft, draft_pool, native), num_speculative_tokens)
         elif speculative == "prompt-lookup":
             speculation = Speculation("prompt-lookup", PromptLookup(), num_speculative_tokens)

@@ -19,7 +19,7 @@ from typing import Mapping
 from ..errors import ConfigError
 from .batching import DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from .cpu_paths import COMPUTE_CHOICES
-from .kv_cache import parse_size
+from .kv_cache import KV_CACHE_DTYPES, parse_size
 from .speculative import check_num_tokens, resolve_mode
 
 # Why tensor parallelism refuses an option (parallel/engine.py runs the plain torch forward per rank).
@@ -80,6 +80,7 @@ class EngineConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS
     batching: bool = True
     tensor_parallel: int = 1
+    kv_cache_dtype: str = "auto"
     naming: InitVar[Naming | None] = None
 
     def __post_init__(self, naming: Naming | None) -> None:
@@ -96,6 +97,9 @@ class EngineConfig:
         for option in ("batching", "compile"):
             if not isinstance(getattr(self, option), bool):
                 raise ConfigError(f"{names.of(option)} must be True or False, got {getattr(self, option)!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"{names.of('kv_cache_dtype')} must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.compute not in COMPUTE_CHOICES:
             raise ConfigError(f"{names.of('compute')} must be one of {', '.join(COMPUTE_CHOICES)}, "
                               f"got {self.compute!r}")

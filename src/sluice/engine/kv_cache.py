@@ -24,6 +24,18 @@ DEFAULT_BUDGET_FRACTION = 0.5
 # logits, the sampler's noise and penalty mask, and _filter's sort (values, int64 order, probs,
 # cumsum, masks). Counted with the cache because it scales with the batch too.
 STEP_BYTES_PER_LOGIT = 48
+# What the continuous-batching engine's KV pool stores (LLM(kv_cache_dtype=)): "auto" the activations' dtype
+# (fp32 wherever the native step runs), or "float32" / "bfloat16" whatever they are. A bf16 pool holds each key
+# and value rounded to bf16 (to nearest even) as it is written and widened as it is read: half the memory and
+# half the bytes attention reads per token, for the rounding of what it reads (docs/kv-cache.md).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def kv_cache_dtype(option: str, activations: torch.dtype) -> torch.dtype:
+    """The pool's dtype for LLM(kv_cache_dtype=option) over a model whose activations are `activations`."""
+    if option not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {option!r}")
+    return activations if option == "auto" else getattr(torch, option)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -129,12 +141,13 @@ class CacheLayer:
         self.k, self.v = k, v
 
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v (B, T, K, D) at positions (B, T) -> the cache's (B, K, S, D) keys and values."""
+        """k, v (B, T, K, D) at positions (B, T) -> the cache's (B, K, S, D) keys and values, in k's dtype (a
+        cache of another dtype, bf16 under fp32 activations, stores them rounded and gives them back widened)."""
         # Through a (B, S, K, D) view, so each KV head's slots stay contiguous in memory.
         rows = torch.arange(k.shape[0], device=k.device)[:, None]
         self.k.transpose(1, 2)[rows, positions] = k.to(self.k.dtype)
         self.v.transpose(1, 2)[rows, positions] = v.to(self.v.dtype)
-        return self.k, self.v
+        return self.k.to(k.dtype), self.v.to(v.dtype)
 
 
 class KVCache:

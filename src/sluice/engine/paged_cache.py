@@ -214,6 +214,6 @@ class PagedLayer:
         B, nb = self.table.shape
         K, D = self.k.shape[1], self.k.shape[3]
 
-        def rows(pool: torch.Tensor) -> torch.Tensor:
-            return pool[self.table].transpose(1, 2).reshape(B, K, nb * bs, D)  # (B, nb, K, bs, D) -> (B, K, S, D)
-        return rows(self.k), rows(self.v)
+        def rows(pool: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # in the activations' dtype (widened)
+            return pool[self.table].transpose(1, 2).reshape(B, K, nb * bs, D).to(like.dtype)  # (B, nb, K, bs, D) -> (B, K, S, D)
+        return rows(self.k, k), rows(self.v, v)

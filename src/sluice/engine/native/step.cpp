@@ -809,33 +809,47 @@ inline void rope(float* x, const float* cs, const float* sn, int64_t half) {
   }
 }
 
-// Visits the slots lo..p of one row and head in order, block by block: f(s, slot s's D floats). head: the
+// The KV cache's slots hold fp32, or bf16 (LLM(kv_cache_dtype="bfloat16")): each key and value rounded to bf16 as
+// it is written (to nearest even, as torch's .to(bfloat16) rounds: c10's conversion) and widened exactly as it is
+// read, so attention over a bf16 cache is the fp32 cache's arithmetic over the rounded values, in every build.
+inline void store_slot(const float* x, int64_t D, float* dst) { std::copy(x, x + D, dst); }
+inline void store_slot(const float* x, int64_t D, bf16* dst) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = bf16(x[d]);
+}
+
+// Visits the slots lo..p of one row and head in order, block by block: f(s, slot s's D values). head: the
 // head's slot 0 in pool block 0; blocks: the row's block ids, bs slots each, sBlock apart; sS: one slot.
 // Walking block by block costs one division per walk, not one per slot. While a block is read, the same
 // slots of the row's next block are prefetched: blocks lie anywhere in the pool, so the hardware prefetcher,
 // which a static row's one long run of slots keeps streaming, would start cold at each block (bs = 16 ran
 // ~15% slower than the static cache at 2000 slots without this, and on par with it).
-template <typename F>
-inline void for_slots(const float* head, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS, int64_t D,
+template <typename S, typename F>
+inline void for_slots(const S* head, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS, int64_t D,
                       int64_t lo, int64_t p, F&& f) {
   for (int64_t j = lo / bs, s = lo; s <= p; ++j) {
     const int64_t base = blocks[j] * sBlock - j * bs * sS;  // slot s of block j is at head + base + s * sS
     const int64_t end = std::min(p + 1, (j + 1) * bs);
     const int64_t ahead = end <= p ? (blocks[j + 1] - blocks[j]) * sBlock : 0;  // from a slot to the next block's
     for (; s < end; ++s) {
-      const float* slot = head + (base + s * sS);
+      const S* slot = head + (base + s * sS);
       if (ahead)
-        for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(slot + ahead + c);  // 16 floats: a cache line
+        for (int64_t c = 0; c < D; c += 64 / sizeof(S)) __builtin_prefetch(slot + ahead + c);  // a cache line
       f(s, slot);
     }
   }
 }
 
 #ifdef SLUICE_AVX512
+// 16 lanes of a cache slot (lanes outside k zero), widened to fp32.
+inline __m512 load_slot16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load_slot16(const bf16* p, __mmask16 k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
 // o[h] += sum over slots t of w[h][t] * v_t for NH (<= 4) query heads at once: each value vector, loaded once,
 // feeds NH accumulators, 64 channels (four registers) per pass.
-template <int NH>
-inline void weighted_values(const float* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
+template <int NH, typename S>
+inline void weighted_values(const S* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
                             int64_t D, int64_t lo, int64_t p, const float* w, int64_t ldw, float* o, int64_t ldo) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     __m512 a[NH][4];
@@ -844,9 +858,9 @@ inline void weighted_values(const float* vh, const int64_t* blocks, int64_t bs, 
       k[c] = first_lanes(std::max<int64_t>(0, D - d0 - 16 * c));
       for (int h = 0; h < NH; ++h) a[h][c] = _mm512_setzero_ps();
     }
-    for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t t, const float* vs) {
+    for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t t, const S* vs) {
       for (int c = 0; c < 4; ++c) {
-        const __m512 v = _mm512_maskz_loadu_ps(k[c], vs + d0 + 16 * c);
+        const __m512 v = load_slot16(vs + d0 + 16 * c, k[c]);
         for (int h = 0; h < NH; ++h) a[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[h * ldw + t]), v, a[h][c]);
       }
     });
@@ -874,10 +888,29 @@ inline void softmax(float* s, int64_t n) {
   }
 }
 #elif defined(SLUICE_AVX2)
+// 8 lanes of a cache slot, widened to fp32: all 8, or (Tail) those in k, the others zero.
+template <bool Tail>
+inline __m256 load_slot8(const float* p, __m256i k) { return Tail ? _mm256_maskload_ps(p, k) : _mm256_loadu_ps(p); }
+template <bool Tail>
+inline __m256 load_slot8(const bf16* p, __m256i k) {
+  __m128i h;
+  if (Tail) {  // (no 16-bit masked load before AVX-512: the live lanes through a zeroed copy)
+    alignas(16) uint16_t t[8] = {};
+    alignas(32) int32_t live[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(live), k);
+    for (int i = 0; i < 8; ++i)
+      if (live[i]) t[i] = reinterpret_cast<const uint16_t*>(p)[i];
+    h = _mm_load_si128(reinterpret_cast<const __m128i*>(t));
+  } else {
+    h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // The AVX-512 pair above in 8 lanes. weighted_values8: o[h] += sum over slots t of w[h][t] * v_t for NH (<= 3)
 // query heads at once, channels d0 .. d0 + 32 (four registers) per pass; Tail: the pass reaches past D (masked).
-template <int NH, bool Tail>
-inline void weighted_values8(const float* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
+template <int NH, bool Tail, typename S>
+inline void weighted_values8(const S* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
                              int64_t D, int64_t d0, int64_t lo, int64_t p, const float* w, int64_t ldw, float* o,
                              int64_t ldo) {
   __m256 a[NH][4];
@@ -886,9 +919,9 @@ inline void weighted_values8(const float* vh, const int64_t* blocks, int64_t bs,
     k[c] = first_lanes8(std::max<int64_t>(0, D - d0 - 8 * c));
     for (int h = 0; h < NH; ++h) a[h][c] = _mm256_setzero_ps();
   }
-  for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t t, const float* vs) {
+  for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t t, const S* vs) {
     for (int c = 0; c < 4; ++c) {
-      const __m256 v = Tail ? _mm256_maskload_ps(vs + d0 + 8 * c, k[c]) : _mm256_loadu_ps(vs + d0 + 8 * c);
+      const __m256 v = load_slot8<Tail>(vs + d0 + 8 * c, k[c]);
       for (int h = 0; h < NH; ++h) a[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[h * ldw + t]), v, a[h][c]);
     }
   });
@@ -900,8 +933,8 @@ inline void weighted_values8(const float* vh, const int64_t* blocks, int64_t bs,
         _mm256_storeu_ps(o + h * ldo + d0 + 8 * c, a[h][c]);
     }
 }
-template <int NH>
-inline void weighted_values(const float* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
+template <int NH, typename S>
+inline void weighted_values(const S* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
                             int64_t D, int64_t lo, int64_t p, const float* w, int64_t ldw, float* o, int64_t ldo) {
   int64_t d0 = 0;
   for (; d0 + 32 <= D; d0 += 32) weighted_values8<NH, false>(vh, blocks, bs, sBlock, sS, D, d0, lo, p, w, ldw, o, ldo);
@@ -936,10 +969,10 @@ inline void softmax(float* s, int64_t n) {
 // for_slots over the keys lo..p, N slots at a time: scores(ks, cnt, first) for each group of cnt <= N slot pointers
 // (the last group may be short: its pointers past cnt repeat the first, and their lanes are dropped), whose
 // slots are first .. first + cnt - 1.
-template <int N, typename F>
-inline void key_groups(const float* kh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS, int64_t D,
+template <int N, typename S, typename F>
+inline void key_groups(const S* kh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS, int64_t D,
                        int64_t lo, int64_t p, F&& scores) {
-  const float* ks[N];
+  const S* ks[N];
   int cnt = 0;
   int64_t first = lo;
   auto flush = [&]() {
@@ -948,7 +981,7 @@ inline void key_groups(const float* kh, const int64_t* blocks, int64_t bs, int64
     first += cnt;
     cnt = 0;
   };
-  for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t, const float* slot) {
+  for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t, const S* slot) {
     ks[cnt++] = slot;
     if (cnt == N) flush();
   });
@@ -958,8 +991,8 @@ inline void key_groups(const float* kh, const int64_t* blocks, int64_t bs, int64
 // attend()'s vector paths once the scores sc (G rows of `span`, slots lo..p) are in: the soft-cap, each head's
 // softmax, then o[h] = the weighted sum of the values, up to MaxHeads heads a pass over them (4 with AVX-512's
 // 32 registers, 3 with AVX2's 16).
-template <int MaxHeads>
-inline void weigh_values(const float* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS, int64_t D,
+template <int MaxHeads, typename S>
+inline void weigh_values(const S* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS, int64_t D,
                          int64_t lo, int64_t p, int64_t G, float cap, float* sc, int64_t span, float* o) {
   if (cap > 0.f)
     for (int64_t h = 0; h < G; ++h)
@@ -981,20 +1014,21 @@ inline void weigh_values(const float* vh, const int64_t* blocks, int64_t bs, int
 // lo..p: softmax of the scaled scores q.k, soft-capped if cap > 0 (sc: scratch, G rows of `span` floats indexed by slot), then
 // o[h] = o + h * D (D floats) = the weighted sum of the values. One pass over the keys and values serves
 // all G heads: the cache is read once per KV head, not once per query head.
-inline void attend(const float* qh, int64_t G, const float* kh, const float* vh, const int64_t* blocks, int64_t bs,
+template <typename S>
+inline void attend(const float* qh, int64_t G, const S* kh, const S* vh, const int64_t* blocks, int64_t bs,
                    int64_t sBlock, int64_t sS, int64_t D, int64_t lo, int64_t p, float scale, float cap, float* sc,
                    int64_t span, float* o) {
 #ifdef SLUICE_AVX512
   // Scores 16 slots at a time: 16 dot products share each load of q, and one reduce16 sums them; the
   // group's 16 keys stay in L1 for its other heads.
-  key_groups<16>(kh, blocks, bs, sBlock, sS, D, lo, p, [&](const float* const* ks, int cnt, int64_t first) {
+  key_groups<16>(kh, blocks, bs, sBlock, sS, D, lo, p, [&](const S* const* ks, int cnt, int64_t first) {
     for (int64_t h = 0; h < G; ++h) {
       __m512 a[16];
       for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 k = first_lanes(D - d);
         const __m512 qv = _mm512_maskz_loadu_ps(k, qh + h * D + d);
-        for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, ks[j] + d), qv, a[j]);
+        for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(load_slot16(ks[j] + d, k), qv, a[j]);
       }
       _mm512_mask_storeu_ps(sc + h * span + first, first_lanes(cnt), _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
     }
@@ -1005,34 +1039,44 @@ inline void attend(const float* qh, int64_t G, const float* kh, const float* vh,
   // reduce8 sums them), the softmax in vector lanes, the values for up to 3 heads a pass.
   const int64_t full = D / 8 * 8;
   const __m256i tail = first_lanes8(D - full);
-  key_groups<8>(kh, blocks, bs, sBlock, sS, D, lo, p, [&](const float* const* ks, int cnt, int64_t first) {
+  key_groups<8>(kh, blocks, bs, sBlock, sS, D, lo, p, [&](const S* const* ks, int cnt, int64_t first) {
     for (int64_t h = 0; h < G; ++h) {
       __m256 a[8];
       for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
       for (int64_t d = 0; d < full; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qh + h * D + d);
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[j] + d), qv, a[j]);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(load_slot8<false>(ks[j] + d, tail), qv, a[j]);
       }
       if (full < D) {
         const __m256 qv = _mm256_maskload_ps(qh + h * D + full, tail);
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(_mm256_maskload_ps(ks[j] + full, tail), qv, a[j]);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(load_slot8<true>(ks[j] + full, tail), qv, a[j]);
       }
       _mm256_maskstore_ps(sc + h * span + first, first_lanes8(cnt), _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
     }
   });
   weigh_values<3>(vh, blocks, bs, sBlock, sS, D, lo, p, G, cap, sc, span, o);
 #else
+  std::vector<float> wide(std::is_same_v<S, float> ? 0 : D);  // a bf16 slot widened, for dot() and the sum
+  auto as_float = [&](const S* slot) -> const float* {
+    if constexpr (std::is_same_v<S, float>) {
+      return slot;
+    } else {
+      for (int64_t d = 0; d < D; ++d) wide[d] = widen(slot[d]);
+      return wide.data();
+    }
+  };
   for (int64_t h = 0; h < G; ++h, qh += D, sc += span, o += D) {
     float mx = -INFINITY;
-    for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const float* ks) {
-      sc[s] = dot(ks, qh, D) * scale;
+    for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const S* ks) {
+      sc[s] = dot(as_float(ks), qh, D) * scale;
       if (cap > 0.f) sc[s] = soft_cap(sc[s], cap);
       mx = std::max(mx, sc[s]);
     });
     float sum = 0.f;
     for (int64_t s = lo; s <= p; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
     std::fill(o, o + D, 0.f);
-    for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const float* vs) {
+    for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const S* slot) {
+      const float* vs = as_float(slot);
       const float w = sc[s] / sum;
       for (int64_t d = 0; d < D; ++d) o[d] += w * vs[d];
     });
@@ -1224,8 +1268,9 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
                   kc.size(2) == K_ && kc.size(4) == D_,
               paged ? "step: cache pool (L, blocks, K, block size, D) for this model"
                     : "step: cache (L, B, K, S, D) for this model and batch");
-  TORCH_CHECK(kc.scalar_type() == torch::kFloat32 && vc.scalar_type() == torch::kFloat32 && kc.device().is_cpu() &&
-                  vc.device().is_cpu(), "step: fp32 CPU cache");
+  TORCH_CHECK((kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kBFloat16) &&
+                  vc.scalar_type() == kc.scalar_type() && kc.device().is_cpu() && vc.device().is_cpu(),
+              "step: an fp32 or bf16 CPU cache (keys and values alike)");
   TORCH_CHECK(kc.stride(4) == 1 && vc.stride(4) == 1 && kc.strides() == vc.strides(), "step: cache rows contiguous");
   const int64_t NB = kc.size(1), bs = kc.size(3), half = inv_freq_.numel(), G = H_ / K_, HD = H_ * D_, KD = K_ * D_;
   // Row b's blocks are table[b * nb ...]: the block table's, or the static cache's one block per row.
@@ -1276,7 +1321,14 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
   Scratch x(M * C_), h(nth * M * C_), q(M * HD), kv(M * 2 * KD), att(M * HD), act(M * I_),
       glu(nth * 2 * M * kBlock), cs(tables * M * 2 * half), scores(nth * G * span), ao(split_ ? M * C_ : 0),
       mo(split_ ? M * C_ : 0);
-  float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  // The cache's slots (store_slot): fp32 or bf16, one of each pair null. Strides count elements either way.
+  const bool kv16 = kc.scalar_type() == torch::kBFloat16;
+  float *kp = kv16 ? nullptr : kc.data_ptr<float>(), *vp = kv16 ? nullptr : vc.data_ptr<float>();
+  bf16 *kp16 = kv16 ? kc.data_ptr<bf16>() : nullptr, *vp16 = kv16 ? vc.data_ptr<bf16>() : nullptr;
+  auto store = [&](const float* xh, bool is_k, int64_t off) {
+    if (kv16) store_slot(xh, D_, (is_k ? kp16 : vp16) + off);
+    else store_slot(xh, D_, (is_k ? kp : vp) + off);
+  };
   const int64_t sL = kc.stride(0), sBlock = kc.stride(1), sK = kc.stride(2), sS = kc.stride(3);
   const float* invs[2] = {inv_freq_.data_ptr<float>(), tables == 2 ? inv_freq_local_.data_ptr<float>() : nullptr};
   const bool emb16 = embed_.scalar_type() == torch::kBFloat16;
@@ -1368,8 +1420,7 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
           const int64_t p = pp[m];
           if (is_q || is_k) rope(xh, &cst[m * 2 * half], &cst[m * 2 * half + half], half);
           if (!is_q)
-            std::copy(xh, xh + D_, (is_k ? kp : vp) + l * sL + table[m / T * nb + p / bs] * sBlock + hh * sK +
-                                       (p % bs) * sS);
+            store(xh, is_k, l * sL + table[m / T * nb + p / bs] * sBlock + hh * sK + (p % bs) * sS);
         }
       }
       if (qk_full_) {
@@ -1382,9 +1433,7 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
           for (int64_t hh = 0; hh < H_ + K_; ++hh) {
             float* xh = hh < H_ ? qm + hh * D_ : km + (hh - H_) * D_;
             rope(xh, &cst[m * 2 * half], &cst[m * 2 * half + half], half);
-            if (hh >= H_)
-              std::copy(xh, xh + D_,
-                        kp + l * sL + table[m / T * nb + p / bs] * sBlock + (hh - H_) * sK + (p % bs) * sS);
+            if (hh >= H_) store(xh, true, l * sL + table[m / T * nb + p / bs] * sBlock + (hh - H_) * sK + (p % bs) * sS);
           }
         }
       }
@@ -1397,10 +1446,13 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
       for (int64_t i = 0; i < M * K_; ++i) {
         const int64_t m = i / K_, g = i % K_, b = m / T, p = pp[m];
         const int64_t lo = Ly.window ? std::max<int64_t>(0, p - Ly.window + 1) : 0;
-        const float* kh = kp + l * sL + g * sK;  // this KV head's keys in block 0; blocks add their offset
-        const float* vh = vp + l * sL + g * sK;
-        attend(&q[m * HD + g * G * D_], G, kh, vh, &table[b * nb], bs, sBlock, sS, D_, lo, p, scale_, Ly.softcap,
-               sc, span, &att[m * HD + g * G * D_]);
+        const int64_t head = l * sL + g * sK;  // this KV head's slot 0 in block 0; blocks add their offset
+        if (kv16)
+          attend(&q[m * HD + g * G * D_], G, kp16 + head, vp16 + head, &table[b * nb], bs, sBlock, sS, D_, lo, p,
+                 scale_, Ly.softcap, sc, span, &att[m * HD + g * G * D_]);
+        else
+          attend(&q[m * HD + g * G * D_], G, kp + head, vp + head, &table[b * nb], bs, sBlock, sS, D_, lo, p, scale_,
+                 Ly.softcap, sc, span, &att[m * HD + g * G * D_]);
       }
       mark(kAttention);
       // A pre-norm branch adds straight into x; one with a post-norm, or NeoX's parallel pair, goes to its own
