@@ -67,7 +67,7 @@ def speed_setting(r: dict) -> str:
     fp32_products = s["dtype"] == "bfloat16" and not s["quantize"] and r["cpu"].get("avx512_bf16")
     dot = ", bf16 dot" if s.get("bf16_dot") == "bf16" else ", fp32 products" if fp32_products else ""
     return (model + ", " + weights + dot
-            + (", --compile" if s.get("compile") else ""))
+            + (", --compile" if s.get("compile") else "") + (", bf16 KV" if s.get("kv_cache_dtype") == "bfloat16" else ""))
 
 
 def _newest(found: dict, key: str, r: dict) -> None:
@@ -137,7 +137,7 @@ def speed_values() -> dict[str, str]:
                 continue  # in the table only
             model = model_name(r["model"])[1]
             w = (key.split("|")[0].split(", ")[1] + ("-dot" if ", bf16 dot" in key else "")
-                 + ("-compile" if "--compile" in key else ""))
+                 + ("-compile" if "--compile" in key else "") + ("-kv16" if ", bf16 KV" in key else ""))
             for row in r["rows"]:
                 if row["engine"] == "sluice":
                     v[f"speed.{tag}.{model}.{w}.{row['test'][:2]}"] = commas(row["tok_s"]["mean"])

@@ -161,7 +161,7 @@ def measure(args) -> dict:
     specs = fit_prompts(make_specs(load.concurrency * load.requests, load.prompt_tokens, load.max_tokens,
                                    load.sampled, 0.0, load.seed), sluice_counter(args.model), load.seed)
     serial = specs[: load.serial or len(specs)]
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=load.concurrency)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=load.concurrency, kv_cache_dtype=args.kv_cache_dtype)
     prompts = [s.prompt for s in specs]
     full, first = [sampling(s) for s in specs], [sampling(s, 1) for s in specs]
     llm.generate(prompts[:2], full[:2])  # warmup: kernels built, pools sized
@@ -210,7 +210,7 @@ def measure(args) -> dict:
         "workload": {"concurrency": load.concurrency, "requests": len(specs), "serial": len(serial),
                  "prompt_tokens": list(load.prompt_tokens), "max_tokens": list(load.max_tokens),
                  "sampled": load.sampled, "seed": load.seed},
-        "model": args.model or "bundled", "dtype": args.dtype, "reps": args.reps, "samples_s": samples,
+        "model": args.model or "bundled", "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "reps": args.reps, "samples_s": samples,
         "out_tokens": {"c": out_c, "1": out_1}, "prompt_tokens": {"c": prompt_c, "1": sum(s.prompt_tokens for s in serial)},
         "seconds": {"prefill_c": p_c, "decode_c": d_c, "prefill_1": p_1, "decode_1": d_1},
         "tok_s": {"c": out_c / med["batch"], "1": out_1 / med["serial"]},
@@ -276,6 +276,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="LLM(kv_cache_dtype=): the pool's dtype")
     ap.add_argument("-c", "--concurrency", type=int, default=8)
     ap.add_argument("-r", "--requests", type=int, default=12, help="requests per client (serve_load's -r)")
     ap.add_argument("--serial", type=int, default=48, help="requests in the 1-at-a-time run (0: all)")

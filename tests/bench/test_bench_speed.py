@@ -94,7 +94,26 @@ def test_script_bf16(tiny_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     check_result(r, ["sluice"])
-    assert r["engines"]["sluice"]["precision"] == "bf16" and r["engines"]["sluice"]["kv_itemsize"] == 2
+    # bf16 weights with fp32 activations on the native step (compute="auto"): the KV pool is fp32
+    assert r["engines"]["sluice"]["precision"] == "bf16" and r["engines"]["sluice"]["kv_itemsize"] == 4
+
+
+@pytest.mark.parametrize("flags, kv, itemsize", [([], None, 4), (["--kv-cache-dtype", "bfloat16"], "bfloat16", 2)])
+def test_kv_cache_dtype_reaches_sluice_and_the_byte_count(tiny_dir, tmp_path, monkeypatch, flags, kv, itemsize):
+    import sluice.llm as engine_llm
+    seen = []
+
+    class Spy(engine_llm.LLM):
+        def __init__(self, *a, **kw):
+            seen.append(kw)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(engine_llm, "LLM", Spy)
+    out = tmp_path / "speed.json"
+    assert main(["bench", "--model", str(tiny_dir), *TINY, *flags, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert len(seen) == 1 and seen[0].get("kv_cache_dtype") == kv
+    assert r["settings"]["kv_cache_dtype"] == (kv or "auto") and r["engines"]["sluice"]["kv_itemsize"] == itemsize
 
 
 @pytest.mark.parametrize("args,named", [

@@ -63,7 +63,8 @@ def settings(args) -> dict:
             "gen": args.gen, "reps": args.reps, "vs": vs, "threads": args.threads, "compile": args.compile,
             "gguf": args.gguf, "llama_python": args.llama_python, "probe_mib": args.probe_mib,
             "prompt_seed": PROMPT_SEED, "speculation": spec, "sequential": bool(getattr(args, "sequential", False)),
-            "passes": getattr(args, "passes", 1), "bf16_dot": recorded_bf16_dot(args.dtype, args.quantize)}
+            "passes": getattr(args, "passes", 1), "bf16_dot": recorded_bf16_dot(args.dtype, args.quantize),
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto")}
 
 
 def recorded_bf16_dot(dtype: str, quantize: str | None) -> str | None:
@@ -112,7 +113,8 @@ def params_read_per_token(model_dir: Path) -> int:
 def _makers(s: dict, model_dir: Path, params_read: int) -> dict:
     """Every engine asked for, in order (sluice first), as a function that loads it."""
     from .speed_engines import LlamaCppEngine, SluiceEngine, TransformersEngine, find_llama_python, gguf_for
-    makers = {"sluice": lambda: SluiceEngine(model_dir, s["dtype"], s["quantize"], s["compile"], s["speculation"])}
+    makers = {"sluice": lambda: SluiceEngine(model_dir, s["dtype"], s["quantize"], s["compile"], s["speculation"],
+                                             s.get("kv_cache_dtype", "auto"))}
     if "transformers" in s["vs"]:
         makers["transformers"] = lambda: TransformersEngine(model_dir, s["dtype"], params_read)
     if "llama.cpp" in s["vs"]:

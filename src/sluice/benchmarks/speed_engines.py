@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
+from ..engine import kv_cache
 from ..engine.gemv import cpu_flags
+from ..engine.mixed import activation_dtype
 from ..errors import BenchmarkError
 
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0", "int4": "q4_0"}
@@ -69,11 +71,13 @@ class SluiceEngine:
     name = "sluice"
 
     def __init__(self, model_dir: Path, dtype: str, quantize: str | None, compile: bool,
-                 speculation: dict | None = None):
+                 speculation: dict | None = None, kv_cache_dtype: str = "auto"):
         from .. import llm as engine_llm  # the module, so a test can watch what LLM is given
         from ..engine.sampling import SamplingParams
         LLM = engine_llm.LLM
         kwargs = {"dtype": dtype, "compile": compile, **(speculation or {})}
+        if kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = kv_cache_dtype
         if quantize:
             if "quantize" not in inspect.signature(LLM).parameters:
                 raise BenchmarkError(f"--quantize {quantize}: this sluice has no weight quantization yet")
@@ -82,7 +86,8 @@ class SluiceEngine:
         self.precision = quantize or {"float32": "f32", "bfloat16": "bf16"}.get(dtype, dtype)
         self.weight_bytes = _weight_bytes(self.llm.model)
         self.huge_pages = getattr(self.llm.model, "huge_pages", None)
-        self.kv_itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        # what the pool holds: the activations' dtype (fp32 under bf16 weights on the native step) or the option's
+        self.kv_itemsize = kv_cache.kv_cache_dtype(kv_cache_dtype, activation_dtype(self.llm.model)).itemsize
         self.vocab_limit = min(self.llm.model.config.vocab_size, self.llm.tokenizer.vocab_size)
 
     def round(self, prompt: list[int], gen: int) -> dict:

@@ -54,6 +54,8 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads; llama.cpp gets the same count (default: torch's choice)")
     p.add_argument("--compile", action="store_true", help="sluice with compile=True (torch.compile'd decode step)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="sluice's KV cache (LLM(kv_cache_dtype=)); llama.cpp keeps its default, f16")
     p.add_argument("--probe-mib", type=int, default=2048,
                    help="size of the read-bandwidth probe between rounds (default 2048; 0 = none)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write every sample here as JSON")
