@@ -33,14 +33,16 @@ BF16 = torch.bfloat16
 
 
 def models():
-    return {"gqa": random_model(), "d20-window": random_model(seed=1, head_dim=20, sliding_window=7)}
+    # (full-width qk-norm: step.cpp writes those keys in a loop of their own)
+    return {"gqa": random_model(), "d20-window": random_model(seed=1, head_dim=20, sliding_window=7),
+            "qk-full": random_model(seed=2, qk_norm="full")}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)  # bf16 bit patterns: NaN compares equal to itself
 
 
-@pytest.mark.parametrize("name", ["gqa", "d20-window"])
+@pytest.mark.parametrize("name", ["gqa", "d20-window", "qk-full"])
 def test_the_pool_holds_torchs_rounding_of_the_fp32_keys_and_nothing_else(name):
     """Layer 0's keys and values come from the embeddings alone, so the fp32 and bf16 runs compute the same fp32
     values there: the bf16 pool must hold exactly their .to(bfloat16) (round to nearest even, not truncation), in
@@ -62,7 +64,7 @@ def test_the_pool_holds_torchs_rounding_of_the_fp32_keys_and_nothing_else(name):
         assert not torch.equal(got[1][written], fp32[1][written].to(BF16))  # layer 1 read rounded keys
 
 
-@pytest.mark.parametrize("name", ["gqa", "d20-window"])
+@pytest.mark.parametrize("name", ["gqa", "d20-window", "qk-full"])
 def test_native_step_matches_the_torch_forward_over_a_bf16_cache(name):
     """Prompt chunks and greedy decode steps (test_fast_step_paged.run), native over a scrambled bf16 pool against
     the torch forward over a static bf16 cache. The two paths' fp32 keys differ in their last bits (their products
@@ -97,7 +99,7 @@ def test_native_step_matches_the_torch_forward_over_a_bf16_cache(name):
     assert worst_fp32 > 1e-3
 
 
-@pytest.mark.parametrize("name", ["gqa", "d20-window"])
+@pytest.mark.parametrize("name", ["gqa", "d20-window", "qk-full"])
 def test_same_numbers_in_any_chunk_and_batch_over_a_bf16_cache(name):
     model = models()[name]
     assert_same_numbers_in_any_chunk_and_batch(model, FastStep(model), BF16)
@@ -173,3 +175,13 @@ def test_the_cli_flag_reaches_the_pool(ckpt, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", str(ckpt), "--kv-cache-dtype", "fp8", "hi"])
     assert e.value.code == 2 and "--kv-cache-dtype" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compile_over_a_bf16_pool_gives_the_same_tokens(ckpt):
+    """compile=True runs the torch forward of the one-token rows through torch.compile (paged_cache's gather
+    and widening inside the graph): the native step's greedy tokens."""
+    want = [o.token_ids for o in sluice.LLM(str(ckpt), kv_cache_dtype="bfloat16").generate(PROMPTS, GREEDY)]
+    llm = sluice.LLM(str(ckpt), kv_cache_dtype="bfloat16", compile=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    assert llm.batch_engine().pool.k.dtype == BF16
