@@ -119,15 +119,31 @@ PROMPTS = ["def add(a, b):\n    return a + b\n\nprint(add(2, 3))", "Hello world!
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
+TIE = 1e-2  # logprob gap under which the torch path may pick the other token (a rounding flip moves logits ~1e-3)
+
+
+def assert_same_greedy_but_near_ties(native, other) -> None:
+    """other's greedy tokens are the native run's (which asked for logprobs=2), except that from a position where
+    the native run's top two were within TIE of each other they may part: there the torch path's keys, which
+    differ from the native step's in their last fp32 bits and so now and then round to the other bf16 neighbour,
+    may tip the argmax. (The tiny checkpoint here parts nowhere; another CPU's torch sums in other orders.)"""
+    for n, o in zip(native, other, strict=True):
+        i = next((i for i, (a, b) in enumerate(zip(n.token_ids, o.token_ids, strict=True)) if a != b), None)
+        if i is not None:
+            top = n.logprobs[i].top
+            assert top[0].logprob - top[1].logprob < TIE, f"token {i}: {n.token_ids[i]} against {o.token_ids[i]}"
+
+
 def test_engine_greedy_equals_the_torch_path_and_speculation_keeps_it(ckpt):
     llm = sluice.LLM(str(ckpt), kv_cache_dtype="bfloat16")
-    got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    native = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2))
+    got = [o.token_ids for o in native]
     engine = llm.batch_engine()
     assert engine.pool.k.dtype == BF16 and engine.scheduler.forward.use_fast
     torch_path = sluice.LLM(str(ckpt), kv_cache_dtype="bfloat16", kernels=False)
-    assert [o.token_ids for o in torch_path.generate(PROMPTS, GREEDY)] == got
+    assert_same_greedy_but_near_ties(native, torch_path.generate(PROMPTS, GREEDY))
     assert not torch_path.batch_engine().scheduler.forward.use_fast
-    for kw in (dict(speculative="prompt-lookup"), dict(draft_model=str(ckpt))):
+    for kw in (dict(speculative="prompt-lookup"), dict(draft_model=str(ckpt))):  # the native step's own: exact
         spec = sluice.LLM(str(ckpt), kv_cache_dtype="bfloat16", **kw)
         assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == got, kw
         assert spec.last_stats.proposed > 0
@@ -180,8 +196,9 @@ def test_the_cli_flag_reaches_the_pool(ckpt, monkeypatch, capsys):
 @pytest.mark.slow
 def test_compile_over_a_bf16_pool_gives_the_same_tokens(ckpt):
     """compile=True runs the torch forward of the one-token rows through torch.compile (paged_cache's gather
-    and widening inside the graph): the native step's greedy tokens."""
-    want = [o.token_ids for o in sluice.LLM(str(ckpt), kv_cache_dtype="bfloat16").generate(PROMPTS, GREEDY)]
+    and widening inside the graph): the native step's greedy tokens, near ties aside."""
+    native = sluice.LLM(str(ckpt), kv_cache_dtype="bfloat16").generate(
+        PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2))
     llm = sluice.LLM(str(ckpt), kv_cache_dtype="bfloat16", compile=True)
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    assert_same_greedy_but_near_ties(native, llm.generate(PROMPTS, GREEDY))
     assert llm.batch_engine().pool.k.dtype == BF16
