@@ -281,3 +281,33 @@ def test_context_too_big_for_memory_is_refused_before_allocating(ckpt, capsys, m
     assert main(["profile", "--model", str(ckpt), "--contexts", "8,256"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "context 256" in err and "KV cache" in err and "available" in err
+
+
+@pytest.mark.parametrize("path", ["torch", "native"])
+def test_a_bf16_kv_cache_is_profiled_with_its_own_bytes(ckpt, capsys, fake_machine, monkeypatch, path):
+    """--kv-cache-dtype bfloat16: the step reads a bf16 cache (the bench's cache is one) and the attention's bytes
+    are half the fp32 cache's, at every context; the header names the cache's dtype."""
+    made = []
+    real = profile_mod.KVCache
+
+    def spy(*a, **kw):
+        made.append(real(*a, **kw))
+        return made[-1]
+    monkeypatch.setattr(profile_mod, "KVCache", spy)
+    import sluice.observatory.profile_native as native_mod
+    monkeypatch.setattr(native_mod, "KVCache", spy)
+    runs = {}
+    for kv in ("auto", "bfloat16"):
+        made.clear()
+        assert main(["profile", "--model", str(ckpt), "--contexts", "16,64", "--reps", "1", "--path", path,
+                     "--kv-cache-dtype", kv, "--json"]) == 0
+        runs[kv] = json.loads(capsys.readouterr().out)
+        assert made and {c.k.dtype for c in made} == {torch.bfloat16 if kv == "bfloat16" else torch.float32}
+    assert runs["bfloat16"]["model"]["kv_cache_dtype"] == "bfloat16"
+    assert 2 * runs["bfloat16"]["model"]["kv_bytes_per_token"] == runs["auto"]["model"]["kv_bytes_per_token"]
+    for r16, r32 in zip(runs["bfloat16"]["rows"], runs["auto"]["rows"], strict=True):
+        assert 2 * r16["components"]["attention"]["read_bytes"] == r32["components"]["attention"]["read_bytes"]
+        assert r16["kv_cache_bytes"] == r16["components"]["attention"]["read_bytes"]
+    assert main(["profile", "--model", str(ckpt), "--contexts", "8", "--reps", "1", "--path", path,
+                 "--kv-cache-dtype", "bfloat16"]) == 0
+    assert "kB/token in bfloat16" in " ".join(capsys.readouterr().out.split())  # (rich wraps the header)

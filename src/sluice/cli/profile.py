@@ -97,7 +97,8 @@ def cmd_profile(args) -> int:
         err.print(f"context {row['context']:,}: {row['step_ms']:.2f} ms/step, components sum "
                   f"{100 * row['sum_vs_step']:+.1f}% ({row['seconds']:.0f} s)")
     with err.status("measuring (median of round-robin passes; see docs/profile.md)..."):
-        data = profile(model, contexts, reps=reps, params=params, progress=progress, path=path)
+        data = profile(model, contexts, reps=reps, params=params, progress=progress, path=path,
+                       kv_cache_dtype=args.kv_cache_dtype)
     if out is not None:
         paths = save(data, out)
     if args.json:
@@ -182,6 +183,9 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--temperature", default=None, help="sampler temperature (default 1; 0 = greedy argmax)")
     p.add_argument("--top-k", default=None, help="sampler top-k (default off; any filter adds a vocabulary sort)")
     p.add_argument("--top-p", default=None, help="sampler top-p (default off)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the KV cache the step reads, as LLM(kv_cache_dtype=): auto (default) the activations' "
+                        "dtype, or bfloat16 (half the bytes: docs/kv-cache.md)")
     _output_args(p)
     p.set_defaults(func=cmd_profile)
 

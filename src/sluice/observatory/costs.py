@@ -49,11 +49,12 @@ def hidden_norms_per_block(cfg: ModelConfig) -> int:
 
 
 def step_costs(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype,
-               act_dtype: torch.dtype | None = None) -> dict[str, dict]:
+               act_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> dict[str, dict]:
     """{component: {"param_bytes", "read_bytes", "flops"}} of one decode step: `batch` sequences,
     one new token each, attending over `context` cache slots (the new token's included). dtype: the
-    stored matrices and embedding; act_dtype (default dtype): the activations, so the KV cache and
-    the norm gains, which "bf16 weights, fp32 compute" (engine/mixed.py) keeps in fp32."""
+    stored matrices and embedding; act_dtype (default dtype): the activations, so the norm gains, which
+    "bf16 weights, fp32 compute" (engine/mixed.py) keeps in fp32, and the KV cache unless kv_dtype says
+    otherwise (LLM(kv_cache_dtype=))."""
     b = dtype.itemsize
     a = (act_dtype or dtype).itemsize
     C, I, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
@@ -84,7 +85,7 @@ def step_costs(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype,
     rotary = (cfg.rotary_dim or D) if cfg.pos_embedding == "rope" else 0
     per_score = _SOFTMAX_FLOPS + (3 if cfg.attn_softcap else 0)
     attn_flops = 4 * B * H * S * D + per_score * B * H * S + 3 * B * (H + K) * rotary
-    out["attention"] = dict(param_bytes=0, read_bytes=kv_cache_bytes(cfg, batch, context, act_dtype or dtype),
+    out["attention"] = dict(param_bytes=0, read_bytes=kv_cache_bytes(cfg, batch, context, kv_dtype or act_dtype or dtype),
                             flops=L * attn_flops)
 
     mats = 3 if cfg.mlp_gated else 2

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..engine.kv_cache import KVCache
+from ..engine.kv_cache import kv_cache_dtype as kv_dtype_of
 from ..engine.mixed import activation_dtype
 from ..engine.runner import Runner
 from ..engine.sampling import Sampler, SamplingParams
@@ -112,9 +113,9 @@ def plan_contexts(contexts: list[int], limit: int) -> tuple[list[int], list[str]
 class _Bench:
     """One context: the engine's runner and sampler over a filled cache, and the timed passes."""
 
-    def __init__(self, model, context: int, params: SamplingParams):
+    def __init__(self, model, context: int, params: SamplingParams, kv_dtype: torch.dtype | None = None):
         cfg = model.config
-        dtype = model.embed.weight.dtype
+        dtype = kv_dtype or activation_dtype(model)
         self.runner = Runner(model, compile=False)
         self.runner.cache = KVCache(cfg, 1, context, dtype)
         gen = torch.Generator().manual_seed(0)
@@ -171,9 +172,10 @@ def _components(med: dict[str, dict[str, float]]) -> dict[str, float]:
     return comp
 
 
-def measure_context(model, context: int, reps: int, params: SamplingParams, min_sample_s: float) -> dict:
+def measure_context(model, context: int, reps: int, params: SamplingParams, min_sample_s: float,
+                    kv_dtype: torch.dtype | None = None) -> dict:
     """Median seconds per region of each pass over `reps` round-robin rounds, and the components."""
-    bench = _Bench(model, context, params)
+    bench = _Bench(model, context, params, kv_dtype)
     for p in PASSES:  # warm-up: allocator, lazy init, the first hooked call of each module
         bench.sample(p, 1)
     once = bench.sample("step", 1)
@@ -201,7 +203,7 @@ PATHS = ("torch", "native")
 
 def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams | None = None,
             min_sample_s: float = 0.05, hardware: dict | None = None, progress=None, path: str = "torch",
-            repeat_disturbed: int = REPEATS) -> dict:
+            repeat_disturbed: int = REPEATS, kv_cache_dtype: str = "auto") -> dict:
     """The decode-step breakdown of `model` at each context length (see the module docstring). path="native":
     the native step the engine runs, timed by its own phase counters (profile_native.py).
 
@@ -216,12 +218,13 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
     measure = measure_native if path == "native" else measure_context
     cfg = model.config
     dtype, act = model.embed.weight.dtype, activation_dtype(model)  # fp32 activations over bf16 weights: mixed.py
+    kv = kv_dtype_of(kv_cache_dtype, act)  # the cache: LLM(kv_cache_dtype=)'s, the activations' by default
     if not (isinstance(reps, int) and not isinstance(reps, bool) and reps >= 1):
         raise ObservatoryError(f"reps must be an integer >= 1, got {reps!r}")
     contexts, notes = plan_contexts(list(contexts), cfg.max_position_embeddings)
     available = machine.available_memory()
     for c in contexts:  # all refused before any time is spent
-        check_memory(cfg, c, act, available)
+        check_memory(cfg, c, kv, available)
     params = (params or SamplingParams(temperature=1.0, seed=0)).with_defaults(None)
     load_start = os.getloadavg()[0]
     hw_load = None
@@ -233,8 +236,8 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
     rows = []
     for c in contexts:
         t0 = time.perf_counter()
-        m, load = watched(lambda: measure(model, c, reps, params, min_sample_s), repeat_disturbed)
-        costs = step_costs(cfg, 1, c, dtype, act)
+        m, load = watched(lambda: measure(model, c, reps, params, min_sample_s, kv), repeat_disturbed)
+        costs = step_costs(cfg, 1, c, dtype, act, kv)
         tot = totals(costs)
         comp_s, step_s = m["components"], m["step_s"]
         sum_s = sum(comp_s.values())
@@ -268,12 +271,13 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
         "kind": "profile",
         "model": {"name": str(name) if name else "(in memory)", "architecture": cfg.architecture,
                   "dtype": str(dtype).removeprefix("torch."), "activation_dtype": str(act).removeprefix("torch."),
+                  "kv_cache_dtype": str(kv).removeprefix("torch."),
                   "num_layers": cfg.num_layers,
                   "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                   "max_position_embeddings": cfg.max_position_embeddings,
                   "param_bytes": sum(p.nbytes for p in model.parameters()),
                   "num_params": sum(p.numel() for p in model.parameters()),
-                  "kv_bytes_per_token": kv_cache_bytes(cfg, 1, 1, act)},
+                  "kv_bytes_per_token": kv_cache_bytes(cfg, 1, 1, kv)},
         "settings": {"contexts": contexts, "reps": reps, "min_sample_s": min_sample_s, "batch": 1,
                      "sampling": {"temperature": params.temperature, "top_k": params.top_k,
                                   "top_p": params.top_p, "min_p": params.min_p},

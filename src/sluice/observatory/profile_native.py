@@ -34,13 +34,13 @@ class _NativeBench:
     """One context: the native step over a static cache of exactly `context` slots filled at random (a
     step's cost does not depend on what the cache holds), the token at the last slot, then the sampler."""
 
-    def __init__(self, model, context: int, params: SamplingParams):
+    def __init__(self, model, context: int, params: SamplingParams, kv_dtype: torch.dtype | None = None):
         why = unsupported(model)
         if why is not None:
             raise ObservatoryError(f"the native step cannot run this model ({why}); profile the torch path")
         cfg = model.config
         self.fast = FastStep(model)
-        self.cache = KVCache(cfg, 1, context, torch.float32)
+        self.cache = KVCache(cfg, 1, context, kv_dtype or torch.float32)  # fp32 or bf16 (LLM(kv_cache_dtype=))
         gen = torch.Generator().manual_seed(0)
         for t in (self.cache.k, self.cache.v):
             for layer in t:  # one layer at a time, as profile.py fills its cache
@@ -65,9 +65,10 @@ class _NativeBench:
         return {**out, "model": model_s / n, "sampling": sampling_s / n}
 
 
-def measure_native(model, context: int, reps: int, params: SamplingParams, min_sample_s: float) -> dict:
+def measure_native(model, context: int, reps: int, params: SamplingParams, min_sample_s: float,
+                   kv_dtype: torch.dtype | None = None) -> dict:
     """profile.measure_context's result for the native step: medians over `reps` samples, the components."""
-    bench = _NativeBench(model, context, params)
+    bench = _NativeBench(model, context, params, kv_dtype)
     once = bench.sample(1)  # warm-up: scratch, the sampler's first call
     n = max(1, math.ceil(min_sample_s / max(once["model"] + once["sampling"], 1e-6)))
     gc_was_on = gc.isenabled()

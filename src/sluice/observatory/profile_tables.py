@@ -50,7 +50,8 @@ def profile_header(d: dict) -> str:
     m, hw = d["model"], d["machine"]
     return (f"{m['name']}: {m['architecture']}, {m['num_params'] / 1e6:,.1f}M parameters "
             f"({m['param_bytes'] / 1e6:,.1f} MB in {m['dtype']}), {m['num_layers']} layers, vocab "
-            f"{m['vocab_size']:,}; KV cache {m['kv_bytes_per_token'] / 1e3:,.1f} kB/token. Batch 1, {_path(d)}, "
+            f"{m['vocab_size']:,}; KV cache {m['kv_bytes_per_token'] / 1e3:,.1f} kB/token"
+            f"{' in ' + m['kv_cache_dtype'] if 'kv_cache_dtype' in m else ''}. Batch 1, {_path(d)}, "
             f"{d['settings']['threads']} threads, median of {d['settings']['reps']} rounds, 1-min load average "
             f"{d['settings']['loadavg_at_start']:.2f} at the start. This machine: "
             f"stream copy {hw['stream_copy']['GB_s']:.1f} GB/s, matmul {hw['matmul']['GFLOP_s']:.1f} GFLOP/s "
