@@ -98,8 +98,9 @@ def test_script_bf16(tiny_dir, tmp_path):
     assert r["engines"]["sluice"]["precision"] == "bf16" and r["engines"]["sluice"]["kv_itemsize"] == 4
 
 
-@pytest.mark.parametrize("flags, kv, itemsize", [([], None, 4), (["--kv-cache-dtype", "bfloat16"], "bfloat16", 2)])
-def test_kv_cache_dtype_reaches_sluice_and_the_byte_count(tiny_dir, tmp_path, monkeypatch, flags, kv, itemsize):
+@pytest.fixture
+def llm_kwargs(monkeypatch) -> list[dict]:
+    """The keyword arguments of every LLM the bench builds, in order (the LLM is built as usual)."""
     import sluice.llm as engine_llm
     seen = []
 
@@ -109,6 +110,12 @@ def test_kv_cache_dtype_reaches_sluice_and_the_byte_count(tiny_dir, tmp_path, mo
             super().__init__(*a, **kw)
 
     monkeypatch.setattr(engine_llm, "LLM", Spy)
+    return seen
+
+
+@pytest.mark.parametrize("flags, kv, itemsize", [([], None, 4), (["--kv-cache-dtype", "bfloat16"], "bfloat16", 2)])
+def test_kv_cache_dtype_reaches_sluice_and_the_byte_count(tiny_dir, tmp_path, llm_kwargs, flags, kv, itemsize):
+    seen = llm_kwargs
     out = tmp_path / "speed.json"
     assert main(["bench", "--model", str(tiny_dir), *TINY, *flags, "--json", str(out)]) == 0
     r = json.loads(out.read_text())
@@ -256,18 +263,10 @@ def test_int4_vs_llama_cpp_q4_0(tiny_dir, tmp_path, monkeypatch):
     (["--draft-model", "SELF", "--speculative-tokens", "3"], "draft", 3),
     (["--prompt-lookup", "--speculative-tokens", "auto"], "prompt-lookup", "auto"),
 ])
-def test_speculation_flags(tiny_dir, tmp_path, monkeypatch, capsys, flags, mode, k):
+def test_speculation_flags(tiny_dir, tmp_path, llm_kwargs, capsys, flags, mode, k):
     """--draft-model / --prompt-lookup / --speculative-tokens reach sluice's LLM (and only it), and the
     acceptance rate and tokens per target forward land under the table and in the JSON."""
-    import sluice.llm as engine_llm
-    seen = []
-
-    class Spy(engine_llm.LLM):
-        def __init__(self, *a, **kw):
-            seen.append(kw)
-            super().__init__(*a, **kw)
-
-    monkeypatch.setattr(engine_llm, "LLM", Spy)
+    seen = llm_kwargs
     flags = [str(tiny_dir) if f == "SELF" else f for f in flags]
     out = tmp_path / "speed.json"
     assert main(["bench", "--model", str(tiny_dir), *TINY, *flags, "--json", str(out)]) == 0

@@ -24,6 +24,7 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.fast_step import FastStep
 from sluice.engine.kv_cache import KVCache
 from sluice.errors import ConfigError
+from spying import record
 from test_fast_step import random_model
 from test_fast_step_paged import B, LAST, run, scrambled_pool
 
@@ -178,13 +179,7 @@ def test_avx2_build():
 def test_the_cli_flag_reaches_the_pool(ckpt, monkeypatch, capsys):
     import sluice.llm as llm_module
     from sluice.cli import main
-    made = []
-    real = llm_module.BatchEngine
-
-    def spy(*a, **kw):
-        made.append(real(*a, **kw))
-        return made[-1]
-    monkeypatch.setattr(llm_module, "BatchEngine", spy)
+    made = record(monkeypatch, llm_module, "BatchEngine")
     assert main(["generate", "--model", str(ckpt), "--kv-cache-dtype", "bfloat16", "--max-tokens", "3", "hi"]) == 0
     assert made and made[0].pool.k.dtype == BF16
     capsys.readouterr()

@@ -19,6 +19,7 @@ from sluice.observatory import profile as profile_mod
 from sluice.observatory.costs import COMPONENTS, step_costs, totals
 from sluice.observatory.profile import profile
 from sluice.observatory.roofline import roofline
+from spying import record
 
 FAKE_MACHINE = {"stream_copy": {"GB_s": 10.0, "GB_s_median": 10.0, "bytes": 1, "reps": 1},
                 "matmul": {"GFLOP_s": 50.0, "shapes": []}, "threads": 1}
@@ -287,15 +288,8 @@ def test_context_too_big_for_memory_is_refused_before_allocating(ckpt, capsys, m
 def test_a_bf16_kv_cache_is_profiled_with_its_own_bytes(ckpt, capsys, fake_machine, monkeypatch, path):
     """--kv-cache-dtype bfloat16: the step reads a bf16 cache (the bench's cache is one) and the attention's bytes
     are half the fp32 cache's, at every context; the header names the cache's dtype."""
-    made = []
-    real = profile_mod.KVCache
-
-    def spy(*a, **kw):
-        made.append(real(*a, **kw))
-        return made[-1]
-    monkeypatch.setattr(profile_mod, "KVCache", spy)
     import sluice.observatory.profile_native as native_mod
-    monkeypatch.setattr(native_mod, "KVCache", spy)
+    made = record(monkeypatch, profile_mod, "KVCache", native_mod, "KVCache")
     runs = {}
     for kv in ("auto", "bfloat16"):
         made.clear()
