@@ -446,6 +446,7 @@ struct LineAligned {
 };
 using Scratch = std::vector<float, LineAligned<float>>;
 
+constexpr int64_t kQueryGroup = 4;  // a chunk's tokens whose attention shares one pass over the cache (run)
 constexpr int64_t kBlock = 16;  // weight rows per work item: 16 rows x K stay in L1/L2 across the M rows
 constexpr int64_t kWidenRows = 16;  // token rows from which block() widens narrow weights once per pass
 constexpr int64_t kPassBytes = 24 << 10;  // weights per pass of block()'s many-row tiles (see there)
@@ -846,11 +847,11 @@ inline __m512 load_slot16(const bf16* p, __mmask16 k) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
-// o[h] += sum over slots t of w[h][t] * v_t for NH (<= 4) query heads at once: each value vector, loaded once,
+// o[h] = sum over slots t of w[h][t] * v_t for NH (<= 4) query heads at once: each value vector, loaded once,
 // feeds NH accumulators, 64 channels (four registers) per pass.
 template <int NH, typename S>
 inline void weighted_values(const S* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
-                            int64_t D, int64_t lo, int64_t p, const float* w, int64_t ldw, float* o, int64_t ldo) {
+                            int64_t D, int64_t lo, int64_t p, const float* w, int64_t ldw, float* const* o) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     __m512 a[NH][4];
     __mmask16 k[4];
@@ -865,7 +866,7 @@ inline void weighted_values(const S* vh, const int64_t* blocks, int64_t bs, int6
       }
     });
     for (int h = 0; h < NH; ++h)
-      for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(o + h * ldo + d0 + 16 * c, k[c], a[h][c]);
+      for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(o[h] + d0 + 16 * c, k[c], a[h][c]);
   }
 }
 
@@ -911,8 +912,8 @@ inline __m256 load_slot8(const bf16* p, __m256i k) {
 // query heads at once, channels d0 .. d0 + 32 (four registers) per pass; Tail: the pass reaches past D (masked).
 template <int NH, bool Tail, typename S>
 inline void weighted_values8(const S* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
-                             int64_t D, int64_t d0, int64_t lo, int64_t p, const float* w, int64_t ldw, float* o,
-                             int64_t ldo) {
+                             int64_t D, int64_t d0, int64_t lo, int64_t p, const float* w, int64_t ldw,
+                             float* const* o) {
   __m256 a[NH][4];
   __m256i k[4];
   for (int c = 0; c < 4; ++c) {
@@ -928,17 +929,17 @@ inline void weighted_values8(const S* vh, const int64_t* blocks, int64_t bs, int
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < 4; ++c) {
       if (Tail)
-        _mm256_maskstore_ps(o + h * ldo + d0 + 8 * c, k[c], a[h][c]);
+        _mm256_maskstore_ps(o[h] + d0 + 8 * c, k[c], a[h][c]);
       else
-        _mm256_storeu_ps(o + h * ldo + d0 + 8 * c, a[h][c]);
+        _mm256_storeu_ps(o[h] + d0 + 8 * c, a[h][c]);
     }
 }
 template <int NH, typename S>
 inline void weighted_values(const S* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
-                            int64_t D, int64_t lo, int64_t p, const float* w, int64_t ldw, float* o, int64_t ldo) {
+                            int64_t D, int64_t lo, int64_t p, const float* w, int64_t ldw, float* const* o) {
   int64_t d0 = 0;
-  for (; d0 + 32 <= D; d0 += 32) weighted_values8<NH, false>(vh, blocks, bs, sBlock, sS, D, d0, lo, p, w, ldw, o, ldo);
-  if (d0 < D) weighted_values8<NH, true>(vh, blocks, bs, sBlock, sS, D, d0, lo, p, w, ldw, o, ldo);
+  for (; d0 + 32 <= D; d0 += 32) weighted_values8<NH, false>(vh, blocks, bs, sBlock, sS, D, d0, lo, p, w, ldw, o);
+  if (d0 < D) weighted_values8<NH, true>(vh, blocks, bs, sBlock, sS, D, d0, lo, p, w, ldw, o);
 }
 
 // s[0:n] = softmax(s[0:n]) in place.
@@ -988,73 +989,84 @@ inline void key_groups(const S* kh, const int64_t* blocks, int64_t bs, int64_t s
   if (cnt) flush();
 }
 
-// attend()'s vector paths once the scores sc (G rows of `span`, slots lo..p) are in: the soft-cap, each head's
-// softmax, then o[h] = the weighted sum of the values, up to MaxHeads heads a pass over them (4 with AVX-512's
-// 32 registers, 3 with AVX2's 16).
+// attend()'s vector paths once the scores sc (N rows of `span`, pair i's slots los[i]..ps[i] inside lo..p) are in:
+// each pair's soft-cap and softmax over its own slots, its weights zero on the rest of lo..p, then o[i] = the
+// weighted sum of the values over lo..p, up to MaxHeads pairs a pass over them (4 with AVX-512's 32 registers, 3
+// with AVX2's 16). A zero weight adds exactly nothing (fma(0, v, a) = a for finite v: the slots a pair does not
+// attend to are the other pairs' own, written by this step), so each pair's sums are those of a pass over its
+// own slots alone, in the same order.
 template <int MaxHeads, typename S>
 inline void weigh_values(const S* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS, int64_t D,
-                         int64_t lo, int64_t p, int64_t G, float cap, float* sc, int64_t span, float* o) {
-  if (cap > 0.f)
-    for (int64_t h = 0; h < G; ++h)
-      soft_cap_n(sc + h * span + lo, p + 1 - lo, cap);
-  for (int64_t h = 0; h < G; ++h) softmax(sc + h * span + lo, p + 1 - lo);
-  for (int64_t h0 = 0; h0 < G; h0 += MaxHeads) {
+                         const int64_t* los, const int64_t* ps, int64_t lo, int64_t p, int64_t N, float cap,
+                         float* sc, int64_t span, float* const* o) {
+  for (int64_t h = 0; h < N; ++h) {
+    float* row = sc + h * span;
+    if (cap > 0.f) soft_cap_n(row + los[h], ps[h] + 1 - los[h], cap);
+    softmax(row + los[h], ps[h] + 1 - los[h]);
+    std::fill(row + lo, row + los[h], 0.f);
+    std::fill(row + ps[h] + 1, row + p + 1, 0.f);
+  }
+  for (int64_t h0 = 0; h0 < N; h0 += MaxHeads) {
     const float* w = sc + h0 * span;
-    switch (std::min<int64_t>(MaxHeads, G - h0)) {
-      case 1: weighted_values<1>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
-      case 2: weighted_values<2>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
-      case 3: weighted_values<3>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D); break;
-      default: weighted_values<MaxHeads>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0 * D, D);
+    switch (std::min<int64_t>(MaxHeads, N - h0)) {
+      case 1: weighted_values<1>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0); break;
+      case 2: weighted_values<2>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0); break;
+      case 3: weighted_values<3>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0); break;
+      default: weighted_values<MaxHeads>(vh, blocks, bs, sBlock, sS, D, lo, p, w, span, o + h0);
     }
   }
 }
 #endif
 
-// The G query heads q[h] = qh + h * D that share one KV head (kh, vh: for_slots's `head`), over its slots
-// lo..p: softmax of the scaled scores q.k, soft-capped if cap > 0 (sc: scratch, G rows of `span` floats indexed by slot), then
-// o[h] = o + h * D (D floats) = the weighted sum of the values. One pass over the keys and values serves
-// all G heads: the cache is read once per KV head, not once per query head.
+// N (query head, token) pairs that share one KV head (kh, vh: for_slots's `head`) and one row's blocks: pair i's
+// query qv[i] (D floats) over its slots los[i]..ps[i]: softmax of the scaled scores q.k, soft-capped if cap > 0
+// (sc: scratch, N rows of `span` floats indexed by slot), then o[i] (D floats) = the weighted sum of the values.
+// One pass over the keys and values of lo..p, the union of the pairs' slots, serves them all: the cache is read
+// once per KV head and group of tokens, not once per query head and token. Each score is its own dot product
+// and each pair's weighted sum runs in slot order (weigh_values), so a pair's numbers do not depend on the
+// others in its pass.
 template <typename S>
-inline void attend(const float* qh, int64_t G, const S* kh, const S* vh, const int64_t* blocks, int64_t bs,
-                   int64_t sBlock, int64_t sS, int64_t D, int64_t lo, int64_t p, float scale, float cap, float* sc,
-                   int64_t span, float* o) {
+inline void attend(const float* const* qv, float* const* o, const int64_t* los, const int64_t* ps, int64_t N,
+                   const S* kh, const S* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS, int64_t D,
+                   float scale, float cap, float* sc, int64_t span) {
+  const int64_t lo = *std::min_element(los, los + N), p = *std::max_element(ps, ps + N);
 #ifdef SLUICE_AVX512
   // Scores 16 slots at a time: 16 dot products share each load of q, and one reduce16 sums them; the
   // group's 16 keys stay in L1 for its other heads.
   key_groups<16>(kh, blocks, bs, sBlock, sS, D, lo, p, [&](const S* const* ks, int cnt, int64_t first) {
-    for (int64_t h = 0; h < G; ++h) {
+    for (int64_t h = 0; h < N; ++h) {
       __m512 a[16];
       for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 k = first_lanes(D - d);
-        const __m512 qv = _mm512_maskz_loadu_ps(k, qh + h * D + d);
-        for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(load_slot16(ks[j] + d, k), qv, a[j]);
+        const __m512 q = _mm512_maskz_loadu_ps(k, qv[h] + d);
+        for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(load_slot16(ks[j] + d, k), q, a[j]);
       }
       _mm512_mask_storeu_ps(sc + h * span + first, first_lanes(cnt), _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
     }
   });
-  weigh_values<4>(vh, blocks, bs, sBlock, sS, D, lo, p, G, cap, sc, span, o);
+  weigh_values<4>(vh, blocks, bs, sBlock, sS, D, los, ps, lo, p, N, cap, sc, span, o);
 #elif defined(SLUICE_AVX2)
   // The AVX-512 path's shape in 8 lanes: scores 8 slots at a time (8 dot products share each load of q, one
   // reduce8 sums them), the softmax in vector lanes, the values for up to 3 heads a pass.
   const int64_t full = D / 8 * 8;
   const __m256i tail = first_lanes8(D - full);
   key_groups<8>(kh, blocks, bs, sBlock, sS, D, lo, p, [&](const S* const* ks, int cnt, int64_t first) {
-    for (int64_t h = 0; h < G; ++h) {
+    for (int64_t h = 0; h < N; ++h) {
       __m256 a[8];
       for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
       for (int64_t d = 0; d < full; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(qh + h * D + d);
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(load_slot8<false>(ks[j] + d, tail), qv, a[j]);
+        const __m256 q = _mm256_loadu_ps(qv[h] + d);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(load_slot8<false>(ks[j] + d, tail), q, a[j]);
       }
       if (full < D) {
-        const __m256 qv = _mm256_maskload_ps(qh + h * D + full, tail);
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(load_slot8<true>(ks[j] + full, tail), qv, a[j]);
+        const __m256 q = _mm256_maskload_ps(qv[h] + full, tail);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(load_slot8<true>(ks[j] + full, tail), q, a[j]);
       }
       _mm256_maskstore_ps(sc + h * span + first, first_lanes8(cnt), _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
     }
   });
-  weigh_values<3>(vh, blocks, bs, sBlock, sS, D, lo, p, G, cap, sc, span, o);
+  weigh_values<3>(vh, blocks, bs, sBlock, sS, D, los, ps, lo, p, N, cap, sc, span, o);
 #else
   std::vector<float> wide(std::is_same_v<S, float> ? 0 : D);  // a bf16 slot widened, for dot() and the sum
   auto as_float = [&](const S* slot) -> const float* {
@@ -1065,20 +1077,23 @@ inline void attend(const float* qh, int64_t G, const S* kh, const S* vh, const i
       return wide.data();
     }
   };
-  for (int64_t h = 0; h < G; ++h, qh += D, sc += span, o += D) {
+  (void)lo, (void)p;  // (each pair over its own slots)
+  for (int64_t h = 0; h < N; ++h, sc += span) {
+    const float* qh = qv[h];
+    float* oh = o[h];
     float mx = -INFINITY;
-    for_slots(kh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const S* ks) {
+    for_slots(kh, blocks, bs, sBlock, sS, D, los[h], ps[h], [&](int64_t s, const S* ks) {
       sc[s] = dot(as_float(ks), qh, D) * scale;
       if (cap > 0.f) sc[s] = soft_cap(sc[s], cap);
       mx = std::max(mx, sc[s]);
     });
     float sum = 0.f;
-    for (int64_t s = lo; s <= p; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
-    std::fill(o, o + D, 0.f);
-    for_slots(vh, blocks, bs, sBlock, sS, D, lo, p, [&](int64_t s, const S* slot) {
+    for (int64_t s = los[h]; s <= ps[h]; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
+    std::fill(oh, oh + D, 0.f);
+    for_slots(vh, blocks, bs, sBlock, sS, D, los[h], ps[h], [&](int64_t s, const S* slot) {
       const float* vs = as_float(slot);
       const float w = sc[s] / sum;
-      for (int64_t d = 0; d < D; ++d) o[d] += w * vs[d];
+      for (int64_t d = 0; d < D; ++d) oh[d] += w * vs[d];
     });
   }
 #endif
@@ -1313,13 +1328,14 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
   auto out = torch::empty({B, T, hidden ? C_ : V_}, torch::kFloat32);
   if (M == 0) return out;
   const int64_t span = *std::max_element(last.begin(), last.end()) + 1;  // attention scores per query, at most
+  const int64_t groups = (T + kQueryGroup - 1) / kQueryGroup;  // attention's token groups per row
   const int nth = std::max(1, at::get_num_threads());
   // Scratch, fp32: residual x, normed h (one copy per thread), q, k|v, attention out, the MLP's act, cos|sin
   // (a second table after the first for local RoPE), scores per thread, and the branches' outputs where a
   // branch is normed or added later.
   const int64_t tables = inv_freq_local_.numel() ? 2 : 1;
   Scratch x(M * C_), h(nth * M * C_), q(M * HD), kv(M * 2 * KD), att(M * HD), act(M * I_),
-      glu(nth * 2 * M * kBlock), cs(tables * M * 2 * half), scores(nth * G * span), ao(split_ ? M * C_ : 0),
+      glu(nth * 2 * M * kBlock), cs(tables * M * 2 * half), scores(nth * kQueryGroup * G * span), ao(split_ ? M * C_ : 0),
       mo(split_ ? M * C_ : 0);
   // The cache's slots (store_slot): fp32 or bf16, one of each pair null. Strides count elements either way.
   const bool kv16 = kc.scalar_type() == torch::kBFloat16;
@@ -1351,7 +1367,10 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
 
 #pragma omp parallel num_threads(nth)
   {
-    float* sc = scores.data() + omp_get_thread_num() * G * span;
+    float* sc = scores.data() + omp_get_thread_num() * kQueryGroup * G * span;
+    std::vector<const float*> qv(kQueryGroup * G);  // attention's pairs (query head, token) of one pass
+    std::vector<float*> ov(kQueryGroup * G);
+    std::vector<int64_t> los(kQueryGroup * G), ps(kQueryGroup * G);
     float* tmp = glu.data() + omp_get_thread_num() * 2 * M * kBlock;
     // Each thread norms every row into its own copy of h: a few us of redundant work instead of a
     // barrier before each product (a barrier costs a time slice when the other core is busy).
@@ -1442,17 +1461,32 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
       // item per KV head and its group of G query heads. Rows differ in length: items are dealt round-robin
       // so each thread gets a share of every row (and, with two threads and an even number of KV heads,
       // always the same heads: their keys and values stay in its core's caches).
+      // A prompt chunk's tokens of one row go kQueryGroup at a time: each pass over a KV head's keys and values
+      // serves the G query heads of each of them (attend). Only tokens at consecutive positions share a pass, so
+      // the slots one reads beyond its own are the next ones' own, written above.
 #pragma omp for schedule(static, 1)
-      for (int64_t i = 0; i < M * K_; ++i) {
-        const int64_t m = i / K_, g = i % K_, b = m / T, p = pp[m];
-        const int64_t lo = Ly.window ? std::max<int64_t>(0, p - Ly.window + 1) : 0;
+      for (int64_t i = 0; i < B * groups * K_; ++i) {
+        const int64_t g = i % K_, b = i / K_ / groups, t0 = i / K_ % groups * kQueryGroup;
+        const int64_t t1 = std::min(T, t0 + kQueryGroup);
         const int64_t head = l * sL + g * sK;  // this KV head's slot 0 in block 0; blocks add their offset
-        if (kv16)
-          attend(&q[m * HD + g * G * D_], G, kp16 + head, vp16 + head, &table[b * nb], bs, sBlock, sS, D_, lo, p,
-                 scale_, Ly.softcap, sc, span, &att[m * HD + g * G * D_]);
-        else
-          attend(&q[m * HD + g * G * D_], G, kp + head, vp + head, &table[b * nb], bs, sBlock, sS, D_, lo, p, scale_,
-                 Ly.softcap, sc, span, &att[m * HD + g * G * D_]);
+        for (int64_t t = t0; t < t1;) {
+          int64_t n = 1;  // tokens t .. t + n - 1 at consecutive positions
+          while (t + n < t1 && pp[b * T + t + n] == pp[b * T + t + n - 1] + 1) ++n;
+          for (int64_t j = 0; j < n * G; ++j) {
+            const int64_t m = b * T + t + j / G, hq = g * G + j % G, p = pp[m];
+            qv[j] = &q[m * HD + hq * D_];
+            ov[j] = &att[m * HD + hq * D_];
+            ps[j] = p;
+            los[j] = Ly.window ? std::max<int64_t>(0, p - Ly.window + 1) : 0;
+          }
+          if (kv16)
+            attend(qv.data(), ov.data(), los.data(), ps.data(), n * G, kp16 + head, vp16 + head, &table[b * nb], bs,
+                   sBlock, sS, D_, scale_, Ly.softcap, sc, span);
+          else
+            attend(qv.data(), ov.data(), los.data(), ps.data(), n * G, kp + head, vp + head, &table[b * nb], bs,
+                   sBlock, sS, D_, scale_, Ly.softcap, sc, span);
+          t += n;
+        }
       }
       mark(kAttention);
       // A pre-norm branch adds straight into x; one with a post-norm, or NeoX's parallel pair, goes to its own
