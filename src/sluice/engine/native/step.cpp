@@ -908,7 +908,7 @@ inline __m256 load_slot8(const bf16* p, __m256i k) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// The AVX-512 pair above in 8 lanes. weighted_values8: o[h] += sum over slots t of w[h][t] * v_t for NH (<= 3)
+// The AVX-512 pair above in 8 lanes. weighted_values8: o[h] = sum over slots t of w[h][t] * v_t for NH (<= 3)
 // query heads at once, channels d0 .. d0 + 32 (four registers) per pass; Tail: the pass reaches past D (masked).
 template <int NH, bool Tail, typename S>
 inline void weighted_values8(const S* vh, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS,
@@ -1458,12 +1458,11 @@ torch::Tensor Step::run(torch::Tensor tokens, torch::Tensor positions, torch::Te
       }
       mark(kQkv);  // with the qk-norms, RoPE and the cache writes
       // Attention of each token's query heads over its row's slots <= position (and inside the window), one
-      // item per KV head and its group of G query heads. Rows differ in length: items are dealt round-robin
-      // so each thread gets a share of every row (and, with two threads and an even number of KV heads,
-      // always the same heads: their keys and values stay in its core's caches).
-      // A prompt chunk's tokens of one row go kQueryGroup at a time: each pass over a KV head's keys and values
-      // serves the G query heads of each of them (attend). Only tokens at consecutive positions share a pass, so
-      // the slots one reads beyond its own are the next ones' own, written above.
+      // item per KV head and group of up to kQueryGroup tokens of a row: one pass over the head's keys and values
+      // serves the G query heads of each of those tokens (attend). Only tokens at consecutive positions share a
+      // pass, so the slots one reads beyond its own are the next ones' own, written above. Rows differ in
+      // length: items are dealt round-robin so each thread gets a share of every row (and, with two threads and
+      // an even number of KV heads, always the same heads: their keys and values stay in its core's caches).
 #pragma omp for schedule(static, 1)
       for (int64_t i = 0; i < B * groups * K_; ++i) {
         const int64_t g = i % K_, b = i / K_ / groups, t0 = i / K_ % groups * kQueryGroup;
