@@ -41,7 +41,10 @@ def machine_kind(cpu: dict, threads: int | None = None, isa_env: dict | None = N
     # a run whose kernels were built below the CPU's instruction sets (sluice's AVX2 build on an AVX-512 CPU) is a
     # machine kind of its own: its rows must not stand for what this CPU does with its own builds
     narrowed = "-mno-avx512f" in (isa_env or {}).get("SLUICE_KERNEL_FLAGS", "").split()
-    return (f"{cpu.get('model', '?')}, {n} logical CPUs, {' '.join(flags)}"
+    # the family and model numbers where the file has them (since 2026-12-04): the Zen 4 and Zen 5 EPYCs have the
+    # same model name and the same flags here, and must not stand for each other
+    generation = f" (family {cpu['family']} model {cpu['model_number']})" if "family" in cpu else ""
+    return (f"{cpu.get('model', '?')}{generation}, {n} logical CPUs, {' '.join(flags)}"
             + (f"; torch {threads} thread{'s' if threads > 1 else ''}" if threads else "")
             + (NARROWED if narrowed else ""))
 

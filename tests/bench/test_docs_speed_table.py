@@ -67,6 +67,32 @@ def test_machine_kinds_get_tables_of_their_own(dr, tmp_path):
     assert "aaaaaaa" in table and "xxxxxxx" in table  # the older Xeon run is that kind's newest
 
 
+def test_cpus_of_one_name_and_flags_are_told_apart_by_family(dr, tmp_path):
+    """Two EPYC generations with the same model name and flags (a Zen 4 and a Zen 5 VM): the newer one's run
+    gets a table of its own instead of replacing the other's rows; a file from before the family was recorded
+    keeps the old label."""
+    zen4 = {**CPU, "avx512f": True, "avx512_bf16": True}
+    zen5 = {**zen4, "family": 26, "model_number": 2}
+    _speed(tmp_path / "bench-speed-a.json", "2026-12-01 10:00:00 +0000", "aaaaaaa", 5.0, cpu=zen4)
+    _speed(tmp_path / "bench-speed-b.json", "2026-12-04 10:00:00 +0000", "bbbbbbb", 7.0, cpu=zen5)
+    table = dr.speed_table()
+    assert "**AMD EPYC, 2 logical CPUs, avx2 avx512f avx512_bf16; torch 2 threads**" in table
+    assert "**AMD EPYC (family 26 model 2), 2 logical CPUs, avx2 avx512f avx512_bf16; torch 2 threads**" in table
+    assert "aaaaaaa" in table and "bbbbbbb" in table
+
+
+def test_cpu_info_records_the_family_and_model_numbers(monkeypatch):
+    from sluice.benchmarks import common
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+            "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n"
+            "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n")
+    monkeypatch.setattr(common, "Path", lambda *_: type("P", (), {"read_text": lambda self: text})())
+    monkeypatch.setattr(common, "cpu_flags", lambda: {"fpu", "avx2", "avx512f", "avx512_bf16"})
+    info = common.cpu_info()
+    assert info == {"model": "AMD EPYC", "logical_cpus": 2, "avx2": True, "avx512f": True, "avx512_bf16": True,
+                    "amx_bf16": False, "family": 26, "model_number": 2}
+
+
 def test_batch_decode_rows_join_the_table(dr, tmp_path):
     _speed(tmp_path / "bench-speed-a.json", "2026-12-01 10:00:00 +0000", "aaaaaaa", 5.0)
     r = {"benchmark": "batch_decode", "cpu": CPU, "torch_threads": 2, "date": "2026-12-02 10:00:00 +0000",

@@ -34,9 +34,17 @@ def cpu_info() -> dict:
     lines = text.splitlines()
     name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
     flags = cpu_flags()
-    return {"model": name, "logical_cpus": sum(ln.startswith("processor") for ln in lines),
+    info = {"model": name, "logical_cpus": sum(ln.startswith("processor") for ln in lines),
             "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
             "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags}
+    # A VM's model name often hides the generation ("AMD EPYC" is Zen 2 to Zen 5); the family and model numbers
+    # tell CPUs with the same flags apart (AMD's family 25 is Zen 3 and Zen 4, family 26 Zen 5)
+    for key, field in (("family", "cpu family"), ("model_number", "model")):
+        value = next((ln.split(":", 1)[1].strip() for ln in lines
+                      if ln.split(":", 1)[0].strip() == field), "")
+        if value.isdigit():
+            info[key] = int(value)
+    return info
 
 
 def code_version() -> dict:
