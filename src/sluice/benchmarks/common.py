@@ -32,17 +32,18 @@ def cpu_info() -> dict:
     except OSError:
         return {"model": platform.processor() or "?"}
     lines = text.splitlines()
-    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
+
+    def field(key: str) -> str:  # the first CPU's value of a "key : value" line, or ""
+        return next((v.strip() for k, _, v in (ln.partition(":") for ln in lines) if k.strip() == key), "")
+
     flags = cpu_flags()
-    info = {"model": name, "logical_cpus": sum(ln.startswith("processor") for ln in lines),
+    info = {"model": field("model name") or "?", "logical_cpus": sum(ln.startswith("processor") for ln in lines),
             "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
             "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags}
     # A VM's model name often hides the generation ("AMD EPYC" is Zen 2 to Zen 5); the family and model numbers
     # tell CPUs with the same flags apart (AMD's family 25 is Zen 3 and Zen 4, family 26 Zen 5)
-    for key, field in (("family", "cpu family"), ("model_number", "model")):
-        value = next((ln.split(":", 1)[1].strip() for ln in lines
-                      if ln.split(":", 1)[0].strip() == field), "")
-        if value.isdigit():
+    for key, name in (("family", "cpu family"), ("model_number", "model")):
+        if (value := field(name)).isdigit():
             info[key] = int(value)
     return info
 
