@@ -833,9 +833,13 @@ inline void store_slot(const float* x, int64_t D, bf16* dst) {
 // Visits the slots lo..p of one row and head in order, block by block: f(s, slot s's D values). head: the
 // head's slot 0 in pool block 0; blocks: the row's block ids, bs slots each, sBlock apart; sS: one slot.
 // Walking block by block costs one division per walk, not one per slot. While a block is read, the same
-// slots of the row's next block are prefetched: blocks lie anywhere in the pool, so the hardware prefetcher,
-// which a static row's one long run of slots keeps streaming, would start cold at each block (bs = 16 ran
-// ~15% slower than the static cache at 2000 slots without this, and on par with it).
+// slots of the row's next block are prefetched: blocks lie anywhere in the pool, so the hardware prefetcher
+// would start cold at each block (bs = 16 ran ~15% slower than the static cache at 2000 slots without this,
+// and on par with it). Within one run of slots (a static cache's row, the paged cache's last block) each slot
+// prefetches the one kSlotsAhead on: the hardware prefetcher alone streamed a static cache at ~20 GB/s on a
+// Zen 5 (the Qwen3-0.6B shape's decode at 1024 cached positions, fp32 cache: attention 11.7 ms a token, 6.6
+// with this, 4, 8 or 16 slots ahead alike).
+constexpr int64_t kSlotsAhead = 8;
 template <typename S, typename F>
 inline void for_slots(const S* head, const int64_t* blocks, int64_t bs, int64_t sBlock, int64_t sS, int64_t D,
                       int64_t lo, int64_t p, F&& f) {
@@ -847,6 +851,8 @@ inline void for_slots(const S* head, const int64_t* blocks, int64_t bs, int64_t 
       const S* slot = head + (base + s * sS);
       if (ahead)
         for (int64_t c = 0; c < D; c += 64 / sizeof(S)) __builtin_prefetch(slot + ahead + c);  // a cache line
+      else if (s + kSlotsAhead < end)  // the last block, or a static cache's one run of slots: kSlotsAhead on
+        for (int64_t c = 0; c < D; c += 64 / sizeof(S)) __builtin_prefetch(slot + kSlotsAhead * sS + c);
       f(s, slot);
     }
   }
