@@ -8,23 +8,17 @@ from pathlib import Path
 
 import torch
 
+from sluice.engine.gemv import cpu_info as native_cpu_info
+
 # A benchmark times the native kernels: a missing one is built first (saying so), not left to a background
 # build while the torch path is timed (engine/native/extension.py).
 os.environ.setdefault("SLUICE_KERNEL_BUILD", "wait")
 
 
 def cpu_info() -> dict:
-    """What decides the bf16 story: AVX-512 / AMX have bf16 dot-product instructions, AVX2 has not."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                 if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    return {"model": name, "avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags, "torch_threads": torch.get_num_threads()}
+    """The CPU (sluice's own record of it: model, family and model numbers, the kernel-deciding flags) and torch's
+    thread count."""
+    return {**native_cpu_info(), "torch_threads": torch.get_num_threads()}
 
 
 def environment() -> dict:

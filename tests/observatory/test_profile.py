@@ -4,6 +4,7 @@ No timing asserts: the accounting is checked under a fake clock; speed itself li
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 import sluice
 from ckpt import build, build_with_tokenizer
 from sluice.cli import main
-from sluice.engine.gemv import cpu_flags
+from sluice.engine.gemv import cpu_flags, cpu_info
 from sluice.engine.kv_cache import KVCache
 from sluice.model import ModelConfig
 from sluice.model.layers import LayerNorm, RMSNorm
@@ -202,6 +203,7 @@ def test_cli_profile_json_and_report(ckpt, tmp_path, capsys, fake_machine):
     assert [r["context"] for r in data["rows"]] == [16, 300] and "clamped" in data["notes"][0]
     assert data["model"]["dtype"] == "float32" and data["machine"] == FAKE_MACHINE
     assert data["cpu_flags"] == sorted(cpu_flags()) and "avx2" in data["cpu_flags"]  # (every CPU here has AVX2)
+    assert data["cpu"] == cpu_info() and data["cpu"]["logical_cpus"] == os.cpu_count() and data["cpu"]["avx2"]
     for r in data["rows"]:
         assert 0 < r["lm_head_softmax_share"] < 1 and 0 < r["kv_bytes_share"] < 1 and r["achieved_GB_s"] > 0
     html = (out / "profile.html").read_text()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.gemv import cpu_flags
+from ..engine.gemv import cpu_info
 
 # A benchmark times the native kernels: a missing one is built first (saying so), not left to a background
 # build while the torch path is timed (engine/native/extension.py).
@@ -23,29 +23,6 @@ os.environ.setdefault("SLUICE_KERNEL_BUILD", "wait")
 
 
 ISA_ENV = ("SLUICE_KERNEL_FLAGS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
-
-
-def cpu_info() -> dict:
-    """What decides the bf16 story: AVX-512 / AMX have bf16 dot-product instructions, AVX2 has not."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {"model": platform.processor() or "?"}
-    lines = text.splitlines()
-
-    def field(key: str) -> str:  # the first CPU's value of a "key : value" line, or ""
-        return next((v.strip() for k, _, v in (ln.partition(":") for ln in lines) if k.strip() == key), "")
-
-    flags = cpu_flags()
-    info = {"model": field("model name") or "?", "logical_cpus": sum(ln.startswith("processor") for ln in lines),
-            "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
-            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags}
-    # A VM's model name often hides the generation ("AMD EPYC" is Zen 2 to Zen 5); the family and model numbers
-    # tell CPUs with the same flags apart (AMD's family 25 is Zen 3 and Zen 4, family 26 Zen 5)
-    for key, name in (("family", "cpu family"), ("model_number", "model")):
-        if (value := field(name)).isdigit():
-            info[key] = int(value)
-    return info
 
 
 def code_version() -> dict:

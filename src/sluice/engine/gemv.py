@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..model.quant import Int4Linear, Int8Linear, int4_dequantize, int4_unnibble
-from .native import NATIVE_DIR, NativeExtension, cpu_flags  # noqa: F401  (cpu_flags: re-exported for callers)
+from .native import NATIVE_DIR, NativeExtension, cpu_flags, cpu_info  # noqa: F401  (cpu_*: re-exported for callers)
 
 # Rows of x sent to the kernel, by weight dtype, from bench/decode_kernels.py on the AVX2 EPYC
 # (docs/changelog-benchmarks.md, 2026-11-30 "Fast decode"; Qwen3-0.6B's matrices from DRAM, 2 threads):

@@ -36,7 +36,7 @@ import time
 import torch
 from torch import nn
 
-from ..engine.gemv import cpu_flags
+from ..engine.gemv import cpu_flags, cpu_info
 from ..engine.kv_cache import KVCache
 from ..engine.kv_cache import kv_cache_dtype as kv_dtype_of
 from ..engine.mixed import activation_dtype
@@ -284,7 +284,7 @@ def profile(model, contexts: list[int], reps: int = 15, params: SamplingParams |
                                   "top_p": params.top_p, "min_p": params.min_p},
                      "threads": torch.get_num_threads(), "mode": "native" if path == "native" else "eager",
                      "path": path, "loadavg_at_start": load_start},
-        "machine": hw, "cpu_flags": sorted(cpu_flags()),  # which kernels the step could choose
+        "machine": hw, "cpu": cpu_info(), "cpu_flags": sorted(cpu_flags()),  # which kernels the step could choose
         "notes": notes, "rows": rows,
         "disturbed": any(r["disturbed"] for r in rows) or bool(hw_load and hw_load["disturbed"]),
         "machine_load": hw_load,

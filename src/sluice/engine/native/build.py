@@ -55,6 +55,33 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_info(cpuinfo: str | None = None) -> dict:
+    """The CPU a result was measured on: its model name, logical CPUs, family and model numbers, and the flags that
+    decide which kernels run (AVX-512 and AMX have bf16 dot-product instructions, AVX2 has not). cpuinfo: the
+    text of /proc/cpuinfo (read here when None)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            import platform
+            return {"model": platform.processor() or "?"}
+    lines = cpuinfo.splitlines()
+
+    def field(key: str) -> str:  # the first CPU's value of a "key : value" line, or ""
+        return next((v.strip() for k, _, v in (ln.partition(":") for ln in lines) if k.strip() == key), "")
+
+    flags = set(field("flags").split())
+    info = {"model": field("model name") or "?", "logical_cpus": sum(ln.startswith("processor") for ln in lines),
+            "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
+            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags}
+    # A VM's model name often hides the generation ("AMD EPYC" is Zen 2 to Zen 5); the family and model numbers
+    # tell CPUs with the same flags apart (AMD's family 25 is Zen 3 and Zen 4, family 26 Zen 5)
+    for key, name in (("family", "cpu family"), ("model_number", "model")):
+        if (value := field(name)).isdigit():
+            info[key] = int(value)
+    return info
+
+
 def cache_root() -> Path:
     """Where builds live: $TORCH_EXTENSIONS_DIR (tests and CI point it at their own), else the user's cache."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):

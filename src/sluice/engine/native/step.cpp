@@ -1127,7 +1127,8 @@ inline void attend(const float* const* qv, float* const* o, const int64_t* los, 
   // group's 16 keys stay in L1 for its other pairs.
   key_groups<16>(kh, blocks, bs, sBlock, sS, D, lo, p, [&](const S* const* ks, int cnt, int64_t first) {
     for (int64_t h = 0; h < N; h += 2) {
-      float* dst[2] = {sc + h * span + first, sc + (h + 1) * span + first};
+      // The second pair's row only where there is one (past the last pair it could point past the scratch).
+      float* dst[2] = {sc + h * span + first, h + 1 < N ? sc + (h + 1) * span + first : nullptr};
       if (h + 1 == N) {
         score_tile<1, 16>(qv + h, ks, D, scale, cnt, dst);
       } else {
@@ -1144,7 +1145,7 @@ inline void attend(const float* const* qv, float* const* o, const int64_t* los, 
   const __m256i tail = first_lanes8(D - full);
   key_groups<8>(kh, blocks, bs, sBlock, sS, D, lo, p, [&](const S* const* ks, int cnt, int64_t first) {
     for (int64_t h = 0; h < N; h += 2) {
-      float* dst[2] = {sc + h * span + first, sc + (h + 1) * span + first};
+      float* dst[2] = {sc + h * span + first, h + 1 < N ? sc + (h + 1) * span + first : nullptr};
       if (h + 1 == N) {
         score_tile8<1, 8>(qv + h, ks, D, full, tail, scale, cnt, dst);
       } else {
