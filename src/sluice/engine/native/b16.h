@@ -155,6 +155,62 @@ inline __m512 tile_dp(const bf16* const w[R], const uint16_t* x, int64_t ldx, in
 }
 #endif
 
+// tile_rows (step.cpp) for bf16: tile_b16<16, 1>'s and tile_dp<16, 1>'s sums, the same bits, row after row.
+inline __m512 tile_rows_b16(const bf16* const w[16], const float* x, int64_t K, const RowStream& pf) {
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  const int64_t K32 = K / 32 * 32, K16 = K / 16 * 16;
+  for (int r = 0; r < 16; ++r) {
+    for (int64_t k = 0; k < K32; k += 32) {
+      pf.line(r, 2 * k);
+      const __m512i v = _mm512_loadu_si512(w[r] + k);
+      a[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), _mm512_loadu_ps(x + k), a[r]);
+      a[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, hi)), _mm512_loadu_ps(x + k + 16), a[r]);
+    }
+    if (K32 < K16) {
+      pf.line(r, 2 * K32);
+      a[r] = _mm512_fmadd_ps(load16(w[r] + K32), _mm512_loadu_ps(x + K32), a[r]);
+    }
+  }
+  return reduce_tail<bf16, 16, 1>(a, w, x, K, K16, K);
+}
+
+#ifdef SLUICE_BF16_DOT
+inline __m512 tile_rows_dp(const bf16* const w[16], const uint16_t* x, int64_t K, const RowStream& pf) {
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  const int64_t K32 = K / 32 * 32;
+  for (int r = 0; r < 16; ++r)
+    for (int64_t k = 0; k < K32; k += 32) {
+      pf.line(r, 2 * k);
+      a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w[r] + k));
+    }
+  if (K32 < K) {
+    const __mmask32 live = static_cast<__mmask32>((uint64_t{1} << (K - K32)) - 1);
+    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(live, x + K32);
+    for (int r = 0; r < 16; ++r) {
+      pf.line(r, 2 * K32);
+      a[r] = _mm512_dpbf16_ps(a[r], xv, (__m512bh)_mm512_maskz_loadu_epi16(live, w[r] + K32));
+    }
+  }
+  return reduce16(a);
+}
+#endif
+
+// Decode's tile (M = 1) for W's weights, as tile_w's with R = 16, MT = 1, row after row.
+template <typename W>
+inline __m512 tile_rows_w(const W* const w[16], const float* x, const B16In* in, int64_t K, const RowStream& pf) {
+  if constexpr (std::is_same_v<W, bf16>) {
+#ifdef SLUICE_BF16_DOT
+    if (in->dot) return tile_rows_dp(w, in->xb, K, pf);
+#endif
+    return tile_rows_b16(w, in->xd, K, pf);
+  } else {
+    return tile_rows<W>(w, x, K, pf);
+  }
+}
+
 // The tile block() runs for W's weights over input rows m0.. (x: row 0 of M, K apart): bf16 ones read this thread's
 // prepared input (b16_input) in the Step's mode, others x itself.
 template <typename W, int R, int MT, int Pf = 0>

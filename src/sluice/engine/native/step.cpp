@@ -209,6 +209,39 @@ inline __m512 tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, 
   return reduce_tail<W, R, MT>(a, w, x, ldx, k, K);
 }
 
+// Decode's (M = 1) prefetch of the next 16 weight rows: the line of row r at byte offset off is fetched when this
+// group's row r reaches off, so the stream runs one group ahead in the order the rows are read (into L2 when far,
+// as Prefetch). rows: how many of the next group's rows exist (0: none, p may be null).
+struct RowStream {
+  const char* p = nullptr;
+  int64_t row_bytes = 0, rows = 0;
+  bool far = false;
+  inline void line(int r, int64_t off) const {
+    if (r < rows) {
+      if (far) _mm_prefetch(p + r * row_bytes + off, _MM_HINT_T1);
+      else _mm_prefetch(p + r * row_bytes + off, _MM_HINT_T0);
+    }
+  }
+};
+
+// tile<W, 16, 1>'s sums, the same bits (each row's accumulator takes the same FMAs in the same order), with the
+// 16 rows read one after the other instead of side by side: each row a single stream through its K weights. A
+// Zen 5 read the Qwen3-0.6B shape's decode weights ~1.25x faster so than as 16 interleaved streams 2 KB apart
+// (bf16 dot mode, in-process alternation; docs/benchmarks.md).
+template <typename W>
+inline __m512 tile_rows(const W* const w[16], const float* x, int64_t K, const RowStream& pf) {
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  const int64_t K16 = K / 16 * 16;
+  for (int r = 0; r < 16; ++r)
+    for (int64_t k = 0; k < K16; k += 16) {
+      const int64_t off = k * static_cast<int64_t>(sizeof(W));
+      if (off % 64 == 0) pf.line(r, off);
+      a[r] = _mm512_fmadd_ps(load16(w[r] + k), _mm512_loadu_ps(x + k), a[r]);
+    }
+  return reduce_tail<W, 16, 1>(a, w, x, K, K16, K);
+}
+
 // e^x in 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, Cephes' expf polynomial in r, then 2^n by scalef
 // (which also underflows to 0 correctly). Within 1.3 ulp of the exact e^x over [-87, 88] (1.3 M points
 // checked against double exp); inputs past 88.7 clamp there, so no inf reaches a division.
@@ -520,17 +553,16 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
   {
     constexpr bool b16 = std::is_same_v<W, bf16>;  // (b16.h: its tiles read the input as prepared for this linear)
     const B16In* in = b16 ? &b16_input(L, x, M, false) : nullptr;
-    // M = 1 (decode): tiles of 16 weight rows x 1 activation row, the next 16 rows prefetched meanwhile.
+    // M = 1 (decode): tiles of 16 weight rows x 1 activation row, read row after row (tile_rows), the next 16 rows\n    // prefetched meanwhile.
     const int64_t row_bytes = ldw * static_cast<int64_t>(sizeof(W));
     const W* wr[16];
     if (M == 1) {
       for (int64_t n = n0; n < n1; n += 16) {
         for (int r = 0; r < 16; ++r) wr[r] = w + std::min(n + r, n1 - 1) * ldw;
-        Prefetch pf;  // the next 16 rows, 16 k of each (16 * sizeof(W) / 4 lines) per step: tile's Pf
-        pf.far = L.far;
-        const void* next = n + 16 >= n1 && after ? after : L.row(n + 16);
-        pf.p = static_cast<const char*>(next);
-        const __m512 s = tile_w<W, 16, 1, 16 * sizeof(W) / 4>(wr, x, in, 0, K, pf);
+        const bool last = n + 16 >= n1 && after;
+        const RowStream pf{static_cast<const char*>(last ? after : L.row(n + 16)), row_bytes,
+                           last ? 16 : std::clamp<int64_t>(L.n - n - 16, 0, 16), L.far};
+        const __m512 s = tile_rows_w<W>(wr, x, in, K, pf);
         put16(s, L.s ? L.s + n : nullptr, L.b ? L.b + n : nullptr, std::min<int64_t>(16, n1 - n), y + n - n0,
               accumulate);
       }
