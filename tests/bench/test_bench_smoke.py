@@ -189,3 +189,24 @@ def test_sampler_quick(tmp_path):
     assert len(mixes) == 6 and sizes == {(b, v) for b in (1, 8) for v in (8192, 151936)}
     for x in r["rows"]:
         assert x["native_us"] > 0 and x["torch_us"] > 0 and 0 <= x["fallback_fraction"] <= 1
+
+
+def test_decode_order_compares_the_two_orders_on_one_model(tmp_path):
+    """bench/decode_order.py: both of fast_step.DECODE_ORDERS run, give the same logits, and the JSON records each
+    order's speed, the paired ratio and the CPU."""
+    from ckpt import build
+    from sluice.engine import fast_step
+    if fast_step.kernel() is None:
+        pytest.skip("needs sluice's whole-step CPU kernel")
+    model_dir, out = tmp_path / "m", tmp_path / "order.json"
+    build(model_dir, "qwen3")
+    proc = subprocess.run([sys.executable, str(BENCH / "decode_order.py"), "--model", str(model_dir), "--prompt", "8",
+                           "--steps", "2", "--rounds", "2", "--json", str(out)], capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["same_logits"] is True and set(r["orders"]) == set(fast_step.DECODE_ORDERS)
+    for o in r["orders"].values():
+        assert o["tok_s"] > 0 and len(o["rounds"]) == 2 and o["lm_head"] > 0
+    assert r["paired_ratio_tok_s"] > 0 and r["cpu"]["logical_cpus"] == os.cpu_count() and "disturbed" in r
+    assert "rows / interleaved" in proc.stdout

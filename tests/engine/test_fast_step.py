@@ -209,14 +209,26 @@ def test_odd_sizes_give_a_token_the_same_numbers_in_any_chunk(weights, monkeypat
     T = 60
     tokens = torch.randint(0, 50, (1, T), generator=torch.Generator().manual_seed(5))
     positions = torch.arange(T)[None]
-    step, outs = FastStep(model), []
-    for cuts in ([0, T], [0, 1, 3, 6, 10, 15, 29, T], [0, 5, 6, 13, 17, T]):
-        cache = KVCache(model.config, 1, 64)
-        with torch.inference_mode():
-            outs.append((torch.cat([step(tokens[:, a:b], positions[:, a:b], cache.k, cache.v)
-                                    for a, b in zip(cuts, cuts[1:], strict=False)], 1), cache.k, cache.v))
+    outs = []
+    # (cuts of one token take the decode tiles, in either order they read their rows: fast_step.DECODE_ORDERS)
+    for order in fast_step.DECODE_ORDERS:
+        step = FastStep(model, decode_order=order)
+        for cuts in ([0, T], [0, 1, 3, 6, 10, 15, 29, T], [0, 5, 6, 13, 17, T], [0, *range(40, T + 1)]):
+            cache = KVCache(model.config, 1, 64)
+            with torch.inference_mode():
+                outs.append((torch.cat([step(tokens[:, a:b], positions[:, a:b], cache.k, cache.v)
+                                        for a, b in zip(cuts, cuts[1:], strict=False)], 1), cache.k, cache.v))
     for logits, k, v in outs[1:]:
         assert torch.equal(logits, outs[0][0]) and torch.equal(k, outs[0][1]) and torch.equal(v, outs[0][2])
+
+
+def test_an_unknown_decode_order_is_refused_by_name(ckpt_dirs, monkeypatch):
+    model = load(ckpt_dirs["qwen3"])
+    with pytest.raises(sluice.ConfigError, match="decode_order.*rows, interleaved.*'zigzag'"):
+        FastStep(model, decode_order="zigzag")
+    monkeypatch.setattr(fast_step, "DECODE_ORDER", "Rows")
+    with pytest.raises(sluice.ConfigError, match="SLUICE_DECODE_ORDER.*'Rows'"):
+        FastStep(model)
 
 
 def test_a_chunk_is_causal_within_itself(ckpt_dirs):

@@ -33,8 +33,9 @@ a norm or set a soft-cap: a step that no longer matches its model is built again
 
 from __future__ import annotations
 
+import os
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
@@ -72,6 +73,14 @@ BF16_DOTS = mixed.BF16_DOTS
 # every chunk. Per process by SLUICE_INT8_DOT, or by assigning gemv.INT8_DOT before a FastStep is built (gemv's
 # FastInt8Linear follows it too), or FastStep(int8_dot=...).
 INT8_DOTS = gemv.INT8_DOTS
+# The order in which the AVX-512 decode tiles (one token, 16 weight rows a tile) read their rows: "rows" one after
+# the other, each a single stream (step.cpp's tile_rows), or "interleaved", the 16 side by side, a line of each in
+# turn. The same sums bit for bit; only the speed differs. "rows" read the decode weights ~1.1-1.25x faster on a
+# Zen 5 (bench/decode_order.py measures the two on a machine, alternating in one process). Per process by
+# SLUICE_DECODE_ORDER, or FastStep(decode_order=...). (The AVX2 tiles read 4 rows side by side either way: row
+# after row lost there, one FMA chain per row.)
+DECODE_ORDERS = ("rows", "interleaved")
+DECODE_ORDER = os.environ.get("SLUICE_DECODE_ORDER", "rows")
 
 # step.cpp's Phase, in order: what FastStep's counters time (named as observatory/costs.py's components)
 PHASES = ("embedding", "norms", "qkv_proj", "attention", "o_proj", "mlp", "final_norm", "lm_head")
@@ -293,7 +302,7 @@ class FastStep:
     """
 
     def __init__(self, model: Transformer, int4_dot: str | None = None, bf16_dot: str | None = None,
-                 int8_dot: str | None = None):
+                 int8_dot: str | None = None, decode_order: str | None = None):
         why = unsupported(model)
         if why is not None:
             raise ConfigError(f"the native step cannot run this model: {why}")
@@ -314,8 +323,12 @@ class FastStep:
         if self.int8_dot not in INT8_DOTS:
             raise ConfigError(f"SLUICE_INT8_DOT (int8_dot) must be one of {', '.join(INT8_DOTS)}, "
                               f"got {self.int8_dot!r}")
+        self.decode_order = decode_order or DECODE_ORDER
+        if self.decode_order not in DECODE_ORDERS:
+            raise ConfigError(f"SLUICE_DECODE_ORDER (decode_order) must be one of {', '.join(DECODE_ORDERS)}, "
+                              f"got {self.decode_order!r}")
         opts = {**opts, "int4_dot": float(self.int4_dot == "int8"), "bf16_dot": float(self.bf16_dot == "bf16"),
-                "int8_dot": float(self.int8_dot == "int8")}
+                "int8_dot": float(self.int8_dot == "int8"), "decode_rows": float(self.decode_order == "rows")}
         # bf16 biases (mixed.py leaves a linear's bias in its dtype) and int8 row scales (quant.py keeps them in
         # bf16) widen exactly to the fp32 step.cpp reads: a copy of N floats per linear, made once here. int4 codes
         # have rows padded to a multiple of 16: step.cpp gets the first out_features (a view) and the scales as

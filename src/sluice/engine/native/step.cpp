@@ -408,6 +408,7 @@ struct Linear {  // weight (N, ldw) of which each row's first K are used, row sc
   bool far = false;
   bool idot = false;  // int4, int8: the products take the integer dot (q4i.h, q8t.h), not the fp32-widening one
   bool bdot = false;  // bf16: x rounded to bf16 and vdpbf16ps (b16.h), not fp32 products
+  bool rows = true;  // AVX-512 decode (M = 1): a tile's 16 rows read one after the other (tile_rows), or side by side
   const float* b = nullptr;
   int64_t n = 0, k = 0;
   int64_t ldw = 0;  // elements from a weight row to the next: K, or more for int8 rows padded to a multiple of 16;
@@ -560,9 +561,16 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
       for (int64_t n = n0; n < n1; n += 16) {
         for (int r = 0; r < 16; ++r) wr[r] = w + std::min(n + r, n1 - 1) * ldw;
         const bool last = n + 16 >= n1 && after;
-        const RowStream pf{static_cast<const char*>(last ? after : L.row(n + 16)), row_bytes,
-                           last ? 16 : std::clamp<int64_t>(L.n - n - 16, 0, 16), L.far};
-        const __m512 s = tile_rows_w<W>(wr, x, in, K, pf);
+        const char* next = static_cast<const char*>(last ? after : L.row(n + 16));
+        __m512 s;
+        if (L.rows) {
+          s = tile_rows_w<W>(wr, x, in, K, RowStream{next, row_bytes, last ? 16 : std::clamp<int64_t>(L.n - n - 16, 0, 16),
+                                                     L.far});
+        } else {  // 16 interleaved streams; the next 16 rows, 16 k of each (16 * sizeof(W) / 4 lines) per step
+          Prefetch pf;
+          pf.far = L.far, pf.p = next;
+          s = tile_w<W, 16, 1, 16 * sizeof(W) / 4>(wr, x, in, 0, K, pf);
+        }
         put16(s, L.s ? L.s + n : nullptr, L.b ? L.b + n : nullptr, std::min<int64_t>(16, n1 - n), y + n - n0,
               accumulate);
       }
@@ -1279,7 +1287,7 @@ class Step {
   // opts: the model-wide numbers and switches, each key required (a misspelt one is an error, not a default).
   static constexpr const char* kOpts[] = {"eps", "norm_offset", "layer_norm", "scale", "act", "qk_full_width",
                                           "parallel_residual", "embed_scale", "final_softcap", "int4_dot",
-                                          "bf16_dot", "int8_dot"};
+                                          "bf16_dot", "int8_dot", "decode_rows"};
 
   Step(std::vector<torch::Tensor> tensors, torch::Tensor embed, torch::Tensor pos_embed,
        std::vector<torch::Tensor> final_norm, torch::Tensor head, std::vector<torch::Tensor> scales,
@@ -1357,13 +1365,13 @@ class Step {
       if (Li->kind == kInt4) group = Li->group;
     }
     const bool idot = opt("int4_dot") != 0.0, idot8 = opt("int8_dot") != 0.0;  // (int8: q8t.h)
-    const bool bdot = opt("bf16_dot") != 0.0;
+    const bool bdot = opt("bf16_dot") != 0.0, rows = opt("decode_rows") != 0.0;
     TORCH_CHECK(!bdot || has_bf16_dot(), "Step: bf16_dot needs a build with AVX512_BF16 (this CPU lacks it)");
     // The integer dots' tiles: a copy of each int4 linear's codes, interleaved (q4t.h), and of each int8 one's,
     // interleaved and biased (q8t.h), each linear's once (the head was once packed per layer, each copy kept:
     // 4.3 GB more for an int8 Qwen3-0.6B shape).
     for (Linear* Li : linears) {
-      Li->far = far, Li->idot = Li->kind == kInt8 ? idot8 : idot, Li->bdot = bdot;
+      Li->far = far, Li->idot = Li->kind == kInt8 ? idot8 : idot, Li->bdot = bdot, Li->rows = rows;
       if (idot && kQ4Rows && Li->kind == kInt4) tiles_.push_back(q4t_pack(*Li));
       if (idot8 && kQ8Rows && Li->kind == kInt8) tiles_.push_back(q8t_pack(*Li));
     }
