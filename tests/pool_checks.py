@@ -10,8 +10,9 @@ import collections
 def check_pool(pool: BlockPool, holders: collections.Counter) -> None:
     """The pool's invariants, given how many holders each block has (a sequence's block table, or a
     caller of take() / lookup() that has not released it yet)."""
-    free, idle = list(pool._free), list(pool._idle)
-    assert len(set(free)) == len(free), f"a block twice on the free list: {free}"
+    free, idle = list(pool._free) + list(pool._fresh), list(pool._idle)
+    assert len(set(free)) == len(free), f"a block twice on the free lists: {free}"
+    assert list(pool._fresh) == sorted(pool._fresh), "the never-used blocks out of id order"
     assert not set(free) & set(idle), f"blocks both never-keyed free and idle: {set(free) & set(idle)}"
     in_use = {b for b in range(pool.num_blocks) if pool.refs[b] > 0}
     assert not in_use & (set(free) | set(idle)), f"blocks both free and in use: {in_use & (set(free) | set(idle))}"

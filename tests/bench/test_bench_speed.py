@@ -319,14 +319,22 @@ def test_each_round_prefills_a_new_prompt(tiny_dir, tmp_path, monkeypatch):
     seen = []
     real_round = speed_engines.SluiceEngine.round
 
+    written = []  # blocks of the KV pool handed out so far, after each round
+
     def spy(self, prompt, gen):
         seen.append(tuple(prompt))
-        return real_round(self, prompt, gen)
+        out = real_round(self, prompt, gen)
+        pool = self.llm.batch_engine().pool
+        written.append(pool.num_blocks - len(pool._fresh))
+        return out
     monkeypatch.setattr(speed_engines.SluiceEngine, "round", spy)
     assert main(["bench", "--model", str(tiny_dir), "--prompt", "40", "--gen", "3", "--reps", "3",
                  "--probe-mib", "16", "--vs", "transformers", "--json", str(tmp_path / "r.json")]) == 0
     prompts = seen
     assert len(prompts) == 4 and len(set(prompts)) == 4  # the warmup's and three rounds'
+    # no prefix to find, so each round drops the last ones' and takes their (written) blocks again: 43 tokens in
+    # blocks of 16, the same 3 blocks every round, where keeping the prefixes took 3 never-used blocks a round
+    assert written == [3, 3, 3, 3]
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["prompt_head"] == list(prompts[-1][:16])
 

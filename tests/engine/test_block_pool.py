@@ -57,6 +57,29 @@ def test_drop_cached_forgets_the_idle_prefixes_only():
     assert pool.drop_cached() == 0
 
 
+def test_take_reuses_written_blocks_before_never_used_ones():
+    """A block freed unkeyed, or whose prefix was dropped, is handed out again (the last freed first) before any
+    block the pool has never handed out, whose lazily committed memory costs page faults when first written; an
+    idle keyed block (a cached prefix) only once the never-used ones are gone."""
+    pool = BlockPool(CFG, 5, block_size=2)
+    a, b = pool.take(), pool.take()
+    assert (a, b) == (0, 1)
+    pool.release(a)
+    pool.release(b)
+    assert pool.take() == b and pool.take() == a  # not 2: written memory first, the last freed first
+    pool.register(a, pool.key(0, [1, 2]))
+    pool.release_all([b, a])  # a idle (keyed), b free
+    assert pool.take() == b
+    assert pool.take() == 2 and pool.take() == 3 and pool.take() == 4  # the cached prefix kept while fresh ones last
+    assert pool.stats().cached == 1 and pool.take() == a and pool.stats().cached == 0
+    for blk in range(5):
+        pool.release(blk)
+    c = pool.take()
+    pool.register(c, pool.key(0, [3, 4]))
+    pool.release(c)
+    assert pool.drop_cached() == 1 and pool.take() == c  # a dropped prefix's block is a written free one
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Random take / release / register / lookup against a small pool, with the holders kept aside."""
 
@@ -65,11 +88,18 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(CFG, 5, block_size=2)
         self.held: list[int] = []  # one entry per reference the test holds
         self.keys: list[tuple] = [self.pool.key(0, [1, 2])]  # keys registered so far (some since evicted)
+        self.handed_out: set[int] = set()  # every block take() has returned
 
     @precondition(lambda self: self.pool.num_free > 0)
     @rule()
     def take(self):
+        written_free, fresh = list(self.pool._free), list(self.pool._fresh)
         b = self.pool.take()
+        if written_free:
+            assert b == written_free[-1], "take() passed over a freed block it had written (the last freed first)"
+        elif fresh:
+            assert b == fresh[0], "take() reused a cached prefix while never-used blocks were left"
+        self.handed_out.add(b)
         assert b not in self.held, f"take() handed out block {b}, which is in use"
         assert self.pool._key_of[b] is None, f"take() handed out block {b} still keyed: a lookup would find new contents"
         self.held.append(b)
@@ -108,6 +138,7 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         check_pool(self.pool, collections.Counter(self.held))
+        assert not set(self.pool._fresh) & self.handed_out, "a block handed out is back on the never-used list"
 
 
 PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,

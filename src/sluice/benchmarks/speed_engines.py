@@ -94,6 +94,10 @@ class SluiceEngine:
         # One generate call gives both: prefill_seconds ends with the first token sampled, then
         # `gen` decode steps (max_tokens counts the first token too).
         params = self._params(max_tokens=gen + 1, temperature=0, ignore_eos=True)
+        # Each round's prompt is new (no prefix to find), so the earlier rounds' cached prefixes are dropped first:
+        # their blocks, already written, are taken again (paged_cache.BlockPool.take), as llama.cpp reuses the KV
+        # buffer it cleared at load, instead of each round writing into pool memory never touched before.
+        self.llm.batch_engine().pool.drop_cached()
         out = self.llm.generate([prompt], params)[0]
         s = self.llm.last_stats
         spec = None if s.speculative == "off" else {

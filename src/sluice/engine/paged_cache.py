@@ -13,6 +13,13 @@ is never written (only full blocks are shared, and a sequence writes past its sh
 block nobody uses keeps its contents and key until the pool needs it back (least recently used
 first), so a system prompt sent again later is still there.
 
+Which block take() hands out: a used block holding nothing (unkeyed, or its prefix dropped), the most
+recently freed first; then one the pool has never handed out; an idle keyed block last. The pool's
+memory is committed lazily (_lazy_zeros), so a never-used block costs page faults when first written,
+and on a VM whose host backs guest memory on first use (the 2-core microVMs of docs/benchmarks.md)
+~10-40 us a 4 KiB page, ~56 pages a decoded token for the Qwen3-0.6B shape: reusing written blocks
+keeps that off decode where nothing is lost by it.
+
 Pool layout (L, NB, K, bs, D): one block of one KV head is bs contiguous rows of D, the unit the
 native step (step.cpp) and the gather below read.
 """
@@ -70,7 +77,8 @@ class BlockPool:
         self.v = _lazy_zeros(shape, dtype, device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.refs = [0] * num_blocks
-        self._free = collections.deque(range(num_blocks))  # never-keyed blocks, taken first
+        self._fresh = collections.deque(range(num_blocks))  # never handed out (memory not yet written)
+        self._free: list[int] = []  # handed out before, now unkeyed and unreferenced; the last freed taken first
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # keyed, unused; LRU first
         self._key_of: list[tuple | None] = [None] * num_blocks
         self._block_of: dict[tuple, int] = {}  # prefix key -> block
@@ -85,14 +93,17 @@ class BlockPool:
     # ------------------------------------------------------------------ taking and giving back
     @property
     def num_free(self) -> int:
-        """Blocks a sequence can take now: never used, or idle (keyed but unreferenced)."""
-        return len(self._free) + len(self._idle)
+        """Blocks a sequence can take now: unkeyed (used or never used), or idle (keyed but unreferenced)."""
+        return len(self._free) + len(self._fresh) + len(self._idle)
 
     def take(self) -> int:
-        """A block for new contents; an idle keyed block is reused (its key dropped) only when no
-        never-keyed block is left. Raises when the pool is exhausted (the scheduler checks first)."""
+        """A block for new contents: a used unkeyed one (the last freed), else a never-used one; an idle
+        keyed block is reused (its key dropped) only when neither is left. Raises when the pool is
+        exhausted (the scheduler checks first)."""
         if self._free:
-            b = self._free.popleft()
+            b = self._free.pop()
+        elif self._fresh:
+            b = self._fresh.popleft()
         elif self._idle:
             b, _ = self._idle.popitem(last=False)
             self._forget(b)
