@@ -226,8 +226,9 @@ struct RowStream {
 
 // tile<W, 16, 1>'s sums, the same bits (each row's accumulator takes the same FMAs in the same order), with the
 // 16 rows read one after the other instead of side by side: each row a single stream through its K weights. A
-// Zen 5 read the Qwen3-0.6B shape's decode weights ~1.25x faster so than as 16 interleaved streams 2 KB apart
-// (bf16 dot mode, in-process alternation; docs/benchmarks.md).
+// Zen 5 read the Qwen3-0.6B shape's decode weights ~1.25x faster so (bf16 dot mode; fp32 ~1.1x) than as 16
+// interleaved streams 2 KB apart (bench/decode_order.py, which alternates the two in one process; docs/
+// changelog-benchmarks.md, "2026-12-04 (night)"). b16.h's tile_rows_b16 and tile_rows_dp are its bf16 twins.
 template <typename W>
 inline __m512 tile_rows(const W* const w[16], const float* x, int64_t K, const RowStream& pf) {
   __m512 a[16];
