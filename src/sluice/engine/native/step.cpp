@@ -211,15 +211,18 @@ inline __m512 tile(const W* const w[R], const float* x, int64_t ldx, int64_t K, 
 
 // Decode's (M = 1) prefetch of the next 16 weight rows: the line of row r at byte offset off is fetched when this
 // group's row r reaches off, so the stream runs one group ahead in the order the rows are read (into L2 when far,
-// as Prefetch). rows: how many of the next group's rows exist (0: none, p may be null).
+// as Prefetch). rows: how many of the next group's rows exist (0: none, p may be null); at most 16 are assumed of
+// another matrix's rows (block()'s `after`), so the addresses are reckoned as integers: one past that matrix's end is
+// only ever prefetched (which cannot fault), never formed as a pointer.
 struct RowStream {
   const char* p = nullptr;
   int64_t row_bytes = 0, rows = 0;
   bool far = false;
   inline void line(int r, int64_t off) const {
     if (r < rows) {
-      if (far) _mm_prefetch(p + r * row_bytes + off, _MM_HINT_T1);
-      else _mm_prefetch(p + r * row_bytes + off, _MM_HINT_T0);
+      const void* a = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + r * row_bytes + off);
+      if (far) _mm_prefetch(static_cast<const char*>(a), _MM_HINT_T1);
+      else _mm_prefetch(static_cast<const char*>(a), _MM_HINT_T0);
     }
   }
 };
@@ -555,7 +558,8 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
   {
     constexpr bool b16 = std::is_same_v<W, bf16>;  // (b16.h: its tiles read the input as prepared for this linear)
     const B16In* in = b16 ? &b16_input(L, x, M, false) : nullptr;
-    // M = 1 (decode): tiles of 16 weight rows x 1 activation row, read row after row (tile_rows), the next 16 rows\n    // prefetched meanwhile.
+    // M = 1 (decode): tiles of 16 weight rows x 1 activation row, read row after row (tile_rows; Linear::rows) or
+    // side by side, the next 16 rows prefetched meanwhile. The same sums either way.
     const int64_t row_bytes = ldw * static_cast<int64_t>(sizeof(W));
     const W* wr[16];
     if (M == 1) {
