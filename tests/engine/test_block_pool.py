@@ -80,6 +80,25 @@ def test_take_reuses_written_blocks_before_never_used_ones():
     assert pool.drop_cached() == 1 and pool.take() == c  # a dropped prefix's block is a written free one
 
 
+def test_a_reused_block_holds_zeros_again_in_the_pool_and_its_mirrors():
+    """A block handed out again (freed unkeyed, or a cached prefix's evicted) holds zeros, as a never-used one does,
+    in the pool and in a draft's pool that goes by its ids: the torch forward weighs a row's slots past its
+    position by 0, and a stale NaN there would still make the row NaN."""
+    pool, draft = BlockPool(CFG, 2, block_size=2), BlockPool(CFG, 2, block_size=2)
+    pool.also_clear(draft)
+    a, b = pool.take(), pool.take()
+    for p in (pool, draft):
+        p.k[:, a] = float("nan")
+        p.v[:, b] = float("inf")
+    pool.register(b, pool.key(0, [1, 2]))
+    pool.release(a)
+    pool.release(b)
+    assert pool.take() == a  # freed unkeyed
+    assert pool.take() == b  # an evicted prefix (no other block left)
+    for p in (pool, draft):
+        assert p.k.count_nonzero() == 0 and p.v.count_nonzero() == 0
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Random take / release / register / lookup against a small pool, with the holders kept aside."""
 

@@ -71,6 +71,7 @@ class BatchEngine:
         if speculative == "draft":
             draft_pool = BlockPool(draft.config, blocks, block_size, kv_cache_dtype(kv_dtype, activation_dtype(draft)),
                                    draft.embed.weight.device)
+            self.pool.also_clear(draft_pool)  # (its blocks go by the target pool's ids)
             speculation = Speculation("draft", DraftProposer(draft, draft_pool, native), num_speculative_tokens)
         elif speculative == "prompt-lookup":
             speculation = Speculation("prompt-lookup", PromptLookup(), num_speculative_tokens)

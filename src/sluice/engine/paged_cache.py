@@ -14,7 +14,8 @@ block nobody uses keeps its contents and key until the pool needs it back (least
 first), so a system prompt sent again later is still there.
 
 Which block take() hands out: a used block holding nothing (unkeyed, or its prefix dropped), the most
-recently freed first; then one the pool has never handed out; an idle keyed block last. The pool's
+recently freed first; then one the pool has never handed out; an idle keyed block last. A reused block is
+zeroed first, so every block handed out holds zeros, as a never-used one does. The pool's
 memory is committed lazily (_lazy_zeros), so a never-used block costs page faults when first written,
 and on a VM whose host backs guest memory on first use (the 2-core microVMs of docs/benchmarks.md)
 ~10-40 us a 4 KiB page, ~56 pages a decoded token for the Qwen3-0.6B shape: reusing written blocks
@@ -85,6 +86,7 @@ class BlockPool:
         self._serial = itertools.count(1)  # names a keyed block's prefix in its successor's key
         self._serial_of: dict[int, int] = {}  # block -> serial
         self.queries = self.hits = 0
+        self._mirrors: list[BlockPool] = []  # pools whose blocks go by this one's ids (also_clear)
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -102,15 +104,31 @@ class BlockPool:
         exhausted (the scheduler checks first)."""
         if self._free:
             b = self._free.pop()
+            self._clear(b)
         elif self._fresh:
-            b = self._fresh.popleft()
+            b = self._fresh.popleft()  # (zeros already)
         elif self._idle:
             b, _ = self._idle.popitem(last=False)
             self._forget(b)
+            self._clear(b)
         else:
             raise RuntimeError("the KV pool is exhausted (the scheduler should have preempted)")
         self.refs[b] = 1
         return b
+
+    def also_clear(self, other: "BlockPool") -> None:
+        """Clear `other`'s block too whenever one of this pool's is reused: a draft model's pool, whose blocks go by
+        this pool's ids (proposers.DraftProposer)."""
+        self._mirrors.append(other)
+
+    def _clear(self, block: int) -> None:
+        """Zeros over a reused block's keys and values, in this pool and its mirrors, as a never-used block has: the
+        torch forward reads a row's last block whole and weighs the slots past the row's position by 0, and a stale
+        NaN there (a sequence that overflowed, a surgery experiment) would still give 0 * NaN = NaN. ~3.6 MB for
+        the Qwen3-0.6B shape in fp32, once per block_size tokens."""
+        for pool in (self, *self._mirrors):
+            pool.k[:, block].zero_()
+            pool.v[:, block].zero_()
 
     def release(self, block: int) -> None:
         self.refs[block] -= 1
