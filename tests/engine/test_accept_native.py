@@ -145,3 +145,35 @@ def test_the_avx2_build_decides_the_same_on_an_avx512_cpu():
     if "avx512f" in cpu_flags() and not os.environ.get("SLUICE_KERNEL_FLAGS"):
         assert accept_kernel.kernel().has_avx512()
     run_avx2_build("accept", __file__, "not avx2")
+
+
+@pytest.mark.parametrize("V", [1, 15, 16, 17, 300, 8192 + 5])
+def test_a_greedy_guess_is_the_first_argmax_and_a_nonfinite_logit_defers(V):
+    """The greedy rows of a draft guess (propose at temperature 0; the draw of a one-hot row): the first index
+    of the largest logit, as torch.argmax gives it, wherever the ties sit (the same 16- or 8-lane block, two
+    blocks, the scalar tail, +0 against -0); a NaN or an inf anywhere in a row defers the call."""
+    g = torch.Generator().manual_seed(V)
+    rows = [torch.randn(V, generator=g) for _ in range(6)]
+    if V > 1:
+        rows[1][V - 1] = rows[1].max() + 1  # the largest in the last lane (the tail where V is not a multiple of 16)
+        rows[2][[V // 3, V - 1]] = rows[2].max() + 1  # a tie: the earlier one
+        rows[3][:] = 0.0
+        rows[3][V // 2:] = -0.0  # +0 and -0 are equal: the first index
+        rows[4][[0, V // 2]] = rows[4].max() + 1
+        rows[5][[min(16, V - 1), min(17, V - 1)]] = rows[5].max() + 1
+    x = torch.stack(rows)
+    streams = [RowStream(s) for s in range(len(rows))]
+    out = accept_kernel.propose(x, torch.zeros(len(rows)), [], streams)
+    assert out is not None
+    q, tokens = out
+    assert tokens.tolist() == x.argmax(-1).tolist()
+    assert torch.equal(q, torch.nn.functional.one_hot(x.argmax(-1), V).float())
+    for bad in (math.nan, math.inf, -math.inf):
+        y = x.clone()
+        y[len(rows) - 1, V // 2] = bad
+        assert accept_kernel.propose(y, torch.zeros(len(rows)), [], streams) is None
+    # the draw's greedy rows over rows that hold an inf: the first of them (the scalar walk's answer)
+    z = x.clone()
+    z[0, V - 1] = math.inf
+    z[0, 0] = -math.inf
+    assert accept_kernel.draw(z, [], streams).tolist() == [V - 1] + x[1:].argmax(-1).tolist()

@@ -87,9 +87,10 @@ std::tuple<torch::Tensor, torch::Tensor, bool> accept_rule(torch::Tensor p, torc
         if (!lazy) return at;
         if (sp[b]) return sluice_spec::nucleus_row(at, V, tp[b], topp[b], static_cast<int>(W), row.data(), scratch) ? row.data() : nullptr;
         // a non-finite logit defers (the torch path ends the run there): what this call decides read finite rows
-        if (!std::all_of(at, at + V, [](float v) { return std::isfinite(v); })) return nullptr;
+        const int64_t top = sluice_rows::finite_first_max(at, V);
+        if (top < 0) return nullptr;
         std::fill(row.begin(), row.end(), 0.f);
-        row[first_max(at, V)] = 1.f;
+        row[top] = 1.f;
         return row.data();
       };
       // The leading run of kept guesses: u q(x) < p(x), u = 0 on a greedy row (kept iff p(x) > 0).
@@ -105,7 +106,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> accept_rule(torch::Tensor p, torc
         bad |= std::isnan(px) || std::isnan(qx);
         if (!(u * qx < px)) break;
       }
-      bad |= target == nullptr || any_nan(target, V);
+      bad |= target == nullptr || has_nan(target, V);
       const float* d = target;
       if (!bad && n < len) {  // rejected: max(0, p - q) at the first rejected guess; p without the guess for a point mass
         float* r = residual.data();
@@ -114,7 +115,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> accept_rule(torch::Tensor p, torc
           r[dp[b * K + n]] = 0.f;
         } else {
           const float* qn = qp + (b * K + n) * V;
-          bad |= any_nan(qn, V);
+          bad |= has_nan(qn, V);
           for (int64_t i = 0; i < V; ++i) r[i] = std::max(target[i] - qn[i], 0.f);
         }
         // p == q in exact arithmetic never rejects; rounding can, with a residual of zeros: then p itself.
@@ -151,7 +152,7 @@ std::tuple<torch::Tensor, bool> nucleus_probs(torch::Tensor x, torch::Tensor tem
     if (tp[i] > 0) {
       deferred = !sluice_spec::nucleus_row(xp + i * V, V, tp[i], pp[i], static_cast<int>(W), op + i * V, scratch);
     } else {
-      deferred = any_nan(xp + i * V, V);
+      deferred = has_nan(xp + i * V, V);
       op[i * V + first_max(xp + i * V, V)] = 1.f;
     }
   }
@@ -183,7 +184,7 @@ std::tuple<torch::Tensor, bool> draw(torch::Tensor probs, torch::Tensor sampled,
   bool deferred = false;
   for (int64_t b = 0; b < B && !deferred; ++b) {
     const float* d = pp + b * V;
-    deferred = any_nan(d, V);
+    deferred = has_nan(d, V);
     tp[b] = deferred ? -1 : sp[b] ? race(d, V, base_of(keys[b], 0, draws[b]), rivals) : first_max(d, V);
     deferred = tp[b] < 0;
   }

@@ -13,6 +13,7 @@
 // (after spec_rows.h, which turns float contraction off for everything that follows it: the race's bounds and
 // the filters are the float operations torch does, not fused ones)
 #include "spec_rows.h"
+#include "row_max.h"
 
 namespace sluice_draw {
 
@@ -40,13 +41,7 @@ inline double minus_log_e(uint32_t bits) {
   return -std::log(-std::log(u));
 }
 
-// The first index of d's largest value (torch.argmax on a NaN-free row).
-inline int64_t first_max(const float* d, int64_t V) {
-  int64_t best = 0;
-  for (int64_t i = 1; i < V; ++i)
-    if (d[i] > d[best]) best = i;
-  return best;
-}
+using sluice_rows::first_max;  // the first index of a row's largest value (row_max.h: vector scans)
 
 struct Rival {
   double key, tol;
@@ -106,11 +101,7 @@ inline int64_t race(const float* d, int64_t V, uint64_t base, std::vector<Rival>
   return best.id;
 }
 
-inline bool any_nan(const float* p, int64_t V) {
-  bool bad = false;
-  for (int64_t i = 0; i < V; ++i) bad |= std::isnan(p[i]);
-  return bad;
-}
+using sluice_rows::has_nan;  // whether a row holds a NaN (row_max.h)
 
 // A draft's guess for one row (accept.cpp's propose, a row of it): d (V,), zeroed by the caller, gets the
 // row's q (RoundProbs' nucleus_row of the logits x with temperature T and top_p off; a one-hot first argmax
@@ -119,10 +110,12 @@ inline bool any_nan(const float* p, int64_t V) {
 inline int64_t propose_row(const float* x, int64_t V, float T, bool sampled, uint64_t key, int64_t draw, int W,
                            float* d, sluice_spec::Nucleus& scratch, std::vector<Rival>& rivals) {
   if (T > 0) {
-    if (!sluice_spec::nucleus_row(x, V, T, 1.f, W, d, scratch) || any_nan(d, V)) return -1;
+    if (!sluice_spec::nucleus_row(x, V, T, 1.f, W, d, scratch) || has_nan(d, V)) return -1;
   } else {
-    if (!std::all_of(x, x + V, [](float v) { return std::isfinite(v); })) return -1;  // (a sampled row's too)
-    d[first_max(x, V)] = 1.f;
+    const int64_t top = sluice_rows::finite_first_max(x, V);  // -1 on a non-finite logit (a sampled row's too)
+    if (top < 0) return -1;
+    d[top] = 1.f;
+    if (!sampled) return top;  // d's first argmax: its one 1 in zeros
   }
   return sampled ? race(d, V, base_of(key, 0, draw), rivals) : first_max(d, V);
 }

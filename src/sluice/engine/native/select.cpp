@@ -18,62 +18,14 @@
 #include <vector>
 
 #include "radix.h"
+#include "row_max.h"
 #include "simd.h"
 
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// The row's largest value and whether it holds a NaN or an inf (v - v is NaN exactly then).
-void max_and_finite(const float* p, int64_t V, float& best, bool& finite) {
-  int64_t j = 0;
-  best = kNegInf;
-  finite = true;
-#ifdef __AVX512F__
-  __m512 m = _mm512_set1_ps(kNegInf);
-  __mmask16 bad = 0;
-  for (; j + 16 <= V; j += 16) {
-    const __m512 v = _mm512_loadu_ps(p + j);
-    const __m512 d = _mm512_sub_ps(v, v);
-    bad |= _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q);
-    m = _mm512_max_ps(m, v);  // NaN lanes are caught by `bad`; the max is then unused
-  }
-  best = _mm512_reduce_max_ps(m);
-  finite = bad == 0;
-#elif defined(SLUICE_AVX2)
-  __m256 m = _mm256_set1_ps(kNegInf);
-  int bad = 0;
-  for (; j + 8 <= V; j += 8) {
-    const __m256 v = _mm256_loadu_ps(p + j);
-    const __m256 d = _mm256_sub_ps(v, v);
-    bad |= _mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q));
-    m = _mm256_max_ps(m, v);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  for (float l : lanes) best = std::max(best, l);
-  finite = bad == 0;
-#endif
-  for (; j < V; ++j) {
-    finite = finite && std::isfinite(p[j]);
-    best = std::max(best, p[j]);
-  }
-}
-
-// The first j with p[j] == best (a finite row holds its max): 16 or 8 at a time, since a scalar walk to a
-// max in the middle of a row cost more than the scan that found it.
-int64_t first_index_of(const float* p, int64_t V, float best) {
-  int64_t j = 0;
-#ifdef __AVX512F__
-  for (const __m512 bv = _mm512_set1_ps(best); j + 16 <= V; j += 16)
-    if (const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + j), bv, _CMP_EQ_OQ)) return j + __builtin_ctz(hit);
-#elif defined(SLUICE_AVX2)
-  for (const __m256 bv = _mm256_set1_ps(best); j + 8 <= V; j += 8)
-    if (const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), bv, _CMP_EQ_OQ))) return j + __builtin_ctz(hit);
-#endif
-  while (p[j] != best) ++j;
-  return j;
-}
+using sluice_rows::first_index_of;
+using sluice_rows::kNegInf;
+using sluice_rows::max_and_finite;
 
 // A candidate token: ranked by value descending, then id ascending (a stable descending sort's order).
 struct Cand {
