@@ -5,6 +5,10 @@ Reads the pool's private lists on purpose: the point is to see its bookkeeping f
 from __future__ import annotations
 
 import collections
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sluice.engine.paged_cache import BlockPool
 
 
 def check_pool(pool: BlockPool, holders: collections.Counter) -> None:

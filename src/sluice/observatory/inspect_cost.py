@@ -36,7 +36,7 @@ def estimate(model, T: int, calibrate: bool | None = None) -> dict:
     """FLOPs, bytes and (when calibrated) seconds of an inspect of T tokens on `model`. calibrate:
     None = only when the work passes CALIBRATE_FLOPS."""
     cfg = getattr(model, "full_config", model.config)
-    L, C, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    L, V = cfg.num_layers, cfg.vocab_size
     forward = 2.0 * cfg.num_params * T + 2.0 * L * T * T * cfg.num_heads * cfg.head_dim
     lens = lens_flops(cfg, 1, T)
     out = {"tokens": T, "forward_flops": forward, "lens_flops": lens,
