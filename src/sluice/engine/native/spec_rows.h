@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "radix.h"
+#include "row_max.h"
 #include "top_p_cut.h"
 #include "torch_softmax.h"
 
@@ -69,13 +70,9 @@ struct Nucleus {  // scratch of one thread
 // W: the lanes of torch's softmax sum (8 or 16). False (out unset) on a non-finite logit, where the torch
 // path decides.
 inline bool nucleus_row(const float* x, int64_t V, float T, float top_p, int W, float* out, Nucleus& w) {
-  float m = x[0];
-  int64_t first = 0;  // the first max: s = 0 there, and the stable sort puts it first
-  bool finite = true;
-  for (int64_t i = 0; i < V; ++i) finite &= std::isfinite(x[i]);
-  if (!finite) return false;
-  for (int64_t i = 1; i < V; ++i)
-    if (x[i] > m) m = x[i], first = i;
+  const int64_t first = sluice_rows::finite_first_max(x, V);  // the first max: s = 0 there, and the stable sort puts it first
+  if (first < 0) return false;  // a NaN or an inf
+  const float m = x[first];
   w.s.resize(V);
   w.e.resize(V);
   float *s = w.s.data(), *e = w.e.data();
