@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "radix.h"
+#include "row_max.h"
 #include "simd.h"
 #include "torch_softmax.h"
 
@@ -106,8 +107,6 @@ inline Lanes splat(float x) { return _mm512_set1_ps(x); }
 inline Lanes lanes_max(Lanes a, Lanes b) { return _mm512_max_ps(a, b); }
 inline float top(Lanes a) { return _mm512_reduce_max_ps(a); }
 inline uint32_t ge(Lanes a, Lanes b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
-inline uint32_t eq(Lanes a, Lanes b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
-inline uint32_t nonfinite(Lanes a) { return _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), _mm512_sub_ps(a, a), _CMP_UNORD_Q); }
 inline Lanes where_below(Lanes a, Lanes t, Lanes e) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, t, _CMP_LT_OQ), e); }
 inline Lanes add(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
 inline void store(float* p, Lanes a) { _mm512_storeu_ps(p, a); }
@@ -123,42 +122,16 @@ inline float top(Lanes a) {
   return *std::max_element(l, l + 8);
 }
 inline uint32_t ge(Lanes a, Lanes b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
-inline uint32_t eq(Lanes a, Lanes b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
-inline uint32_t nonfinite(Lanes a) {
-  const Lanes d = _mm256_sub_ps(a, a);
-  return _mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q));
-}
 inline Lanes where_below(Lanes a, Lanes t, Lanes e) { return _mm256_and_ps(_mm256_cmp_ps(a, t, _CMP_LT_OQ), e); }
 inline Lanes add(Lanes a, Lanes b) { return _mm256_add_ps(a, b); }
 inline void store(float* p, Lanes a) { _mm256_storeu_ps(p, a); }
 #endif
 
-// The largest of p[0:n] and whether all are finite (v - v is NaN exactly for a NaN or an inf).
-inline float max_of(const float* p, int64_t n, bool& finite) {
-  int64_t j = 0;
-  Lanes m = splat(kNegInf);
-  uint32_t bad = 0;
-  for (; j + kW <= n; j += kW) {
-    bad |= nonfinite(load(p + j));
-    m = lanes_max(m, load(p + j));
-  }
-  float best = top(m);
-  finite = bad == 0;
-  for (; j < n; ++j) {
-    finite = finite && std::isfinite(p[j]);
-    best = std::max(best, p[j]);
-  }
-  return best;
-}
-
-// The row's largest value, whether all are finite, and the first index of the max (of a finite row).
+// The row's largest value, whether all are finite, and the first index of the max (of a finite row; 0 otherwise):
+// row_max.h's scans, which select.cpp and the speculative calls share.
 void scan_max(const float* p, int64_t V, float& best, bool& finite, int64_t& first) {
-  best = max_of(p, V, finite);
-  first = 0;
-  if (!finite) return;
-  for (const Lanes bv = splat(best); first + kW <= V; first += kW)
-    if (const uint32_t hit = eq(load(p + first), bv)) return void(first += __builtin_ctz(hit));
-  while (p[first] != best) ++first;  // a finite row holds its max
+  sluice_rows::max_and_finite(p, V, best, finite);
+  first = finite ? sluice_rows::first_index_of(p, V, best) : 0;
 }
 
 struct Cand {
@@ -187,7 +160,7 @@ void top_k1(const float* p, int64_t V, int64_t k, std::vector<Cand>& out, std::v
   const int64_t want = k + 1, chunk = std::max<int64_t>(1, V / (4 * want)), n = (V + chunk - 1) / chunk;
   maxima.resize(n);
   bool finite;
-  for (int64_t c = 0; c < n; ++c) maxima[c] = max_of(p + c * chunk, std::min(chunk, V - c * chunk), finite);
+  for (int64_t c = 0; c < n; ++c) sluice_rows::max_and_finite(p + c * chunk, std::min(chunk, V - c * chunk), maxima[c], finite);
   std::nth_element(maxima.begin(), maxima.begin() + (want - 1), maxima.end(), std::greater<float>());
   out.clear();
   at_least(p, V, maxima[want - 1], out);
