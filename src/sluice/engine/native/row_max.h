@@ -1,5 +1,6 @@
-// A row's first maximum, 16 or 8 floats at a time: shared by select.cpp (the sampler's argmax) and draw.h (a
-// greedy guess and a greedy verify position in the speculative calls). Nothing here does arithmetic on the
+// A row's first maximum, 16 or 8 floats at a time: shared by select.cpp (the sampler's argmax), sample.cpp (its
+// scans), spec_rows.h (a filtered row's max) and draw.h (a greedy guess and a greedy verify position in the
+// speculative calls, and their NaN checks). Nothing here does arithmetic on the
 // values: the results are an index and a flag, exactly what the scalar walk `if (p[i] > p[best]) best = i` gives
 // on a NaN-free row (tests compare with torch.argmax).
 #pragma once
