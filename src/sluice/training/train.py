@@ -297,7 +297,7 @@ def write_card(out: Path, seq_len: int) -> dict:
             wall += prev
         prev = r["elapsed"]
     card = {"params": model.config.num_params, "steps": summary["step"],
-            "tokens_seen": summary["tokens_seen"], "train_wall_seconds": round(wall + prev, 1),
+            "tokens_seen": summary["tokens_seen"], "train_wall_seconds": round(wall + prev, 3),
             "tokenizer_and_data_seconds": data.get("tokenizer_seconds"),
             "final_train_loss": rows[-1]["loss"] if rows else None,
             "heldout": ev, "baselines": data.get("baselines", {}),
