@@ -93,15 +93,18 @@ def time_pair(mix: str, rows: int, V: int, repeats: int) -> dict:
     calls = sample.STATS["calls"] - calls0
     out["native_calls"] = calls
     out["fallback_fraction"] = (sample.STATS["fallback"] - fallbacks0) / calls if calls else 0.0
-    bounded, sorted_ = (now - then for now, then in zip(top_p_rows(), cut0, strict=True))
-    out["top_p_sorted_fraction"] = sorted_ / (bounded + sorted_) if bounded + sorted_ else 0.0
+    bounded, sorted_, moving = (now - then for now, then in zip(top_p_rows(), cut0, strict=True))
+    rows_cut = bounded + sorted_ + moving
+    out["top_p_sorted_fraction"] = sorted_ / rows_cut if rows_cut else 0.0
+    out["top_p_moving_fraction"] = moving / rows_cut if rows_cut else 0.0
     return out
 
 
-def top_p_rows() -> tuple[int, int]:
-    """The kernel's counts of top_p rows cut without a sort and with one (zeros without the kernel)."""
+def top_p_rows() -> tuple[int, int, int]:
+    """The kernel's counts of top_p rows cut without a sort, sorted, and drawn from a cut proven to within a
+    few tokens (native/top_p_cut.h; zeros without the kernel)."""
     kern = sample.kernel()
-    return kern.top_p_rows() if kern is not None else (0, 0)
+    return kern.top_p_rows() if kern is not None else (0, 0, 0)
 
 
 def main() -> None:

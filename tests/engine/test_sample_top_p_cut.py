@@ -16,12 +16,13 @@ from test_sample_native import assert_same, logits
 pytestmark = pytest.mark.skipif(sample.why_unavailable() is not None, reason="needs sluice's batch sampling kernel")
 
 
-def cut_rows(params, V, steps, context=None) -> tuple[int, int]:
-    """assert_same, and how many rows the kernel cut without a sort and how many it sorted."""
-    bounded, sorted_ = sample.kernel().top_p_rows()
+def cut_rows(params, V, steps, context=None, moving: bool = False) -> tuple[int, ...]:
+    """assert_same, and how many rows the kernel cut without a sort and how many it sorted (moving: and how
+    many it drew from a cut proven to within a few tokens; without it those count as cut)."""
+    before = sample.kernel().top_p_rows()
     assert_same(params, V, steps, context)
-    now = sample.kernel().top_p_rows()
-    return now[0] - bounded, now[1] - sorted_
+    bounded, sorted_, moved = (a - b for a, b in zip(sample.kernel().top_p_rows(), before, strict=True))
+    return (bounded, sorted_, moved) if moving else (bounded + moved, sorted_)
 
 
 @pytest.mark.parametrize("V", [1, 7, 16, 50, 1003, 8192 + 5])
@@ -42,18 +43,33 @@ def test_peaked_rows_are_cut_without_a_sort():
     assert bounded >= 22 and sorted_ <= 2
 
 
-def test_flat_rows_near_top_p_one_fall_back_to_the_sort():
+def test_flat_rows_near_top_p_one_draw_from_a_moving_cut_or_sort():
     """8,192 nearly equal probabilities and top_p 0.999: a token at the cut holds ~1e-4 of the mass, within
-    the bracket of torch's sum (~3e-5 of it), so the cut is not proven and the row is sorted: same tokens."""
+    the bracket of torch's sum (~3e-5 of it), so the cut is proven only to within a token or two. A draw whose
+    winner every such cut keeps stands; the others sort the row. Same tokens either way."""
     V = 8192
     params = [SamplingParams(temperature=1.0, top_p=0.999, seed=i) for i in range(4)]
-    bounded, sorted_ = cut_rows(params, V, [logits("narrow", 4, V, t) for t in range(3)])
-    assert sorted_ >= 8
+    bounded, sorted_, moving = cut_rows(params, V, [logits("narrow", 4, V, t) for t in range(3)], moving=True)
+    assert bounded == 0 and moving >= 8 and moving + sorted_ >= 12
 
 
-def test_a_top_p_exactly_on_torchs_mass_is_sorted_and_cut_where_torch_cuts():
+@pytest.mark.parametrize("above", [False, True])
+def test_a_winner_the_cut_may_drop_is_drawn_again_after_the_exact_cut(above):
+    """64 equal logits and top_p = 0.5 (torch keeps 32: the mass before the 33rd is 0.5, not below it) or one
+    ulp above (torch keeps 33): the bracket of the sum cannot tell the two apart, so the 33rd token is
+    uncertain. Where the race picks it (~1 draw in 33), the row is sorted and raced again; 128 draws in all,
+    each torch's."""
+    V = 64
+    top_p = float(torch.nextafter(torch.tensor(0.5), torch.tensor(1.0))) if above else 0.5
+    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=s) for s in range(64)]
+    bounded, sorted_, moving = cut_rows(params, V, [torch.zeros(64, V)] * 2, moving=True)
+    assert bounded == 0 and moving == 128 and sorted_ >= 1
+
+
+def test_a_top_p_exactly_on_torchs_mass_is_cut_where_torch_cuts():
     """top_p equal to torch's own fp32 mass before a token: only the exact sum can say which side of it the
-    token falls, so the bracket cannot decide (the fallback), and one ulp above it, neither."""
+    token falls, so the bracket cannot decide, and one ulp above it, neither. The third token is uncertain:
+    draws it wins go to the sort (a third of the mass: some of these 8 seeds), the rest stand."""
     V = 4099
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, V, generator=g) * 2
@@ -62,8 +78,8 @@ def test_a_top_p_exactly_on_torchs_mass_is_sorted_and_cut_where_torch_cuts():
     at = probs.cumsum(-1)[0, 1]
     for top_p in (at, torch.nextafter(at, torch.tensor(1.0))):
         params = [SamplingParams(temperature=1.0, top_p=float(top_p), seed=s) for s in range(8)]
-        bounded, sorted_ = cut_rows(params, V, [x.expand(8, V).contiguous()])
-        assert sorted_ == 8 and bounded == 0
+        bounded, sorted_, moving = cut_rows(params, V, [x.expand(8, V).contiguous()], moving=True)
+        assert bounded == 0 and moving == 8 and sorted_ >= 1
 
 
 def test_ties_across_the_cut_keep_the_lowest_ids():

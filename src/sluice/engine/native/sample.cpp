@@ -182,6 +182,7 @@ struct Scratch {
   std::vector<char> keep;
   std::vector<Rival> rivals;
   sluice_top_p::Work cut;
+  int64_t uncertain = 0;  // top_p_prefix: how many of cand, at its end, torch may have cut
 };
 
 // This thread's buffers, kept from call to call: allocating and zeroing a row's worth each step cost more
@@ -234,8 +235,11 @@ float head_sum(const float* ex, const std::vector<uint32_t>& head, int64_t V, in
 // Most rows are cut without a sort (top_p_cut.h); the others sort the head of the row: the tokens that can
 // change torch's sum S, which is all the cut needs besides the few tokens before it. W is the lane count of
 // torch's vectorised softmax (8 or 16; 0: unknown, defer). Fills w.cand (scaled value, id; the first max,
-// `first`, leads) and w.keep; false to defer.
-bool top_p_prefix(const float* v, int64_t V, float m, int64_t first, const Row& r, int W, Scratch& w) {
+// `first`, leads) and w.keep; false to defer. moving_ok: a cut proven only to lie within a few tokens may
+// stand, the longest of them in w.cand with w.uncertain its last tokens that torch may have cut (race_row
+// then checks its winner is not one of them); else w.uncertain is 0.
+bool top_p_prefix(const float* v, int64_t V, float m, int64_t first, const Row& r, int W, Scratch& w, bool moving_ok) {
+  w.uncertain = 0;
   if (W != 8 && W != 16) return false;
   w.hi.resize(V);
   w.ex.resize(V);
@@ -243,8 +247,9 @@ bool top_p_prefix(const float* v, int64_t V, float m, int64_t first, const Row& 
   double total;  // S in float64
   float smin;
   sluice_top_p::scaled_exps(v, V, m, r.temperature, s, ex, total, smin);
-  if (sluice_top_p::bounded_cut(s, ex, V, W, first, r.top_p, r.min_p, total, smin, w.cut)) {
-    ++sluice_top_p::bounded;
+  if (sluice_top_p::bounded_cut(s, ex, V, W, first, r.top_p, r.min_p, total, smin, w.cut, moving_ok)) {
+    ++(w.cut.uncertain ? sluice_top_p::moving : sluice_top_p::bounded);
+    w.uncertain = w.cut.uncertain;
     w.cand.clear();
     for (const uint32_t id : w.cut.ids) w.cand.push_back({s[id], id});
     w.keep.assign(w.cut.keep.begin(), w.cut.keep.end());
@@ -307,7 +312,14 @@ int64_t race_row(const float* v, int64_t V, float m, int64_t first, const Row& r
   const bool top_p = r.top_p < 1.f, min_p = r.min_p > 0.f;
   if (min_p && r.min_p < 1e-30f) return -1;  // its threshold probabilities would be subnormal floats
   if (r.top_k >= V) {  // every token is a candidate
-    if (top_p) return top_p_prefix(v, V, m, first, r, W, w) ? race_kept(w, base) : -1;
+    if (top_p) {
+      if (!top_p_prefix(v, V, m, first, r, W, w, true)) return -1;
+      const int64_t id = race_kept(w, base);
+      const auto last = w.cand.end() - w.uncertain;
+      if (id < 0 || std::none_of(last, w.cand.end(), [&](const Cand& c) { return c.id == id; })) return id;
+      // The winner is a token torch's cut may drop: cut exactly (the sort) and race again.
+      return top_p_prefix(v, V, m, first, r, W, w, false) ? race_kept(w, base) : -1;
+    }
     // min_p keeps p_i >= min_p p_max, i.e. exp(s_i) >= min_p (p_max = exp(0) / sum): a threshold on s.
     const double t = min_p ? std::log(static_cast<double>(r.min_p)) : -INFINITY;
     const double slack = 2 * kExpErr + 8 * kUlp;
@@ -464,8 +476,10 @@ std::tuple<torch::Tensor, bool> draw(torch::Tensor x, torch::Tensor rows, torch:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw", &draw, "one step of the batch sampler, or deferred to the torch path");
-  m.def("top_p_rows", [] { return std::make_tuple(sluice_top_p::bounded.load(), sluice_top_p::sorted.load()); },
-        "rows whose top_p cut was proven without a sort, and rows that were sorted (since load)");
+  m.def("top_p_rows", [] { return std::make_tuple(sluice_top_p::bounded.load(), sluice_top_p::sorted.load(),
+                                                   sluice_top_p::moving.load()); },
+        "rows whose top_p cut was proven without a sort, rows that were sorted, and rows drawn from a cut proven "
+        "to within a few tokens (since load)");
   m.def("has_avx2", &has_avx2);
   m.def("has_avx512", &has_avx512);
 }

@@ -16,7 +16,9 @@
 //   sorted (stably: equal values keep ids ascending, as torch's stable sort), its masses added one by one
 //   as torch does. A comparison with top_p that the 2 n 2^-53 could flip is not taken.
 // Anything not proven (a cut that moves between inv_lo and inv_hi, a mass too near top_p, a min_p
-// probability within 2^-22 of its floor) returns false, and sample.cpp sorts as before.
+// probability within 2^-22 of its floor) returns false, and sample.cpp sorts as before. A cut that moves
+// between the two ends, each end's proven, can still serve a draw (moving_ok): torch's kept prefix is one of
+// those between, and a race won by a token all of them keep has the same winner in each.
 #pragma once
 
 #include <immintrin.h>
@@ -33,8 +35,10 @@
 
 namespace sluice_top_p {
 
-// How many rows were cut here, and how many went on to the sort (tests check both happen).
-inline std::atomic<int64_t> bounded{0}, sorted{0};
+// How many rows were cut here, how many with a cut that moved within the bracket (moving_ok: sample.cpp's draws,
+// which then need only the winner to be a token every such cut keeps), and how many went on to the sort (tests
+// check each happens).
+inline std::atomic<int64_t> bounded{0}, moving{0}, sorted{0};
 
 #ifdef __AVX512F__
 constexpr int kL = 16;
@@ -153,6 +157,7 @@ inline void probe(const float* s, const float* ex, int64_t V, const float* t, do
 
 struct Work {
   std::vector<uint32_t> above, bracket, sort_scratch, ids;  // ids: the kept tokens, the first max first
+  int64_t uncertain = 0;  // how many of ids, at its end, torch may have cut (bounded_cut's moving_ok)
   std::vector<uint32_t> cid;                                // the tokens the cut can fall among, and their
   std::vector<float> cs, ce;                                // scaled values and exps
   std::vector<char> keep;                                  // min_p's verdict on each of ids
@@ -231,8 +236,12 @@ inline void scaled_exps(const float* v, int64_t V, float m, float T, float* s, f
 
 // Fills w.ids (the kept tokens: `first`, the first max, leads) and w.keep from the scaled row s and its
 // exps ex (torch's bits), or returns false. W: torch's softmax lanes (8 or 16); S, smin: scaled_exps'.
+// moving_ok: where the cuts at the bracket's two ends differ (each proven), torch's lies between them (the cut
+// moves one way as inv does), so ids holds the longer one and w.uncertain counts its last tokens that the
+// shorter one cuts; else (and without moving_ok) such a row returns false. w.uncertain is 0 otherwise.
 inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64_t first, float top_p, float min_p,
-                        double S, float smin, Work& w) {
+                        double S, float smin, Work& w, bool moving_ok = false) {
+  w.uncertain = 0;
   // torch's S within S +- err (the header comment's bound, split at sigma): a token below sigma changes its
   // lane's sum by at most itself; the N tokens at or above sigma are the first N of the sorted row, so no lane
   // holds more than ceil(N / W) of them, each rounding by at most 2^-24 of a lane's sum (and the lanes' sums
@@ -318,8 +327,12 @@ inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64
   const int64_t nb = static_cast<int64_t>(w.bracket.size());
   if (nb <= 64) sluice_radix::sort_few_ids_descending(s, w.bracket.data(), nb);
   else sluice_radix::sort_ids_descending(s, w.bracket.data(), nb, w.sort_scratch);
+  // inv[0] < inv[1]: every mass is smaller at inv[0], so its cut K is the longer (or the same).
   const int64_t K = cut_at(ex, V, w.bracket, a, mass_above[0], inv[0], top_p);
-  if (K < 0 || K != cut_at(ex, V, w.bracket, a, mass_above[1], inv[1], top_p)) return false;
+  if (K < 0) return false;
+  const int64_t K1 = cut_at(ex, V, w.bracket, a, mass_above[1], inv[1], top_p);
+  if (K1 < 0 || K1 > K || (K1 != K && !moving_ok)) return false;
+  w.uncertain = K - K1;  // ranks K1 .. K - 1: bracket tokens, never the first max (rank 0 < K1)
 
   // The kept tokens; min_p keeps fl(e inv) >= fl(min_p inv) (torch's p_0 is exp(0) inv = inv): for every
   // inv that is e >= min_p, unless e is within 2^-22 below min_p, where the roundings may tie them.
