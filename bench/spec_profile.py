@@ -1,5 +1,5 @@
-"""Where a speculative round's time goes on the bundled model (batch 1, the code prompts of
-bench/speculative.py), against plain decoding's per-token cost: the scheduler's step split into the
+"""Where a speculative round's time goes on the bundled model (batch 1, a prompt set of
+bench/speculative.py: --set code, the default, or edit), against plain decoding's per-token cost: the scheduler's step split into the
 target forward, the draft's round in one native call (its forwards, probabilities and draws: step.cpp's
 guess), the draft's forwards, probabilities and draws where the Python loop runs them, the verify (acceptance
 and the target's probabilities), and the rest (planning, output, Python glue), each in ms per step and per
@@ -18,7 +18,7 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from speculative import CODE_PROMPTS, SEED  # noqa: E402
+from speculative import SEED, SETS, TEMPS  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -49,7 +49,7 @@ class Timer:
             inner = lambda *a, **kw: inner_call(getattr(owner, attr), *a, **kw)  # noqa: E731
 
 
-def profile(llm: LLM, k, temp: float, new: int, reps: int) -> dict:
+def profile(llm: LLM, k, temp: float, new: int, reps: int, prompts: list[str]) -> dict:
     sched = llm.batch_engine().scheduler
     timer = Timer()
     guess = FastStep.guess
@@ -81,7 +81,7 @@ def profile(llm: LLM, k, temp: float, new: int, reps: int) -> dict:
         if rep == 1:  # the first round warms up
             timer.seconds.clear()
             tokens = steps = 0
-        for i, p in enumerate(CODE_PROMPTS):
+        for i, p in enumerate(prompts):
             s0 = sched.steps
             out = llm.generate([p], SamplingParams(max_tokens=new, temperature=temp, seed=SEED + i, ignore_eos=True))
             tokens += len(out[0].token_ids) - 1
@@ -113,16 +113,20 @@ def profile(llm: LLM, k, temp: float, new: int, reps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--new", type=int, default=None, help="tokens a prompt (default: the set's, as bench/speculative.py)")
+    ap.add_argument("--set", default="code", choices=sorted(SETS), help="bench/speculative.py's prompt set")
+    ap.add_argument("--temps", default="sampled,greedy", help=f"comma list of {','.join(TEMPS)}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(2)
     plain, spec = LLM(dtype="float32"), LLM(dtype="float32", draft_model="bundled")
+    prompts, new = SETS[args.set]
+    new = args.new or new
     runs = []
-    for temp in (0.8, 0.0):
-        runs.append({"config": "plain", **profile(plain, None, temp, args.new, args.reps)})
+    for temp in (TEMPS[t] for t in args.temps.split(",")):
+        runs.append({"config": "plain", "set": args.set, **profile(plain, None, temp, new, args.reps, prompts)})
         for k in (2, "auto"):
-            runs.append({"config": f"draft k={k}", **profile(spec, k, temp, args.new, args.reps)})
+            runs.append({"config": f"draft k={k}", "set": args.set, **profile(spec, k, temp, new, args.reps, prompts)})
     for r in runs:
         parts = "  ".join(f"{n} {v:.3f}" for n, v in r["ms_per_step"].items())
         print(f"T={r['temperature']} {r['config']:<13} {r['tokens_per_step']:.2f} tok/step  "
