@@ -123,8 +123,9 @@ def main() -> None:
     print(f"native sampling kernel: {sample.why_unavailable() or 'loaded'}; threads {torch.get_num_threads()}")
     result = {"env": environment(), "quick": args.quick, "repeats": repeats, "threads": torch.get_num_threads(),
               "rows": []}
-    print("| config | rows | vocab | native us (p10) | torch us (p10) | torch / native | fallbacks | top_p sorted |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| config | rows | vocab | native us (p10) | torch us (p10) | torch / native | fallbacks | top_p sorted "
+          "| top_p moving |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for V in map(int, args.vocab.split(",")):
         for mix in MIXES:
             for B in sizes:
@@ -132,7 +133,8 @@ def main() -> None:
                 result["rows"].append(r)
                 print(f"| {mix} | {B} | {V} | {r['native_us']:.0f} ({r['native_p10_us']:.0f}) | {r['torch_us']:.0f} "
                       f"({r['torch_p10_us']:.0f}) | {r['torch_us'] / r['native_us']:.2f}x | "
-                      f"{r['fallback_fraction']:.3f} | {r['top_p_sorted_fraction']:.2f} |", flush=True)
+                      f"{r['fallback_fraction']:.3f} | {r['top_p_sorted_fraction']:.2f} | "
+                      f"{r['top_p_moving_fraction']:.2f} |", flush=True)
     result["loadavg_at_end"] = list(__import__("os").getloadavg())
     save_json(args.json, result)
 
