@@ -231,3 +231,41 @@ def test_native_round_decides_what_the_torch_round_decides(monkeypatch):
         kept += sum(len(run) - 1 for run in a)
     assert kept > 150
     assert accept_kernel.STATS["calls"] - calls >= 150  # every round took the native rule
+
+
+@pytest.mark.parametrize("above", [False, True])
+def test_native_round_with_a_cut_proven_to_within_a_token(monkeypatch, above):
+    """64 equal logits and top_p 0.5 (torch keeps 32 tokens: the mass before the 33rd is 0.5, not below it) or
+    one ulp above (torch keeps 33): the native rule's bounded cut cannot tell which, so it takes each guess's
+    decision and the final draw under both cuts, and cuts exactly (the sort) where they differ. Guesses on the
+    uncertain token (id 32), on kept ones and on cut ones: the same runs and streams as the torch path, and
+    both ways were taken."""
+    import random
+
+    from sluice.engine import accept as accept_kernel
+    from sluice.engine.spec_probs import RoundProbs
+    if accept_kernel.kernel() is None or not accept_kernel.LANES:
+        pytest.skip("the native acceptance kernel is not built")
+    rng, gen, V = random.Random(2), torch.Generator().manual_seed(2), 64
+    top_p = float(torch.nextafter(torch.tensor(0.5), torch.tensor(1.0))) if above else 0.5
+    before = accept_kernel.top_p_rows()
+    for t in range(120):
+        K = 1 + t % 3
+        logits = [torch.zeros(K + 1, V)]
+        q = torch.softmax(torch.randn(K, V, generator=gen), -1)
+        guesses = [[32 if (t + j) % 3 == 0 else rng.randrange(40) for j in range(K)]]
+
+        def batch(seed=1000 * t):
+            return [SimpleNamespace(seq=SimpleNamespace(sampler=Sampler([SamplingParams(seed=seed, temperature=1.0,
+                                                                                         top_p=top_p)], V)),
+                                    guesses=guesses[0], q=q)]
+
+        native, torch_path = batch(), batch()
+        a = verify(native, logits, RoundProbs())
+        with monkeypatch.context() as m:
+            m.setattr(accept_kernel, "kernel", lambda: None)
+            b = verify(torch_path, logits, RoundProbs())
+        assert a == b, t
+        assert native[0].seq.sampler.streams[0].draws == torch_path[0].seq.sampler.streams[0].draws
+    bounded, sorted_, moving = (x - y for x, y in zip(accept_kernel.top_p_rows(), before, strict=True))
+    assert moving >= 120 and sorted_ >= 10 and bounded == 0, (bounded, sorted_, moving)

@@ -103,7 +103,8 @@ def propose(x: torch.Tensor, temperature: torch.Tensor, rows: list[int], streams
     return q, tokens
 
 
-def top_p_rows() -> tuple[int, int]:
-    """(rows whose top_p cut was proven without a sort, rows sorted) by this process's kernel, for tests."""
+def top_p_rows() -> tuple[int, int, int]:
+    """(rows whose top_p cut was proven without a sort, rows sorted, rows the acceptance rule took with a cut
+    proven to within a few tokens) by this process's kernel, for tests."""
     kern = kernel()
-    return (0, 0) if kern is None else kern.top_p_rows()
+    return (0, 0, 0) if kern is None else kern.top_p_rows()

@@ -40,7 +40,9 @@ constexpr uint64_t kAccept = 0x5BD1E9955BD1E995ull;  // noise.ACCEPT, the accept
 // (n (B,) guesses kept, final (B,) the token after them, deferred); when deferred nothing means anything.
 // With logits (B, K+1, V) given instead of p (p empty), each row's p at a position is computed when the rule
 // first reads it (nucleus_row with the row's temperature and top_p; a one-hot argmax on a greedy row): a
-// round that rejects its first guess filters one position, not K+1.
+// round that rejects its first guess filters one position, not K+1. Where a position's top_p cut is proven only
+// to within a few tokens, its guess's decision and the final draw are taken under each of those cuts, and the
+// row is cut exactly (nucleus_row's sort) only where they differ.
 std::tuple<torch::Tensor, torch::Tensor, bool> accept_rule(torch::Tensor p, torch::Tensor q, torch::Tensor draft,
                                                            torch::Tensor lengths, torch::Tensor sampled,
                                                            std::vector<uint64_t> keys, std::vector<int64_t> draws,
@@ -76,16 +78,22 @@ std::tuple<torch::Tensor, torch::Tensor, bool> accept_rule(torch::Tensor p, torc
     TORCH_CHECK(0 <= lp[b] && lp[b] <= K, "accept: lengths must be in [0, K]");
   std::vector<char> deferred(B, 0);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> residual(V), row(lazy ? V : 0);
+    std::vector<float> residual(V), row(lazy ? V : 0), alt(lazy ? V : 0);
     std::vector<Rival> rivals;
     sluice_spec::Nucleus scratch;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lp[b];
       const uint64_t accept_base = base_of(keys[b], kAccept, draws[b]);
-      auto p_at = [&](int64_t j) -> const float* {  // the row's p at position j, or nullptr to defer
+      // The row's p at position j into `row`, or nullptr to defer. moving: a sampled row's cut may be proven only
+      // to within a few tokens (scratch.uncertain > 0 then; 0 otherwise): every decision below is taken for each
+      // cut it allows (nucleus_variant), and where they differ the row is cut exactly (the sort) instead.
+      auto p_at = [&](int64_t j, bool moving) -> const float* {
+        scratch.uncertain = 0;
         const float* at = pp + (b * (K + 1) + j) * V;
         if (!lazy) return at;
-        if (sp[b]) return sluice_spec::nucleus_row(at, V, tp[b], topp[b], static_cast<int>(W), row.data(), scratch) ? row.data() : nullptr;
+        if (sp[b])
+          return sluice_spec::nucleus_row(at, V, tp[b], topp[b], static_cast<int>(W), row.data(), scratch, moving)
+                     ? row.data() : nullptr;
         // a non-finite logit defers (the torch path ends the run there): what this call decides read finite rows
         const int64_t top = sluice_rows::finite_first_max(at, V);
         if (top < 0) return nullptr;
@@ -93,41 +101,65 @@ std::tuple<torch::Tensor, torch::Tensor, bool> accept_rule(torch::Tensor p, torc
         row[top] = 1.f;
         return row.data();
       };
+      // The token after n kept guesses from the target row t: the race over max(0, p - q) at the first rejected
+      // guess (p without the guess for a point mass), over p itself after all len; the first max on a greedy row.
+      // -1: defer (a NaN the rule reads, or a race the bound cannot settle).
+      auto final_of = [&](const float* t, int64_t n) -> int64_t {
+        if (has_nan(t, V)) return -1;
+        const float* d = t;
+        if (n < len) {
+          float* r = residual.data();
+          if (point) {
+            std::copy(t, t + V, r);
+            r[dp[b * K + n]] = 0.f;
+          } else {
+            const float* qn = qp + (b * K + n) * V;
+            if (has_nan(qn, V)) return -1;
+            for (int64_t i = 0; i < V; ++i) r[i] = std::max(t[i] - qn[i], 0.f);
+          }
+          // p == q in exact arithmetic never rejects; rounding can, with a residual of zeros: then p itself.
+          if (std::any_of(r, r + V, [](float v) { return v > 0; })) d = r;
+        }
+        const int64_t tok = sp[b] ? race(d, V, base_of(keys[b], 0, draws[b] + 1), rivals) : first_max(d, V);
+        return tok < 0 ? -1 : tok;
+      };
       // The leading run of kept guesses: u q(x) < p(x), u = 0 on a greedy row (kept iff p(x) > 0).
       int64_t n = 0;
       bool bad = false;
       const float* target = nullptr;
       for (;; ++n) {
-        target = p_at(n);
+        target = p_at(n, true);
         if (target == nullptr || n == len) break;
         const int64_t x = dp[b * K + n];
-        const float px = target[x], qx = point ? 1.f : qp[(b * K + n) * V + x];
+        const float qx = point ? 1.f : qp[(b * K + n) * V + x];
         const float u = sp[b] ? static_cast<float>(bits_of(accept_base, n)) * 0x1p-24f : 0.f;
-        bad |= std::isnan(px) || std::isnan(qx);
-        if (!(u * qx < px)) break;
-      }
-      bad |= target == nullptr || has_nan(target, V);
-      const float* d = target;
-      if (!bad && n < len) {  // rejected: max(0, p - q) at the first rejected guess; p without the guess for a point mass
-        float* r = residual.data();
-        if (point) {
-          std::copy(target, target + V, r);
-          r[dp[b * K + n]] = 0.f;
-        } else {
-          const float* qn = qp + (b * K + n) * V;
-          bad |= has_nan(qn, V);
-          for (int64_t i = 0; i < V; ++i) r[i] = std::max(target[i] - qn[i], 0.f);
+        bool keep = u * qx < target[x];
+        bad |= std::isnan(target[x]) || std::isnan(qx);
+        for (int64_t drop = 1; drop <= scratch.uncertain && !bad; ++drop) {
+          sluice_spec::nucleus_variant(V, static_cast<int>(W), drop, alt.data(), scratch);
+          bad |= std::isnan(alt[x]);
+          if ((u * qx < alt[x]) != keep) {  // the cuts disagree on this guess: cut exactly
+            target = p_at(n, false);
+            if (target == nullptr) break;
+            keep = u * qx < target[x];
+            bad |= std::isnan(target[x]);
+            break;
+          }
         }
-        // p == q in exact arithmetic never rejects; rounding can, with a residual of zeros: then p itself.
-        if (std::any_of(r, r + V, [](float v) { return v > 0; })) d = r;
+        if (target == nullptr || !keep || bad) break;
       }
-      if (bad) {
-        deferred[b] = 1;
-        continue;
+      int64_t tok = bad || target == nullptr ? -1 : final_of(target, n);
+      for (int64_t drop = 1; tok >= 0 && drop <= scratch.uncertain; ++drop) {
+        sluice_spec::nucleus_variant(V, static_cast<int>(W), drop, alt.data(), scratch);
+        if (final_of(alt.data(), n) != tok) {  // the cuts draw differently: cut exactly
+          target = p_at(n, false);
+          tok = target == nullptr ? -1 : final_of(target, n);
+          break;
+        }
       }
       np[b] = n;
-      fp[b] = sp[b] ? race(d, V, base_of(keys[b], 0, draws[b] + 1), rivals) : first_max(d, V);
-      deferred[b] = fp[b] < 0;
+      fp[b] = tok;
+      deferred[b] = tok < 0;
     }
   });
   const bool any_deferred = std::any_of(deferred.begin(), deferred.end(), [](char c) { return c != 0; });
@@ -223,8 +255,9 @@ std::tuple<torch::Tensor, torch::Tensor, bool> propose(torch::Tensor x, torch::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("propose", &propose, "a draft guess for a batch: its probabilities and its draw, or deferred");
-  m.def("top_p_rows", [] { return std::make_tuple(sluice_top_p::bounded.load(), sluice_top_p::sorted.load()); },
-        "rows cut by the bounded top_p cut, and rows sorted");
+  m.def("top_p_rows", [] { return std::make_tuple(sluice_top_p::bounded.load(), sluice_top_p::sorted.load(),
+                                                   sluice_top_p::moving.load()); },
+        "rows cut by the bounded top_p cut, rows sorted, and rows taken with a cut proven to within a few tokens");
   m.def("draw", &draw, "speculative decoding's race over probabilities for a batch, or deferred to torch");
   m.def("accept", &accept, "speculative decoding's acceptance rule for a batch, or deferred to the torch rule");
   m.def("accept_logits", &accept_rule, "the acceptance rule with p filtered from logits where it reads it");

@@ -4,8 +4,9 @@
 // Why a header: the exps, the softmax sums and the top_p cut are most of a sampled round's non-forward
 // time on the bundled model (8,192 tokens a row, a row per draft guess and per verified position). The
 // exps run 16 or 8 lanes at a time (torch_softmax.h's vector expf_u10: the same bits as the scalar one);
-// top_p takes top_p_cut.h's bounded cut, which proves torch's cut without sorting the row, and sorts the
-// row (as before) only where it cannot.
+// top_p takes top_p_cut.h's bounded cut, which proves torch's cut without sorting the row, or (moving_ok) proves
+// it to within a few tokens, for a caller that then decides under each of those cuts (accept.cpp); it sorts the
+// row (as before) only where neither holds.
 #pragma once
 
 #include <immintrin.h>
@@ -57,9 +58,13 @@ inline float lane_sum(const float* e, const uint32_t* order, int64_t n, int W) {
 }
 
 struct Nucleus {  // scratch of one thread
-  std::vector<float> s, e;
+  std::vector<float> s, e, alt;
   std::vector<uint32_t> ids, sort_scratch;
   sluice_top_p::Work cut;
+  // nucleus_row's moving_ok: how many of the longest cut's last kept tokens torch may have cut (0: the cut is
+  // exact), those tokens by rank (tail) and the kept tokens' exps in vocabulary order, zeros elsewhere (in s)
+  int64_t uncertain = 0;
+  std::vector<uint32_t> tail;
 };
 
 // RoundProbs' row for a sampled row with temperature T and top_p alone (1: off), no penalties: the scaled
@@ -68,8 +73,12 @@ struct Nucleus {  // scratch of one thread
 // torch's softmax of the kept tokens in vocabulary order. Every step is the float operation torch does, in
 // its order, so the same bits. The cut is top_p_cut.h's bounded one where it proves torch's, else the sort.
 // W: the lanes of torch's softmax sum (8 or 16). False (out unset) on a non-finite logit, where the torch
-// path decides.
-inline bool nucleus_row(const float* x, int64_t V, float T, float top_p, int W, float* out, Nucleus& w) {
+// path decides. moving_ok: a cut proven only to within a few tokens may stand: out is then the row of the
+// longest such cut, w.uncertain > 0, and nucleus_variant gives the others (the caller takes a decision only
+// where every one of them gives it).
+inline bool nucleus_row(const float* x, int64_t V, float T, float top_p, int W, float* out, Nucleus& w,
+                        bool moving_ok = false) {
+  w.uncertain = 0;
   const int64_t first = sluice_rows::finite_first_max(x, V);  // the first max: s = 0 there, and the stable sort puts it first
   if (first < 0) return false;  // a NaN or an inf
   const float m = x[first];
@@ -82,10 +91,12 @@ inline bool nucleus_row(const float* x, int64_t V, float T, float top_p, int W, 
   if (top_p < 1.f) {
     const uint32_t* kept_ids;
     int64_t kept;
-    if (sluice_top_p::bounded_cut(s, e, V, W, first, top_p, 0.f, S, smin, w.cut)) {
-      ++sluice_top_p::bounded;
+    if (sluice_top_p::bounded_cut(s, e, V, W, first, top_p, 0.f, S, smin, w.cut, moving_ok)) {
+      ++(w.cut.uncertain ? sluice_top_p::moving : sluice_top_p::bounded);
       kept_ids = w.cut.ids.data();
       kept = static_cast<int64_t>(w.cut.ids.size());
+      w.uncertain = w.cut.uncertain;
+      w.tail.assign(w.cut.ids.end() - w.uncertain, w.cut.ids.end());
     } else {
       ++sluice_top_p::sorted;
       w.ids.resize(V);
@@ -99,7 +110,7 @@ inline bool nucleus_row(const float* x, int64_t V, float T, float top_p, int W, 
       }
       kept_ids = w.ids.data();
     }
-    if (kept < V) {  // the softmax over the kept tokens alone, in vocabulary order: the rest count 0
+    if (kept < V || w.uncertain) {  // the softmax over the kept tokens alone, in vocabulary order: the rest count 0
       std::vector<float>& masked = w.s;  // s is no longer needed
       std::fill(masked.begin(), masked.end(), 0.f);
       for (int64_t j = 0; j < kept; ++j) masked[kept_ids[j]] = e[kept_ids[j]];
@@ -109,6 +120,15 @@ inline bool nucleus_row(const float* x, int64_t V, float T, float top_p, int W, 
   const float inv = 1 / lane_sum(e, nullptr, V, W);
   for (int64_t i = 0; i < V; ++i) out[i] = e[i] * inv;
   return true;
+}
+
+// After nucleus_row left w.uncertain > 0: the row of the cut that drops the last `drop` (1..w.uncertain) of the
+// uncertain tokens, into out: the same softmax over the fewer kept tokens.
+inline void nucleus_variant(int64_t V, int W, int64_t drop, float* out, Nucleus& w) {
+  w.alt.assign(w.s.begin(), w.s.begin() + V);
+  for (int64_t i = 0; i < drop; ++i) w.alt[w.tail[w.uncertain - 1 - i]] = 0.f;
+  const float inv = 1 / lane_sum(w.alt.data(), nullptr, V, W);
+  for (int64_t i = 0; i < V; ++i) out[i] = w.alt[i] * inv;
 }
 
 }  // namespace sluice_spec
