@@ -49,5 +49,7 @@ def call_times(fn, repeats: int, warmup: int = 1) -> list[float]:
 def save_json(path: Path | None, result: dict) -> None:
     if path:
         import json
+
+        from sluice.benchmarks.common import provenance
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+        path.write_text(json.dumps({**result, **provenance()}, indent=1))

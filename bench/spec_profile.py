@@ -23,7 +23,7 @@ from speculative import SEED, SETS, TEMPS  # noqa: E402
 import torch  # noqa: E402
 
 from sluice import LLM, SamplingParams  # noqa: E402
-from sluice.benchmarks.common import environment  # noqa: E402
+from sluice.benchmarks.common import environment, provenance  # noqa: E402
 from sluice.engine import proposers as proposers_mod  # noqa: E402
 from sluice.engine.fast_step import FastStep  # noqa: E402
 
@@ -132,7 +132,8 @@ def main() -> None:
         print(f"T={r['temperature']} {r['config']:<13} {r['tokens_per_step']:.2f} tok/step  "
               f"{r['total_ms_per_token']:.3f} ms/tok | per step: {parts}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"benchmark": "spec_profile", **environment(), "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"benchmark": "spec_profile", **environment(), "runs": runs, **provenance()},
+                                              indent=1))
 
 
 if __name__ == "__main__":

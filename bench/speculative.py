@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from sluice import LLM, SamplingParams
-from sluice.benchmarks.common import environment
+from sluice.benchmarks.common import environment, provenance
 from sluice.engine.gemv import cpu_flags
 from sluice.engine.runner import Runner
 
@@ -335,7 +335,7 @@ def main() -> None:
 
     def save():
         if a.json:
-            Path(a.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+            Path(a.json).write_text(json.dumps({**result, **provenance()}, indent=1, default=str) + "\n")
 
     if parts & {"bundled", "bundled-cost"}:
         drafts = {"draft": "bundled"}

@@ -99,11 +99,19 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def provenance() -> dict:
+    """What a results file adds as it is written: the native builds the run loaded (their names carry a hash of
+    the sources they were built from) and the code version then. A build is made at first use, so a run whose
+    sources changed after it started shows it here: code_at_save differs from the environment's code."""
+    from ..engine.native.extension import LOADED
+    return {"native_kernels": list(LOADED), "code_at_save": code_version()}
+
+
 def save_json(path: str | Path | None, result: dict) -> None:
     if path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+        path.write_text(json.dumps({**result, **provenance()}, indent=1))
 
 
 def script_main(prog: str, doc: str, add_arguments: Callable, run: Callable, print_tables: Callable,

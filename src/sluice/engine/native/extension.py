@@ -34,6 +34,10 @@ RECHECK_SECONDS = 1.0  # how often a caller on the torch path looks whether a ba
 # What running without the kernels costs, for the one line that says they are missing: the bundled model's
 # greedy decode ran 111 tok/s on the torch path against 539 with the native step (docs/benchmarks.md).
 TORCH_PATH_COST = "about 5x slower decode on small models"
+# The builds this process loaded, by name (sluice_<source>_<hash of its sources, flags and CPU>), in load order: a
+# benchmark's results file records them (benchmarks/common.provenance), since a build is made at first use and
+# may come from sources newer than the commit the run started on.
+LOADED: list[str] = []
 
 # While kernels build in the background, the torch path leaves the compiler a core: two OpenMP threads that
 # share a core with a compiler wait for each other at every parallel region (on 2 cores the bundled model's
@@ -221,3 +225,4 @@ class NativeExtension:
             self.failure = f"the {self.what} was built without AVX2 + FMA"
             return
         self._module = module
+        LOADED.append(t.name)
