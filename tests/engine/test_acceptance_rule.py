@@ -193,6 +193,21 @@ def test_staged_verify_decides_what_the_full_one_decides(monkeypatch, native):
     assert kept > 300  # rounds that keep guesses, where a stage too few or too many would show
 
 
+def same_on_both_rules(monkeypatch, batch, logits, t) -> list[list[int]]:
+    """verify() on two copies of batch(), on the native rule and on the torch one: the same runs, and every
+    row's stream advanced alike. Returns the runs."""
+    from sluice.engine import accept as accept_kernel
+    from sluice.engine.spec_probs import RoundProbs
+    native, torch_path = batch(), batch()
+    a = verify(native, logits, RoundProbs())
+    with monkeypatch.context() as m:
+        m.setattr(accept_kernel, "kernel", lambda: None)
+        b = verify(torch_path, logits, RoundProbs())
+    assert a == b, t
+    assert [r.seq.sampler.streams[0].draws for r in native] == [r.seq.sampler.streams[0].draws for r in torch_path]
+    return a
+
+
 def test_native_round_decides_what_the_torch_round_decides(monkeypatch):
     """verify() on rows of temperature and top_p alone (and greedy rows) takes accept.accept on its logits: the
     rule with each p it reads filtered natively. Over random rounds whose guesses are often kept, uneven
@@ -201,7 +216,6 @@ def test_native_round_decides_what_the_torch_round_decides(monkeypatch):
     import random
 
     from sluice.engine import accept as accept_kernel
-    from sluice.engine.spec_probs import RoundProbs
     if accept_kernel.kernel() is None or not accept_kernel.LANES:
         pytest.skip("the native acceptance kernel is not built")
     rng, gen, V = random.Random(1), torch.Generator().manual_seed(1), 300
@@ -221,13 +235,7 @@ def test_native_round_decides_what_the_torch_round_decides(monkeypatch):
                                     guesses=g, q=None if point else q)
                     for b, ((kw, _), g, q) in enumerate(zip(shapes, guesses, qs))]
 
-        native, torch_path = batch(), batch()
-        a = verify(native, logits, RoundProbs())
-        with monkeypatch.context() as m:
-            m.setattr(accept_kernel, "kernel", lambda: None)
-            b = verify(torch_path, logits, RoundProbs())
-        assert a == b, t
-        assert [r.seq.sampler.streams[0].draws for r in native] == [r.seq.sampler.streams[0].draws for r in torch_path]
+        a = same_on_both_rules(monkeypatch, batch, logits, t)
         kept += sum(len(run) - 1 for run in a)
     assert kept > 150
     assert accept_kernel.STATS["calls"] - calls >= 150  # every round took the native rule
@@ -243,7 +251,6 @@ def test_native_round_with_a_cut_proven_to_within_a_token(monkeypatch, above):
     import random
 
     from sluice.engine import accept as accept_kernel
-    from sluice.engine.spec_probs import RoundProbs
     if accept_kernel.kernel() is None or not accept_kernel.LANES:
         pytest.skip("the native acceptance kernel is not built")
     rng, gen, V = random.Random(2), torch.Generator().manual_seed(2), 64
@@ -260,12 +267,6 @@ def test_native_round_with_a_cut_proven_to_within_a_token(monkeypatch, above):
                                                                                          top_p=top_p)], V)),
                                     guesses=guesses[0], q=q)]
 
-        native, torch_path = batch(), batch()
-        a = verify(native, logits, RoundProbs())
-        with monkeypatch.context() as m:
-            m.setattr(accept_kernel, "kernel", lambda: None)
-            b = verify(torch_path, logits, RoundProbs())
-        assert a == b, t
-        assert native[0].seq.sampler.streams[0].draws == torch_path[0].seq.sampler.streams[0].draws
+        same_on_both_rules(monkeypatch, batch, logits, t)
     bounded, sorted_, moving = (x - y for x, y in zip(accept_kernel.top_p_rows(), before, strict=True))
     assert moving >= 120 and sorted_ >= 10 and bounded == 0, (bounded, sorted_, moving)
