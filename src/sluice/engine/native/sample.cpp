@@ -248,7 +248,6 @@ bool top_p_prefix(const float* v, int64_t V, float m, int64_t first, const Row& 
   float smin;
   sluice_top_p::scaled_exps(v, V, m, r.temperature, s, ex, total, smin);
   if (sluice_top_p::bounded_cut(s, ex, V, W, first, r.top_p, r.min_p, total, smin, w.cut, moving_ok)) {
-    ++(w.cut.uncertain ? sluice_top_p::moving : sluice_top_p::bounded);
     w.uncertain = w.cut.uncertain;
     w.cand.clear();
     for (const uint32_t id : w.cut.ids) w.cand.push_back({s[id], id});

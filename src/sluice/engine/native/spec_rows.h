@@ -61,10 +61,9 @@ struct Nucleus {  // scratch of one thread
   std::vector<float> s, e, alt;
   std::vector<uint32_t> ids, sort_scratch;
   sluice_top_p::Work cut;
-  // nucleus_row's moving_ok: how many of the longest cut's last kept tokens torch may have cut (0: the cut is
-  // exact), those tokens by rank (tail) and the kept tokens' exps in vocabulary order, zeros elsewhere (in s)
+  // nucleus_row's moving_ok: how many of the longest cut's last kept tokens (the last of cut.ids, by rank) torch
+  // may have cut (0: the cut is exact), and the kept tokens' exps in vocabulary order, zeros elsewhere (in s)
   int64_t uncertain = 0;
-  std::vector<uint32_t> tail;
 };
 
 // RoundProbs' row for a sampled row with temperature T and top_p alone (1: off), no penalties: the scaled
@@ -92,11 +91,9 @@ inline bool nucleus_row(const float* x, int64_t V, float T, float top_p, int W, 
     const uint32_t* kept_ids;
     int64_t kept;
     if (sluice_top_p::bounded_cut(s, e, V, W, first, top_p, 0.f, S, smin, w.cut, moving_ok)) {
-      ++(w.cut.uncertain ? sluice_top_p::moving : sluice_top_p::bounded);
       kept_ids = w.cut.ids.data();
       kept = static_cast<int64_t>(w.cut.ids.size());
       w.uncertain = w.cut.uncertain;
-      w.tail.assign(w.cut.ids.end() - w.uncertain, w.cut.ids.end());
     } else {
       ++sluice_top_p::sorted;
       w.ids.resize(V);
@@ -126,7 +123,7 @@ inline bool nucleus_row(const float* x, int64_t V, float T, float top_p, int W, 
 // uncertain tokens, into out: the same softmax over the fewer kept tokens.
 inline void nucleus_variant(int64_t V, int W, int64_t drop, float* out, Nucleus& w) {
   w.alt.assign(w.s.begin(), w.s.begin() + V);
-  for (int64_t i = 0; i < drop; ++i) w.alt[w.tail[w.uncertain - 1 - i]] = 0.f;
+  for (int64_t i = 1; i <= drop; ++i) w.alt[w.cut.ids[w.cut.ids.size() - i]] = 0.f;
   const float inv = 1 / lane_sum(w.alt.data(), nullptr, V, W);
   for (int64_t i = 0; i < V; ++i) out[i] = w.alt[i] * inv;
 }

@@ -37,7 +37,7 @@ namespace sluice_top_p {
 
 // How many rows were cut here, how many with a cut that moved within the bracket (moving_ok: sample.cpp's draws,
 // which then need only the winner to be a token every such cut keeps), and how many went on to the sort (tests
-// check each happens).
+// check each happens). bounded_cut counts the first two as it returns true; its callers count their sorts.
 inline std::atomic<int64_t> bounded{0}, moving{0}, sorted{0};
 
 #ifdef __AVX512F__
@@ -332,7 +332,8 @@ inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64
   if (K < 0) return false;
   const int64_t K1 = cut_at(ex, V, w.bracket, a, mass_above[1], inv[1], top_p);
   if (K1 < 0 || K1 > K || (K1 != K && !moving_ok)) return false;
-  w.uncertain = K - K1;  // ranks K1 .. K - 1: bracket tokens, never the first max (rank 0 < K1)
+  // Ranks K1 .. K - 1 may or may not be torch's: bracket tokens, never the first max (rank 0 < K1), so they are
+  // the last K - K1 of ids below, in rank order.
 
   // The kept tokens; min_p keeps fl(e inv) >= fl(min_p inv) (torch's p_0 is exp(0) inv = inv): for every
   // inv that is e >= min_p, unless e is within 2^-22 below min_p, where the roundings may tie them.
@@ -350,6 +351,8 @@ inline bool bounded_cut(const float* s, const float* ex, int64_t V, int W, int64
     else if (e < band) w.keep.push_back(0);
     else return false;
   }
+  w.uncertain = K - K1;  // (set only here: a row that returns false leaves it 0)
+  ++(w.uncertain ? moving : bounded);
   return true;
 }
 
