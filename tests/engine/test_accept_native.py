@@ -177,3 +177,26 @@ def test_a_greedy_guess_is_the_first_argmax_and_a_nonfinite_logit_defers(V):
     z[0, V - 1] = math.inf
     z[0, 0] = -math.inf
     assert accept_kernel.draw(z, [], streams).tolist() == [V - 1] + x[1:].argmax(-1).tolist()
+
+
+def test_accept_rows_names_a_malformed_round():
+    """verify()'s call (accept_rows) checks its lists before it reads a row: a row of the wrong length, a guess
+    outside the vocabulary, a q with too few rows or a list of the wrong length is an error that names it."""
+    kern = accept_kernel.kernel()
+    x, q = torch.randn(3, 20), torch.softmax(torch.randn(2, 20), -1)
+
+    def call(logits=(x,), qs=(q,), guesses=((1, 2),), n=1):
+        return kern.accept_rows(list(logits), list(qs), [list(g) for g in guesses], [True] * n, [0.8] * n, [0.9] * n,
+                                [7] * n, [0] * n, accept_kernel.LANES or 16)
+    n, final, deferred = call()
+    assert not deferred and 0 <= n[0] <= 2 and 0 <= final[0] < 20
+    with pytest.raises(RuntimeError, match=r"logits\[0\] must be a contiguous \(2, 20\)"):
+        call(guesses=((1,),))
+    with pytest.raises(RuntimeError, match="a guess outside the vocabulary"):
+        call(guesses=((1, 20),))
+    with pytest.raises(RuntimeError, match=r"q\[0\] must be a contiguous \(>= 2, 20\)"):
+        call(qs=(q[:1],))
+    with pytest.raises(RuntimeError, match="one entry a row in every list"):
+        call(n=2)
+    with pytest.raises(RuntimeError, match=r"logits\[0\] must be a contiguous"):
+        call(logits=(x.t().contiguous().t(),))

@@ -270,3 +270,33 @@ def test_native_round_with_a_cut_proven_to_within_a_token(monkeypatch, above):
         same_on_both_rules(monkeypatch, batch, logits, t)
     bounded, sorted_, moving = (x - y for x, y in zip(accept_kernel.top_p_rows(), before, strict=True))
     assert moving >= 120 and sorted_ >= 10 and bounded == 0, (bounded, sorted_, moving)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_native_round_ends_a_run_at_a_nonfinite_position(monkeypatch, bad):
+    """A sampled top_p row whose logits turn non-finite at its second position, after a first guess it keeps
+    (q = p: kept whatever u), and a greedy row beside it: the native call defers, and verify() ends that run
+    with NONFINITE where the torch path does, the other row decided as before."""
+    from sluice.engine import accept as accept_kernel
+    from sluice.engine.sampling import NONFINITE
+    from sluice.engine.sampling import filtered_probs
+    if accept_kernel.kernel() is None or not accept_kernel.LANES:
+        pytest.skip("the native acceptance kernel is not built")
+    gen, V = torch.Generator().manual_seed(3), 50
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+    logits = [torch.randn(3, V, generator=gen) * 3, torch.randn(2, V, generator=gen)]
+    q0 = filtered_probs(logits[0][:2], params)
+    guess = int(q0[0].argmax())
+    logits[0][1, 7] = bad
+    greedy_guess = int(logits[1][0].argmax())
+
+    def batch():
+        return [SimpleNamespace(seq=SimpleNamespace(sampler=Sampler([params], V)), guesses=[guess, 3], q=q0),
+                SimpleNamespace(seq=SimpleNamespace(sampler=Sampler([SamplingParams(temperature=0)], V)),
+                                guesses=[greedy_guess], q=torch.nn.functional.one_hot(torch.tensor([greedy_guess]),
+                                                                                    V).float())]
+    fallback = accept_kernel.STATS["fallback"]
+    runs = same_on_both_rules(monkeypatch, batch, logits, bad)
+    assert runs[0] == [guess, NONFINITE]
+    assert runs[1] == [greedy_guess, int(logits[1][1].argmax())]
+    assert accept_kernel.STATS["fallback"] > fallback

@@ -43,33 +43,50 @@ def draw(probs: torch.Tensor, rows: list[int], streams: list) -> torch.Tensor | 
     return tokens
 
 
-def accept(p: torch.Tensor | None, q: torch.Tensor | None, draft: torch.Tensor, lengths: list[int], rows: list[int],
-           streams: list, logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def accept(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, lengths: list[int], rows: list[int],
+           streams: list) -> tuple[torch.Tensor, torch.Tensor] | None:
     """speculative.accept's (n, final), with the sampled rows' streams advanced as it advances them (the
-    acceptance draw, then the final token's); or None, having changed nothing, where the torch rule must run.
-    logits = (x (B, K+1, V) fp32, temperature (B,) with 0 on greedy rows, top_p (B,)) in place of p (None),
-    for rows of temperature and top_p alone without penalties: each p a position is nucleus_probs' row,
-    filtered where the rule first reads it."""
-    src = p if logits is None else logits[0]
-    kern = kernel() if src.device.type == "cpu" and src.dtype == torch.float32 else None
-    if kern is None or (q is not None and q.dtype != torch.float32) or (logits is not None and not LANES):
+    acceptance draw, then the final token's); or None, having changed nothing, where the torch rule must run."""
+    kern = kernel() if p.device.type == "cpu" and p.dtype == torch.float32 else None
+    if kern is None or (q is not None and q.dtype != torch.float32):
         return None
     STATS["calls"] += 1
-    sampled = torch.zeros(src.shape[0], dtype=torch.bool)
+    sampled = torch.zeros(p.shape[0], dtype=torch.bool)
     sampled[rows] = True
-    args = (_EMPTY if q is None else q.contiguous(), draft.contiguous(), torch.tensor(lengths, dtype=torch.int64),
-            sampled, [s.key for s in streams], [s.draws for s in streams])
-    if logits is None:
-        n, final, deferred = kern.accept(p.contiguous(), *args)
-    else:
-        n, final, deferred = kern.accept_logits(_EMPTY, *args, logits[0].contiguous(), *logits[1:], LANES)
+    n, final, deferred = kern.accept(p.contiguous(), _EMPTY if q is None else q.contiguous(), draft.contiguous(),
+                                     torch.tensor(lengths, dtype=torch.int64), sampled, [s.key for s in streams],
+                                     [s.draws for s in streams])
     if deferred:
         STATS["fallback"] += 1
         return None
     for i in rows:
         streams[i].advance()
         streams[i].advance()
+    return n, final
+
+
+def accept_rows(logits: list[torch.Tensor], q: list[torch.Tensor] | None, guesses: list[list[int]],
+                sampled: list[bool], temperature: list[float], top_p: list[float], streams: list
+                ) -> tuple[list[int], list[int]] | None:
+    """accept()'s decisions from the target's logits, on a round's rows as lists (verify()'s own form: no
+    padded (B, K+1, V) stack, no index tensors): row b's logits (len_b + 1, V) fp32, its guesses, its
+    draft's q rows (q None: a point mass on each guess), whether it samples, its temperature (0: greedy)
+    and top_p. Each p a position is RoundProbs' row (nucleus_probs'), filtered where the rule first reads
+    it: a round that rejects its first guess filters one position. Returns (n, final) as lists, the sampled
+    rows' streams advanced as accept() advances them; or None, having changed nothing."""
+    kern = kernel() if LANES else None
+    if kern is None:
+        return None
+    STATS["calls"] += 1
+    n, final, deferred = kern.accept_rows(logits, [] if q is None else q, guesses, sampled, temperature, top_p,
+                                          [s.key for s in streams], [s.draws for s in streams], LANES)
+    if deferred:
+        STATS["fallback"] += 1
+        return None
+    for s, on in zip(streams, sampled, strict=True):
+        if on:
+            s.advance()
+            s.advance()
     return n, final
 
 

@@ -90,6 +90,10 @@ def verify(rows: list[Row], logits: list[torch.Tensor], probs: RoundProbs | None
     after each guess. probs: the caller's RoundProbs, kept across rounds (a fresh one if None)."""
     if all(r.seq.sampler.plain_greedy for r in rows):
         return _greedy_runs(rows, logits)
+    probs = probs or RoundProbs()
+    runs = _native_runs(rows, logits, probs)
+    if runs is not None:
+        return runs
     B, K = len(rows), max(len(r.guesses) for r in rows)
     V, dev = logits[0].shape[-1], logits[0].device
     lengths = [len(r.guesses) for r in rows]
@@ -102,7 +106,6 @@ def verify(rows: list[Row], logits: list[torch.Tensor], probs: RoundProbs | None
     draft = torch.tensor([r.guesses + [0] * (K - len(r.guesses)) for r in rows], dtype=torch.long, device=dev)
     samplers = [r.seq.sampler for r in rows]
     seen, counts = penalty_state(rows)
-    probs = probs or RoundProbs()
     q = None
     if rows[0].q is not None and all(n == K for n in lengths):
         q = rows[0].q[None] if B == 1 else torch.stack([r.q for r in rows])
@@ -112,12 +115,6 @@ def verify(rows: list[Row], logits: list[torch.Tensor], probs: RoundProbs | None
             q[i, : len(r.guesses)] = r.q
     sampled = [i for i, s in enumerate(samplers) if s.params[0].temperature > 0]
     streams = [s.streams[0] for s in samplers]
-    columns = probs.native_columns(samplers, V, dev) if seen is None and counts is None else None
-    decided = None  # the rule and each p it reads in one native call, where the kernel filters every row
-    if columns is not None:
-        decided = accept_kernel.accept(None, q, draft, lengths, sampled, streams, (x.float(), *columns))
-    if decided is not None:  # the kernel read positions 0..n of each row and defers on a non-finite one
-        return [g[:k] + [f] for g, k, f in zip(draft.tolist(), decided[0].tolist(), decided[1].tolist(), strict=True)]
     n, final = _torch_rule(x, draft, q, lengths, sampled, samplers, streams, *stacks(seen, counts, draft), probs)
     # A position whose logits hold NaN or inf ends the row's run with NONFINITE (the engine reports it).
     bad = nonfinite_rows(x)  # (B, K+1)
@@ -125,6 +122,31 @@ def verify(rows: list[Row], logits: list[torch.Tensor], probs: RoundProbs | None
     final = torch.where(first_bad <= n, NONFINITE, final)
     n = torch.minimum(n, first_bad)
     return [g[:k] + [f] for g, k, f in zip(draft.tolist(), n.tolist(), final.tolist(), strict=True)]
+
+
+def _native_runs(rows: list[Row], logits: list[torch.Tensor], probs: RoundProbs) -> list[list[int]] | None:
+    """verify()'s runs in one native call on the rows as they are (accept_kernel.accept_rows: no padded stack,
+    no index tensors), where the kernel filters every row (temperature and top_p alone, or greedy; no
+    penalties) and the rows agree on having a draft's q. The kernel reads positions 0..n of each row and
+    defers on a non-finite one (the torch path then ends that run). None changed nothing."""
+    samplers = [r.seq.sampler for r in rows]
+    if any(s.uses_penalty or s.counts is not None for s in samplers):
+        return None
+    has_q = rows[0].q is not None
+    if any((r.q is not None) != has_q for r in rows):
+        return None
+    logits = [lg if lg.dtype == torch.float32 and lg.is_contiguous() else lg.float().contiguous() for lg in logits]
+    columns = probs.native_columns(samplers, logits[0].shape[-1], logits[0].device)
+    if columns is None:
+        return None
+    guesses = [r.guesses for r in rows]
+    q = [r.q if r.q.is_contiguous() else r.q.contiguous() for r in rows] if has_q else None
+    sampled = [s.params[0].temperature > 0 for s in samplers]
+    decided = accept_kernel.accept_rows(logits, q, guesses, sampled, columns[0].tolist(), columns[1].tolist(),
+                                        [s.streams[0] for s in samplers])
+    if decided is None:
+        return None
+    return [g[:k] + [f] for g, k, f in zip(guesses, *decided, strict=True)]
 
 
 def _torch_rule(x, draft, q, lengths, sampled, samplers, streams, seen, counts, probs: RoundProbs):
