@@ -147,7 +147,7 @@ bool decide_rows(const std::vector<RowIn>& rows, int64_t V, bool lazy, int W, in
   const int64_t B = static_cast<int64_t>(rows.size());
   std::vector<char> deferred(B, 0);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    Scratch s;
+    thread_local Scratch s;  // kept across calls: its rows are V floats each, allocated and zeroed once
     for (int64_t b = begin; b < end; ++b) {
       const auto [n, tok] = decide(rows[b], V, lazy, W, s);
       np[b] = n;

@@ -50,10 +50,11 @@ inline float lane_sum(const float* e, const uint32_t* order, int64_t n, int W) {
     return acc[0];
   }
   if (order == nullptr) return W == 16 ? lane_sum_w<16>(e, n) : lane_sum_w<8>(e, n);
-  for (int64_t j = 0; j < n; ++j) {
-    const float v = e[order[j]];
-    acc[j % W] = j < W ? v : acc[j % W] + v;
-  }
+  // lane l: e[order[l]], then + e[order[l + W]], ... (from 0: 0 + e == e for e >= 0), W positions a step
+  int64_t j = 0;
+  for (; j + W <= n; j += W)
+    for (int l = 0; l < W; ++l) acc[l] += e[order[j + l]];
+  for (int l = 0; j < n; ++j, ++l) acc[l] += e[order[j]];
   return sluice_softmax::fold_lanes(acc, W);
 }
 
