@@ -74,7 +74,7 @@ def profile(llm: LLM, k, temp: float, new: int, reps: int, prompts: list[str]) -
         timer.wrap(prop, "probs", "draft_probs")
         timer.wrap(proposers_mod, "draw", "draft_draws")
         timer.wrap(proposers_mod.accept_kernel, "propose", "draft_probs")  # q and its draw in one call
-        timer.wrap(proposers_mod.accept_kernel, "accept", "verify_rule")  # inside verify_or_sample
+        timer.wrap(proposers_mod.accept_kernel, "accept_rows", "verify_rule")  # inside verify_or_sample
         timer.wrap(FastStep, "guess", "draft_round")  # the usual round's forwards, q and draws in one call
     tokens = steps = 0
     for rep in range(reps + 1):
