@@ -590,21 +590,25 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     // fetched into L1 (24 KB) overflow its 48 KB; the next pass's first tiles pull their rows from L2 into L1
     // instead. Products alone (1 thread, weights from L3, old/new interleaved on a noisy machine): M = 64,
     // K = 768 won 5 rounds of 5 (median 33.6 -> 40.6 FLOP per TSC cycle), K = 256 even; M = 8 ~5% faster.
-    // M <= 4 (decode, small batches) keeps T0: the next group's rows are needed within a few hundred cycles.
+    // M <= 4 (small batches, a speculative round's verify) passes over the whole block (16 rows), prefetching the
+    // next 16 rows into L1 (T0) at the group's rate, kGroup lines a step: a stream 16 rows ahead, as decode's, where
+    // passes of one group ran only 4 rows (~100 cycles at K = 256) ahead of the tiles that read them. The bundled
+    // model's verify forward at 300 cached positions, builds alternated in 3 runs (/work/.prof/verify_phases.py):
+    // 4 rows 1.24-1.41 -> 1.24-1.27 single-row steps, 3 rows 1.09-1.16 -> 1.10-1.13; same tiles, so the same bits.
     // M <= 8 (a decode batch of up to 8 rows) runs in passes of one weight group too, its two activation
     // groups one after the other, each tile prefetching half of the next group's rows (kHalf lines a step):
     // a short, steady prefetch stream like batch 1's instead of a 16-row pass's spread. Native step of the
     // bundled model at 150 cached positions, alternating builds: B = 8 1.12-1.25 -> 1.06-1.13 ms (10th
     // percentiles, ~3-9%), B = 6 ~4%; same tiles, so the same bits.
     constexpr int R = 4;
-    // (M <= 8, one or two groups of activation rows, reuses little: passes of one weight group, each prefetching the next.)
+    // (M 5-8, two groups of activation rows, reuses little: passes of one weight group, each prefetching the next.)
     // A prefill chunk (M >= kWidenRows) whose weights are narrower than fp32 widens each pass's rows once into an
     // fp32 scratch, and its tiles read that: widening bf16 costs two uops per 16 weights on the ports the FMAs
     // use, which a 4 x 4 tile pays once per 16 FMAs (a third of its issue slots), the scratch once per pass. The
     // widening is exact and the tiles sum in the same order, so the bits are those of the tiles over W itself.
     const bool widen_pass = sizeof(W) < sizeof(float) && M >= kWidenRows && !L.bdot;  // (dot: reads bf16 itself)
     const int64_t pass_row_bytes = widen_pass ? K * static_cast<int64_t>(sizeof(float)) : row_bytes;
-    const int64_t pass = M <= 8 ? R : std::clamp<int64_t>(kPassBytes / std::max<int64_t>(pass_row_bytes, 1) / R * R, R, 16);
+    const int64_t pass = M <= 4 && !widen_pass ? kBlock : M <= 8 ? R : std::clamp<int64_t>(kPassBytes / std::max<int64_t>(pass_row_bytes, 1) / R * R, R, 16);
     // Rows one cache line longer than K: rows 4 KB apart would all fall in the same L1 set.
     const int64_t lds = (K + 15) / 16 * 16 + 16;
     static thread_local Scratch scratch_store;
