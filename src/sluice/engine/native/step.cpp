@@ -590,25 +590,24 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
     // fetched into L1 (24 KB) overflow its 48 KB; the next pass's first tiles pull their rows from L2 into L1
     // instead. Products alone (1 thread, weights from L3, old/new interleaved on a noisy machine): M = 64,
     // K = 768 won 5 rounds of 5 (median 33.6 -> 40.6 FLOP per TSC cycle), K = 256 even; M = 8 ~5% faster.
-    // M <= 4 (small batches, a speculative round's verify) passes over the whole block (16 rows), prefetching the
-    // next 16 rows into L1 (T0) at the group's rate, kGroup lines a step: a stream 16 rows ahead, as decode's, where
-    // passes of one group ran only 4 rows (~100 cycles at K = 256) ahead of the tiles that read them. The bundled
-    // model's verify forward at 300 cached positions, builds alternated in 3 runs (/work/.prof/verify_phases.py):
-    // 4 rows 1.24-1.41 -> 1.24-1.27 single-row steps, 3 rows 1.09-1.16 -> 1.10-1.13; same tiles, so the same bits.
-    // M <= 8 (a decode batch of up to 8 rows) runs in passes of one weight group too, its two activation
-    // groups one after the other, each tile prefetching half of the next group's rows (kHalf lines a step):
-    // a short, steady prefetch stream like batch 1's instead of a 16-row pass's spread. Native step of the
-    // bundled model at 150 cached positions, alternating builds: B = 8 1.12-1.25 -> 1.06-1.13 ms (10th
-    // percentiles, ~3-9%), B = 6 ~4%; same tiles, so the same bits.
+    // M <= 8 (decode batches, a speculative round's verify) passes over the whole block (16 rows): every group of
+    // 4 activation rows runs over its weights, the second from L1, while the next 16 rows are prefetched into L1 (T0)
+    // at an exact rate, kGroup lines a step for one group and kHalf for two, so the stream runs a whole pass ahead.
+    // (Before 2026-12-05 such passes held one 4-row group, prefetching only the next group, ~100 cycles ahead at
+    // K = 256; before that, 16-row passes spread a T1 stream over their tiles.) The bundled model's verify forward
+    // at 300 cached positions, builds alternated (/work/.prof/verify_phases.py), in single-row steps: 3 rows
+    // 1.09-1.16 -> 1.10-1.13, 4 rows 1.24-1.41 -> 1.24-1.27, 5 rows 1.73-1.93 -> 1.54-1.71, 6 rows 1.86-1.92 ->
+    // 1.73-1.85, 8 rows even; same tiles, so the same bits. Weights streaming from DRAM (L.far) keep one-group
+    // passes at 5-8 rows: the Qwen3-0.6B shape in bf16 ran 6 and 8 rows ~12% slower in 16-row passes.
     constexpr int R = 4;
-    // (M 5-8, two groups of activation rows, reuses little: passes of one weight group, each prefetching the next.)
     // A prefill chunk (M >= kWidenRows) whose weights are narrower than fp32 widens each pass's rows once into an
     // fp32 scratch, and its tiles read that: widening bf16 costs two uops per 16 weights on the ports the FMAs
     // use, which a 4 x 4 tile pays once per 16 FMAs (a third of its issue slots), the scratch once per pass. The
     // widening is exact and the tiles sum in the same order, so the bits are those of the tiles over W itself.
     const bool widen_pass = sizeof(W) < sizeof(float) && M >= kWidenRows && !L.bdot;  // (dot: reads bf16 itself)
     const int64_t pass_row_bytes = widen_pass ? K * static_cast<int64_t>(sizeof(float)) : row_bytes;
-    const int64_t pass = M <= 4 && !widen_pass ? kBlock : M <= 8 ? R : std::clamp<int64_t>(kPassBytes / std::max<int64_t>(pass_row_bytes, 1) / R * R, R, 16);
+    const int64_t pass = M <= 4 || (M <= 8 && !L.far) ? kBlock : M <= 8 ? R
+                       : std::clamp<int64_t>(kPassBytes / std::max<int64_t>(pass_row_bytes, 1) / R * R, R, 16);
     // Rows one cache line longer than K: rows 4 KB apart would all fall in the same L1 set.
     const int64_t lds = (K + 15) / 16 * 16 + 16;
     static thread_local Scratch scratch_store;
@@ -649,8 +648,8 @@ void block(const Linear& L, const float* x, int64_t M, int64_t n0, int64_t n1, f
             continue;
           }
           for (int r = 0; r < R; ++r) wr[r] = w + std::min(n + r, n1 - 1) * ldw;
-          constexpr int kGroup = R * sizeof(W) / 4;  // M <= 4: the next group's R rows, 16 k per step
-          constexpr int kHalf = kGroup / 2 > 0 ? kGroup / 2 : 1;  // M 5-8: two tiles share the next group
+          constexpr int kGroup = R * sizeof(W) / 4;  // M <= 4: R rows of the next pass, 16 k, per step
+          constexpr int kHalf = kGroup / 2 > 0 ? kGroup / 2 : 1;  // M 5-8: two groups share that stream
           switch (M <= 4 ? mm : M <= 8 ? 8 + mm : 4 + mm) {
             case 1: s = tile_w<W, R, 1, kGroup>(wr, x, in, m0, K, pf); break;
             case 2: s = tile_w<W, R, 2, kGroup>(wr, x, in, m0, K, pf); break;
