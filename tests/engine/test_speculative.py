@@ -103,6 +103,46 @@ def test_adaptive_k_grows_with_kept_guesses_and_stays_exact(tiny_llm, spec_llms)
             assert llm.last_stats.tokens_per_forward > 5
 
 
+def test_auto_k_prices_a_sampled_rows_guesses():
+    """Speculation.adapt: a greedy row guesses one more than a / (1 - a); a sampled row takes the k that maximises
+    a round's expected tokens over its cost (AUTO_ROUND_COST, AUTO_GUESS_COST), fewer at the same keep rate."""
+    from sluice.engine.sequence import SpecState
+    from sluice.engine.speculative import AUTO_MAX_TOKENS
+    from sluice.engine.verify import Speculation
+
+    def settle(rounds, sampled):
+        state = SpecState(4, True)
+        for _ in range(30):
+            for kept, rejected in rounds:
+                Speculation.adapt(state, kept, rejected, sampled)
+        return state.k
+    half = [(1, True)]  # one of two checked guesses kept: a = 0.5
+    assert settle(half, sampled=False) == 2 and settle(half, sampled=True) == 1
+    two_thirds = [(2, True)]  # a = 2/3: 1.15, 1.21, 1.17 expected tokens per plain step at k = 1, 2, 3
+    assert settle(two_thirds, sampled=False) == 3 and settle(two_thirds, sampled=True) == 2
+    every = [(4, False)]  # every guess kept: both climb to the most
+    assert settle(every, sampled=False) == settle(every, sampled=True) == AUTO_MAX_TOKENS
+    fixed = SpecState(3, False)
+    Speculation.adapt(fixed, 0, True, sampled=True)  # a fixed k is left alone
+    assert fixed.k == 3
+
+
+def test_the_scheduler_tells_auto_k_which_rows_sample(spec_llms, monkeypatch):
+    from sluice.engine.verify import Speculation
+    seen = []
+    inner = Speculation.adapt
+    monkeypatch.setattr(Speculation, "adapt", staticmethod(lambda *a: seen.append(a[3]) or inner(*a)))
+    llm = spec_llms["noisy"]
+    set_k(llm, "auto")
+    try:
+        llm.generate([PROMPTS[0]], GREEDY)
+        greedy = len(seen)
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True))
+    finally:
+        set_k(llm, 4)
+    assert greedy > 0 and not any(seen[:greedy]) and len(seen) > greedy and all(seen[greedy:])
+
+
 def test_stats_reach_as_dict(spec_llms):
     spec_llms["noisy"].generate(PROMPTS[:1], GREEDY)
     d = spec_llms["noisy"].last_stats.as_dict()

@@ -329,7 +329,7 @@ class Scheduler:
                 # The draft holds accepted tokens only below what the target kept.
                 seq.spec.draft_valid = min(seq.spec.draft_valid, seq.num_computed)
                 if r.guesses:
-                    self.speculation.adapt(seq.spec, kept, kept < len(r.guesses))
+                    self.speculation.adapt(seq.spec, kept, kept < len(r.guesses), seq.params.temperature > 0)
             keep = self.blocks_for(seq.num_computed + 1)
             if len(seq.blocks) > keep:
                 self.pool.release_all(seq.blocks[keep:])

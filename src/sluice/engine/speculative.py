@@ -34,6 +34,11 @@ MODES = ("off", "draft", "prompt-lookup")
 MAX_SPECULATIVE_TOKENS = 16  # past this a guess is almost never kept whole, and the verify forward grows
 DEFAULT_SPECULATIVE_TOKENS = 4
 AUTO_MAX_TOKENS = 8  # num_speculative_tokens="auto" guesses between 1 and this many per round
+# "auto"'s price of a sampled row's round in plain decode steps (verify.Speculation.adapt): this much more than a
+# plain step, and this much a guess. The bundled model and its draft in fp32 on a Zen 5 (bench/speculative.py,
+# speedups and tokens per round at k = 1 and 2): a sampled round of k guesses costs ~1.15 + 0.3 k plain steps.
+AUTO_ROUND_COST = 0.15
+AUTO_GUESS_COST = 0.3
 
 
 # ---------------------------------------------------------------- the acceptance rule, alone

@@ -20,7 +20,7 @@ from .sequence import SpecState
 from .spec_probs import RoundProbs
 from .noise import ACCEPT, uniforms_range
 from . import accept as accept_kernel
-from .speculative import AUTO_MAX_TOKENS, DEFAULT_SPECULATIVE_TOKENS, accept
+from .speculative import AUTO_GUESS_COST, AUTO_MAX_TOKENS, AUTO_ROUND_COST, DEFAULT_SPECULATIVE_TOKENS, accept
 
 
 class Speculation:
@@ -39,17 +39,34 @@ class Speculation:
         return SpecState(self.k, self.adaptive)
 
     @staticmethod
-    def adapt(state: SpecState, kept: int, rejected: bool) -> None:
-        """num_speculative_tokens="auto": if each checked guess is kept with probability a, a round keeps
-        a / (1 - a) guesses on average; guess one more than that (1 .. AUTO_MAX_TOKENS). a is a running
-        mean over rounds (weight 0.3 on the newest) of kept / (kept + rejected): guesses after a rejection
-        were never checked, so they say nothing about a."""
+    def adapt(state: SpecState, kept: int, rejected: bool, sampled: bool = False) -> None:
+        """num_speculative_tokens="auto": the sequence's next guess count (1 .. AUTO_MAX_TOKENS) from a, a running
+        mean over rounds (weight 0.3 on the newest) of kept / (kept + rejected), the rate at which a checked
+        guess is kept (guesses after a rejection were never checked, so they say nothing about a).
+        - A greedy row guesses one more than a / (1 - a), the guesses a round keeps on average if each is kept
+          with probability a. Its keeps come in runs (the draft follows the target's argmax through stretches
+          of easy text), where guessing past the average pays: bench/auto_k.py's exact replay of greedy rounds
+          on the bundled model's prompts puts this rule above every fixed k, and above the sampled rows' rule
+          on code.
+        - A sampled row takes the k that maximises a round's expected tokens, (1 - a^(k+1)) / (1 - a), over
+          its cost in plain steps, 1 + AUTO_ROUND_COST + AUTO_GUESS_COST k: its keeps are draws, with no runs
+          to ride, and at T = 0.8 (a ~0.5-0.7) the greedy rule guessed ~2.3 a round where 1 or 2 paid best
+          (docs/results/bench-speculative-zen5-*.json)."""
         if not state.adaptive or kept + rejected == 0:
             return
         rate = kept / (kept + rejected)
         state.keep_rate = rate if state.keep_rate is None else 0.7 * state.keep_rate + 0.3 * rate
         a = min(state.keep_rate, 0.95)
-        state.k = max(1, min(AUTO_MAX_TOKENS, round(a / (1 - a)) + 1))
+        if not sampled:
+            state.k = max(1, min(AUTO_MAX_TOKENS, round(a / (1 - a)) + 1))
+            return
+        best, reach, tokens = 0.0, 1.0, 1.0
+        for k in range(1, AUTO_MAX_TOKENS + 1):
+            reach *= a
+            tokens += reach
+            value = tokens / (1 + AUTO_ROUND_COST + AUTO_GUESS_COST * k)
+            if value > best:
+                best, state.k = value, k
 
 
 def penalty_state(rows: list[Row]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
