@@ -200,3 +200,11 @@ def test_accept_rows_names_a_malformed_round():
         call(n=2)
     with pytest.raises(RuntimeError, match=r"logits\[0\] must be a contiguous"):
         call(logits=(x.t().contiguous().t(),))
+
+
+def test_accept_rows_leaves_rows_off_the_cpu_to_the_torch_rule():
+    """Rows on another device (here "meta") are not the kernel's: None, and no stream moves."""
+    streams = [RowStream(1)]
+    x = torch.empty(3, 20, device="meta")
+    assert accept_kernel.accept_rows([x], None, [[1, 2]], [True], [0.8], [0.9], streams) is None
+    assert streams[0].draws == 0

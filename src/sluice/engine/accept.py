@@ -73,8 +73,10 @@ def accept_rows(logits: list[torch.Tensor], q: list[torch.Tensor] | None, guesse
     draft's q rows (q None: a point mass on each guess), whether it samples, its temperature (0: greedy)
     and top_p. Each p a position is RoundProbs' row (nucleus_probs'), filtered where the rule first reads
     it: a round that rejects its first guess filters one position. Returns (n, final) as lists, the sampled
-    rows' streams advanced as accept() advances them; or None, having changed nothing."""
-    kern = kernel() if LANES else None
+    rows' streams advanced as accept() advances them; or None, having changed nothing (no kernel, or rows
+    off the CPU: the caller's torch rule)."""
+    cpu = all(x.device.type == "cpu" for x in logits) and (q is None or all(x.device.type == "cpu" for x in q))
+    kern = kernel() if LANES and cpu else None
     if kern is None:
         return None
     STATS["calls"] += 1
