@@ -35,8 +35,9 @@ MAX_SPECULATIVE_TOKENS = 16  # past this a guess is almost never kept whole, and
 DEFAULT_SPECULATIVE_TOKENS = 4
 AUTO_MAX_TOKENS = 8  # num_speculative_tokens="auto" guesses between 1 and this many per round
 # "auto"'s price of a sampled row's round in plain decode steps (verify.Speculation.adapt): this much more than a
-# plain step, and this much a guess. The bundled model and its draft in fp32 on a Zen 5 (bench/speculative.py,
-# speedups and tokens per round at k = 1 and 2): a sampled round of k guesses costs ~1.15 + 0.3 k plain steps.
+# plain step, and this much a guess. The bundled model and its draft in fp32 on a Zen 5 (tokens per round over the
+# speedup at k = 1 and 2, docs/results/bench-speculative-zen5-ac74fb8.json): a sampled round of k guesses cost
+# ~1.13 + 0.26-0.35 k plain steps.
 AUTO_ROUND_COST = 0.15
 AUTO_GUESS_COST = 0.3
 

@@ -50,8 +50,9 @@ class Speculation:
           on code.
         - A sampled row takes the k that maximises a round's expected tokens, (1 - a^(k+1)) / (1 - a), over
           its cost in plain steps, 1 + AUTO_ROUND_COST + AUTO_GUESS_COST k: its keeps are draws, with no runs
-          to ride, and at T = 0.8 (a ~0.5-0.7) the greedy rule guessed ~2.3 a round where 1 or 2 paid best
-          (docs/results/bench-speculative-zen5-*.json)."""
+          to ride, and at T = 0.8 (a ~0.5-0.7) the greedy rule guessed more than paid: on the sampled edit
+          prompts it ran below k = 1 (0.87x and 0.96x against 1.02x and 1.13x, docs/results/
+          bench-speculative-zen5-d74ab50.json and -ac74fb8.json)."""
         if not state.adaptive or kept + rejected == 0:
             return
         rate = kept / (kept + rejected)
