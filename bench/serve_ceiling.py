@@ -26,7 +26,6 @@ linear-layer FLOPs over P_c (the native step's effective rate, attention and all
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import Load, fit_prompts, make_specs, parse_range  # noqa: E402
 from serve_servers import sluice_counter  # noqa: E402
 
-from sluice.benchmarks.common import environment  # noqa: E402
+from sluice.benchmarks.common import environment, save_json  # noqa: E402
 from sluice.benchmarks.speed import params_read_per_token, read_bandwidth  # noqa: E402
 from sluice.engine.gemv import cpu_flags  # noqa: E402
 from sluice.observatory.disturbance import LoadWatch  # noqa: E402
@@ -299,9 +298,7 @@ def main(argv=None) -> int:
               "argv": sys.argv[1:] if argv is None else list(argv), **measure(args)}
     load = watch.result()
     result.update(loadavg_at_end=load["loadavg_at_end"], disturbed=load["disturbed"], load=load)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    save_json(args.out, result)  # (with the native builds the run loaded and the code as it was written)
     print(report(result))
     simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in result["cpu_flags"]]
     print(f"\n{result['cpu']['model']}, {result['torch_threads']} threads, {' '.join(simd)}")

@@ -59,6 +59,7 @@ def test_a_tiny_run_has_consistent_numbers(sc, tmp_path, capsys):
                     "--max-tokens", "3:6", "--seed", "3", "--probe-mib", "16", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["benchmark"] == "serve_ceiling" and isinstance(r["disturbed"], bool) and r["cpu_flags"]
+    assert r["code_at_save"] and isinstance(r["native_kernels"], list)  # (save_json's provenance)
     w = r["workload"]
     assert w["requests"] == 4 and w["serial"] == 3 and w["concurrency"] == 2 and r["load"]["disturbed"] == r["disturbed"]
     assert set(r["samples_s"]) == {"batch", "prefill_batch", "serial", "prefill_serial"}
