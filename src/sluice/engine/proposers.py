@@ -20,7 +20,7 @@ from .sample import LANES
 from .sampling import argmax_rows, nonfinite_rows
 from .spec_probs import RoundProbs
 from .speculative import draw
-from .verify import grow, penalty_state
+from .verify import grow, has_penalty_state, penalty_state
 
 
 class DraftProposer:
@@ -81,8 +81,7 @@ class DraftProposer:
         if greedy:
             temperature = [0.0] * len(rows)
         else:
-            seen, counts = penalty_state(rows)
-            if seen is not None or counts is not None:  # the penalties' state: _guess filters those rows
+            if has_penalty_state(samplers):  # the penalties' state: _guess filters those rows
                 return False
             columns = self.probs.native_columns(samplers, self.model.config.vocab_size, self.forward.device)
             if columns is None:

@@ -70,6 +70,11 @@ class Speculation:
                 best, state.k = value, k
 
 
+def has_penalty_state(samplers: list) -> bool:
+    """Whether penalty_state would return a seen mask or counts for these rows' samplers."""
+    return any(s.uses_penalty or s.counts is not None for s in samplers)
+
+
 def penalty_state(rows: list[Row]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The rows' seen masks (B, V) and generated counts (B, V), each None when no row uses it."""
     samplers = [r.seq.sampler for r in rows]
@@ -148,7 +153,7 @@ def _native_runs(rows: list[Row], logits: list[torch.Tensor], probs: RoundProbs)
     penalties) and the rows agree on having a draft's q. The kernel reads positions 0..n of each row and
     defers on a non-finite one (the torch path then ends that run). None changed nothing."""
     samplers = [r.seq.sampler for r in rows]
-    if any(s.uses_penalty or s.counts is not None for s in samplers):
+    if has_penalty_state(samplers):  # (the kernel takes no penalty state)
         return None
     has_q = rows[0].q is not None
     if any((r.q is not None) != has_q for r in rows):

@@ -772,23 +772,8 @@ void mlp_act(const Linear& gate, const Linear& up, int64_t kind, const float* x,
 // RMSNorm as layers.py computes it in fp32: x / sqrt(mean(x^2) + eps) * (w + offset).
 // The sum of squares is one chain in a fixed form: rounded squares added in order, the last C % 8 fused
 // (what GCC 12 made of a plain `ss += x * x` loop, kept so the numbers stay the same), written out so
-// that no compiler's contraction choice makes a row alone (here) differ from a row of 4+ (rms_norm_rows).
-inline void rms_norm(const float* x, const float* w, float offset, float eps, int64_t C, float* out) {
-  float ss = 0.f;
-  for (int64_t c = 0; c < C; ++c) {
-    if (c < C / 8 * 8) {
-      float sq = x[c] * x[c];
-      asm("" : "+x"(sq));  // opaque: the square stays rounded, never fused into the add
-      ss += sq;
-    } else {
-      ss = std::fma(x[c], x[c], ss);
-    }
-  }
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
-  for (int64_t c = 0; c < C; ++c) out[c] = (x[c] * inv) * (w[c] + offset);
-}
-
-// rms_norm of R rows at once, bit for bit: the same chain for each row, the R chains side by side.
+// that no compiler's contraction choice makes a row alone differ from a row of 8+ (rms_norm_rows' gather).
+// rms_norm_chains runs R rows at once, each row that chain, the R chains side by side; rms_norm is one row.
 template <int R>
 inline void rms_norm_chains(const float* x, int64_t ldx, const float* w, float offset, float eps, int64_t C, float* out,
                             int64_t ldo) {
@@ -798,7 +783,7 @@ inline void rms_norm_chains(const float* x, int64_t ldx, const float* w, float o
   for (int64_t c = 0; c < C8; ++c)
     for (int m = 0; m < R; ++m) {
       float sq = x[m * ldx + c] * x[m * ldx + c];
-      asm("" : "+x"(sq));  // as rms_norm: the square stays rounded
+      asm("" : "+x"(sq));  // opaque: the square stays rounded, never fused into the add
       ss[m] += sq;
     }
   for (int64_t c = C8; c < C; ++c)
@@ -808,6 +793,10 @@ inline void rms_norm_chains(const float* x, int64_t ldx, const float* w, float o
     float* o = out + m * ldo;
     for (int64_t c = 0; c < C; ++c) o[c] = (xr[c] * inv) * (w[c] + offset);
   }
+}
+
+inline void rms_norm(const float* x, const float* w, float offset, float eps, int64_t C, float* out) {
+  rms_norm_chains<1>(x, 0, w, offset, eps, C, out, 0);
 }
 
 // rms_norm of n rows, x + m * ldx into out + m * ldo (in place is fine), bit for bit. rms_norm's sum of
